@@ -1,0 +1,26 @@
+// Picks the kernel copy for this CPU, the way ATen picks its own.
+#include <ATen/Version.h>
+
+#include "ops/swish/cpu/swish_kernel.h"
+
+namespace memlean::swish_cpu {
+namespace {
+bool use_avx2() {
+  // "DEFAULT", "AVX2" or "AVX512"; honours ATEN_CPU_CAPABILITY. Decided once.
+  static const bool avx2 = [] {
+    const std::string cap = at::get_cpu_capability();
+    return cap == "AVX2" || cap == "AVX512";
+  }();
+  return avx2;
+}
+}  // namespace
+
+void forward_kernel(at::TensorIteratorBase& iter, double beta) {
+  use_avx2() ? AVX2::forward_kernel(iter, beta) : DEFAULT::forward_kernel(iter, beta);
+}
+
+void backward_kernel(at::TensorIteratorBase& iter, double beta) {
+  use_avx2() ? AVX2::backward_kernel(iter, beta) : DEFAULT::backward_kernel(iter, beta);
+}
+
+}  // namespace memlean::swish_cpu
