@@ -1,0 +1,33 @@
+"""memlean: train PyTorch models in less memory, and see exactly where the memory goes.
+
+    import memlean
+    y = memlean.swish(x, beta=1.0)      # Swish-beta whose backward saves only x
+    act = memlean.Swish(beta=1.0)       # the same as an nn.Module
+
+Importing memlean registers its operators under torch.ops.memlean.
+"""
+import torch as _torch
+
+from memlean._build_info import TORCH_VERSION as _BUILT_TORCH_VERSION
+from memlean._build_info import VERSION as __version__
+
+
+def _check_torch_version():
+    built = _BUILT_TORCH_VERSION.split("+")[0]
+    found = _torch.__version__.split("+")[0]
+    if built != found:
+        raise ImportError(
+            f"memlean {__version__} was built against torch {_BUILT_TORCH_VERSION}, but the "
+            f"torch imported here is {_torch.__version__} ({_torch.__file__}). Its C++ "
+            f"extension only works with the torch it was built against: install "
+            f"torch=={built}, or rebuild memlean with this torch (./bazelw build "
+            f"//bindings/python:wheel)."
+        )
+
+
+_check_torch_version()
+
+from memlean import _C  # noqa: E402  (registers torch.ops.memlean.*)
+from memlean.swish import Swish, swish  # noqa: E402
+
+__all__ = ["Swish", "swish", "__version__"]

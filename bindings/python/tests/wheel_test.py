@@ -1,0 +1,62 @@
+"""Builds a fresh venv (system site-packages, for torch), installs memlean's wheel into it
+and runs forward + backward from a folder outside the repository."""
+import glob
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+import torch
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+USE = """
+import os, sys, torch, memlean
+assert os.getcwd() == sys.argv[1], os.getcwd()
+assert memlean.__file__.startswith(sys.argv[2]), memlean.__file__
+x = torch.linspace(-5, 5, 1001, dtype=torch.float64, requires_grad=True)
+y = memlean.Swish(beta=1.3)(x)
+y.sum().backward()
+x64 = x.detach().clone().requires_grad_(True)
+(x64 * torch.sigmoid(1.3 * x64)).sum().backward()
+torch.testing.assert_close(y, x64 * torch.sigmoid(1.3 * x64))
+torch.testing.assert_close(x.grad, x64.grad)
+print("OK", memlean.__version__, memlean.__file__)
+"""
+
+
+def test_wheel_installs_and_runs_outside_the_repository():
+    (wheel,) = glob.glob(os.path.join(HERE, "memlean-*.whl"))
+    name = os.path.basename(wheel)
+    tag = "cp%d%d" % sys.version_info[:2]
+    assert name.endswith(f"-{tag}-{tag}-linux_x86_64.whl"), name
+
+    with zipfile.ZipFile(wheel) as z:
+        files = set(z.namelist())
+        meta = z.read(next(f for f in files if f.endswith(".dist-info/METADATA"))).decode()
+    assert {"memlean/__init__.py", "memlean/_C.so", "memlean/_build_info.py"} <= files, files
+    assert f"Requires-Dist: torch=={torch.__version__.split('+')[0]}" in meta, meta
+
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TEST_TMPDIR")) as tmp:
+        venv = os.path.join(tmp, "venv")
+        # No pip inside the venv: ensurepip's old setuptools would shadow the one torch needs.
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv],
+                       check=True)
+        py = os.path.join(venv, "bin", "python")
+        # Without --no-deps: pip must find the pinned torch already installed.
+        subprocess.run([sys.executable, "-m", "pip", "--python", py, "install", "--no-index", "-q", wheel],
+                       check=True)
+        site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['platlib'])"],
+                              check=True, capture_output=True, text=True).stdout.strip()
+        work = os.path.join(tmp, "elsewhere")
+        os.makedirs(work)
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        out = subprocess.run([py, "-c", USE, work, site], cwd=work, env=env, check=True,
+                             capture_output=True, text=True)
+        assert out.stdout.startswith("OK"), out
+
+
+if __name__ == "__main__":
+    import pytest
+    raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

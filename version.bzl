@@ -1,0 +1,2 @@
+"""memlean's version: the one place it is written."""
+VERSION = "0.1.0"
