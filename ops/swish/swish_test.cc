@@ -8,20 +8,12 @@
 
 #include "ops/swish/module.h"
 #include "ops/swish/swish.h"
+#include "runtime/testing/expect_error.h"
 
 namespace memlean {
 namespace {
 
-// Runs f, which must throw a c10::Error whose message contains `needle`.
-template <typename F>
-void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error containing: " << needle;
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using ::memlean::testing::expect_error;
 
 const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf};
 const std::vector<double> kBetas = {0.0, 0.5, 1.0, 1.702, -2.0, 10.0};

@@ -1,0 +1,11 @@
+// memlean._C is one extension; each component adds its Python-facing functions to it
+// from its own file with an init function declared here.
+#pragma once
+
+#include <torch/csrc/utils/pybind.h>
+
+namespace memlean::python {
+
+void init_swish(pybind11::module_& m);  // swish_bindings.cc
+
+}  // namespace memlean::python
