@@ -1,0 +1,99 @@
+// memlean::checkpoint: run a segment of a model without keeping its activations, and
+// recompute them in backward (the C++ API of //ops/checkpoint).
+//
+// The call form is seed 003's CheckpointFunction.apply(function, n, *args):
+//
+//   auto out = memlean::checkpoint(
+//       [&](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{conv(relu(bn(in[0])))}; },
+//       /*n_inputs=*/1, {x, bn->weight, bn->bias, conv->weight, conv->bias});
+//
+// The first n_inputs entries of inputs_and_params are passed to `function`; the rest are
+// the parameters the function uses (it reads them from its own closure). Forward runs
+// `function` without recording a graph, so none of the segment's activations are kept;
+// only the inputs and the parameters are saved. Backward recomputes the segment with
+// grad mode on and asks autograd for the gradients of exactly those inputs and parameters,
+// which it returns as the gradients of this node: it never walks past the segment, and
+// every parameter's gradient is accumulated once, by the outer backward (so DDP's hooks
+// fire once per parameter). A function that uses a tensor requiring grad that is neither
+// an input nor a listed parameter is an error in backward (its gradient would be lost).
+//
+// The RNG state (CPU, and that of every CUDA device holding an input or a parameter) is
+// saved before the forward and restored for the recompute, so dropout drops the same
+// units twice; the autocast state of the forward is restored for the recompute too.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+namespace memlean {
+
+struct CheckpointOptions {
+  CheckpointOptions() {}  // NOLINT(modernize-use-equals-default): {} initialisation below
+  // Save the RNG state before the forward and restore it for the recompute.
+  TORCH_ARG(bool, preserve_rng_state) = true;
+};
+
+// A segment over tensors. Undefined tensors among the inputs are passed through as such.
+using TensorFunction = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+
+// A segment over any values: non-tensor inputs (ints, doubles, strings, None ...) are
+// passed through to the function as they are; non-tensor outputs are returned as they
+// are. Tensors inside lists or tuples are not supported (return them at the top level).
+using IValueFunction =
+    std::function<std::vector<c10::IValue>(const std::vector<c10::IValue>&)>;
+
+// Checkpointed function(inputs_and_params[0, n_inputs)). The parameters,
+// inputs_and_params[n_inputs, end), must be defined tensors. Returns the function's
+// outputs; at least one must be a defined tensor. Without grad mode, or when no input or
+// parameter requires grad, this simply calls the function.
+std::vector<at::Tensor> checkpoint(const TensorFunction& function, int64_t n_inputs,
+                                   const std::vector<at::Tensor>& inputs_and_params,
+                                   const CheckpointOptions& options = {});
+
+std::vector<c10::IValue> checkpoint(const IValueFunction& function, int64_t n_inputs,
+                                    const std::vector<c10::IValue>& inputs_and_params,
+                                    const CheckpointOptions& options = {});
+
+// Checkpointed function(inputs), where `function` runs `module`: the parameters are
+// module.parameters(), and the buffers that the forward modifies (e.g. the running stats
+// of a torch::nn::BatchNorm2d) are restored after the recompute, so that every module's
+// state is updated exactly once per forward.
+std::vector<at::Tensor> checkpoint(const torch::nn::Module& module, const TensorFunction& function,
+                                   const std::vector<at::Tensor>& inputs,
+                                   const CheckpointOptions& options = {});
+
+// Checkpointed module->forward(input) for a module whose forward takes and returns one
+// tensor, e.g. checkpoint(torch::nn::Sequential(...), x).
+template <typename ModuleType>
+at::Tensor checkpoint(const torch::nn::ModuleHolder<ModuleType>& module, const at::Tensor& input,
+                      const CheckpointOptions& options = {}) {
+  auto impl = module.ptr();
+  return checkpoint(
+      *impl,
+      [impl](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{impl->forward(in[0])}; },
+      {input}, options)[0];
+}
+
+// True while a checkpoint recomputes its forward on this thread (in backward). Modules
+// with side effects in forward use it to apply them once: memlean::BatchNorm2d does not
+// update its running statistics while this is true.
+bool is_recomputing();
+
+// Marks the current thread as recomputing while alive (checkpoint implementations use it;
+// nests).
+class RecomputeGuard {
+ public:
+  RecomputeGuard();
+  ~RecomputeGuard();
+  RecomputeGuard(const RecomputeGuard&) = delete;
+  RecomputeGuard& operator=(const RecomputeGuard&) = delete;
+};
+
+}  // namespace memlean

@@ -1,0 +1,244 @@
+// checkpoint_sequential, the segment planner and the layer-cost measurement.
+#include "ops/checkpoint/sequential.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <unordered_set>
+
+#include "ops/checkpoint/checkpoint_internal.h"
+#include "ops/checkpoint/live_bytes.h"
+
+namespace memlean {
+namespace {
+
+constexpr int64_t kInf = std::numeric_limits<int64_t>::max();
+
+void check_layers(const std::vector<LayerCost>& layers) {
+  for (size_t i = 0; i < layers.size(); ++i) {
+    TORCH_CHECK(layers[i].input_bytes >= 0 && layers[i].activation_bytes >= 0,
+                "memlean::plan_segments: layer ", i, " has a negative cost (input_bytes=",
+                layers[i].input_bytes, ", activation_bytes=", layers[i].activation_bytes, ")");
+  }
+}
+
+void check_starts(const std::vector<int64_t>& starts, int64_t n, const char* op) {
+  if (n == 0) {
+    TORCH_CHECK(starts.empty(), op, ": there are no layers, so there can be no segments");
+    return;
+  }
+  TORCH_CHECK(!starts.empty() && starts[0] == 0, op,
+              ": the first segment must start at layer 0 (starts=", starts, ")");
+  for (size_t j = 1; j < starts.size(); ++j) {
+    TORCH_CHECK(starts[j] > starts[j - 1] && starts[j] < n, op,
+                ": segment starts must increase and be < the number of layers (", n,
+                "), got ", starts);
+  }
+}
+
+// Prefix sums of activation bytes: act[i] = sum of activation_bytes of layers [0, i).
+std::vector<int64_t> prefix_activations(const std::vector<LayerCost>& layers) {
+  std::vector<int64_t> act(layers.size() + 1, 0);
+  for (size_t i = 0; i < layers.size(); ++i) act[i + 1] = act[i] + layers[i].activation_bytes;
+  return act;
+}
+
+// The best plan whose estimated peak is <= budget: the last segment starts at the lowest
+// layer possible, and the earlier segments keep the fewest bytes. Empty if none fits.
+std::vector<int64_t> plan_within(const std::vector<LayerCost>& layers,
+                                 const std::vector<int64_t>& act, int64_t budget) {
+  const auto n = static_cast<int64_t>(layers.size());
+  auto segment = [&](int64_t s, int64_t e) { return layers[s].input_bytes + act[e] - act[s]; };
+  // kept[i]: the fewest bytes that checkpoints covering layers [0, i) keep, each segment
+  // fitting the budget on top of the bytes kept before it.
+  std::vector<int64_t> kept(n + 1, kInf), parent(n + 1, -1);
+  kept[0] = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (kept[i] == kInf) continue;
+    if (kept[i] + segment(i, n) <= budget) {
+      std::vector<int64_t> starts = {i};
+      for (int64_t b = i; b > 0; b = parent[b]) starts.push_back(parent[b]);
+      std::reverse(starts.begin(), starts.end());
+      return starts;
+    }
+    const int64_t after = kept[i] + layers[i].input_bytes;
+    for (int64_t m = i + 1; m < n && kept[i] + segment(i, m) <= budget; ++m) {
+      if (after < kept[m]) {
+        kept[m] = after;
+        parent[m] = i;
+      }
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+int64_t estimate_peak_bytes(const std::vector<LayerCost>& layers,
+                            const std::vector<int64_t>& starts) {
+  check_layers(layers);
+  const auto n = static_cast<int64_t>(layers.size());
+  check_starts(starts, n, "memlean::estimate_peak_bytes");
+  const auto act = prefix_activations(layers);
+  int64_t kept = 0, peak = 0;
+  for (size_t j = 0; j < starts.size(); ++j) {
+    const int64_t s = starts[j];
+    const int64_t e = j + 1 < starts.size() ? starts[j + 1] : n;
+    peak = std::max(peak, kept + layers[s].input_bytes + act[e] - act[s]);
+    kept += layers[s].input_bytes;
+  }
+  return peak;
+}
+
+std::vector<int64_t> equal_segment_starts(int64_t n_layers, int64_t segments) {
+  TORCH_CHECK(n_layers >= 0, "memlean: the number of layers must be >= 0, got ", n_layers);
+  if (n_layers == 0) return {};
+  TORCH_CHECK(segments >= 1 && segments <= n_layers, "memlean::checkpoint_sequential: segments ",
+              "must be between 1 and the number of layers (", n_layers, "), got ", segments);
+  std::vector<int64_t> starts;
+  for (int64_t j = 0; j < segments; ++j) starts.push_back(j * n_layers / segments);
+  return starts;
+}
+
+std::vector<int64_t> sqrt_segment_starts(int64_t n_layers) {
+  if (n_layers <= 0) return {};
+  const auto k = std::max<int64_t>(1, std::llround(std::sqrt(static_cast<double>(n_layers))));
+  return equal_segment_starts(n_layers, std::min(k, n_layers));
+}
+
+SegmentPlan plan_segments(const std::vector<LayerCost>& layers, std::optional<int64_t> budget_bytes) {
+  check_layers(layers);
+  SegmentPlan plan;
+  const auto n = static_cast<int64_t>(layers.size());
+  if (!budget_bytes.has_value()) {
+    plan.starts = sqrt_segment_starts(n);
+    plan.estimated_peak_bytes = estimate_peak_bytes(layers, plan.starts);
+    return plan;
+  }
+  TORCH_CHECK(*budget_bytes >= 0, "memlean::plan_segments: budget_bytes must be >= 0, got ",
+              *budget_bytes);
+  if (n == 0) return plan;
+  const auto act = prefix_activations(layers);
+  plan.starts = plan_within(layers, act, *budget_bytes);
+  if (plan.starts.empty()) {
+    // Nothing fits: the lowest budget that something fits in. One segment always fits in
+    // its own peak, and fitting is monotone in the budget.
+    int64_t lo = 0, hi = layers[0].input_bytes + act[n];
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (plan_within(layers, act, mid).empty()) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    plan.starts = plan_within(layers, act, lo);
+    plan.fits_budget = false;
+  }
+  plan.estimated_peak_bytes = estimate_peak_bytes(layers, plan.starts);
+  return plan;
+}
+
+namespace {
+
+int64_t storage_bytes(const at::Tensor& t) {
+  if (!t.defined()) return 0;
+  if (t.has_storage()) return static_cast<int64_t>(t.storage().nbytes());
+  return static_cast<int64_t>(t.nbytes());
+}
+
+at::Tensor run_layers(torch::nn::Sequential& sequential, int64_t begin, int64_t end, at::Tensor h) {
+  for (int64_t i = begin; i < end; ++i) h = sequential->begin()[i].forward(h);
+  return h;
+}
+
+}  // namespace
+
+std::vector<LayerCost> measure_layer_costs(torch::nn::Sequential sequential,
+                                           const at::Tensor& sample) {
+  TORCH_CHECK(sample.defined(), "memlean::measure_layer_costs: sample is an undefined tensor");
+  // Leave the chain and the RNG as they were: measuring is not a training step.
+  std::vector<at::Tensor> buffers, copies;
+  {
+    at::NoGradGuard no_grad;
+    for (const auto& b : sequential->buffers()) {
+      if (!b.defined()) continue;
+      buffers.push_back(b);
+      copies.push_back(b.clone());
+    }
+  }
+  const auto rng = detail::RngState::capture(detail::rng_devices({sample}));
+
+  std::vector<LayerCost> costs;
+  {
+    at::AutoGradMode grad_mode(true);
+    std::unique_ptr<LiveBytes> live;
+    if (LiveBytes::available()) live = std::make_unique<LiveBytes>();
+    std::vector<at::Tensor> outputs;  // keeps every layer's graph alive until the end
+    at::Tensor h = sample;
+    const auto n = static_cast<int64_t>(sequential->size());
+    for (int64_t i = 0; i < n; ++i) {
+      LayerCost cost;
+      cost.input_bytes = storage_bytes(h);
+      const int64_t before = live ? live->live() : 0;
+      at::Tensor out = run_layers(sequential, i, i + 1, h);
+      cost.activation_bytes = live ? live->live() - before : storage_bytes(out);
+      costs.push_back(cost);
+      outputs.push_back(out);
+      h = out;
+    }
+  }
+
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(copies[i]);
+  rng.restore();
+  return costs;
+}
+
+at::Tensor checkpoint_sequential(torch::nn::Sequential sequential,
+                                 const std::vector<int64_t>& starts, const at::Tensor& x,
+                                 const CheckpointOptions& options) {
+  const auto n = static_cast<int64_t>(sequential->size());
+  check_starts(starts, n, "memlean::checkpoint_sequential");
+  at::Tensor h = x;
+  for (size_t j = 0; j < starts.size(); ++j) {
+    const int64_t s = starts[j];
+    const int64_t e = j + 1 < starts.size() ? starts[j + 1] : n;
+    if (j + 1 == starts.size()) return run_layers(sequential, s, e, h);
+
+    std::vector<c10::IValue> args = {h};
+    std::vector<at::Tensor> buffers;
+    std::unordered_set<const c10::TensorImpl*> seen;
+    for (int64_t i = s; i < e; ++i) {
+      const auto module = sequential->ptr(i);
+      for (const auto& p : module->parameters()) {
+        if (seen.insert(p.unsafeGetTensorImpl()).second) args.emplace_back(p);
+      }
+      for (const auto& b : module->buffers()) {
+        if (b.defined() && seen.insert(b.unsafeGetTensorImpl()).second) buffers.push_back(b);
+      }
+    }
+    IValueFunction segment = [sequential, s, e](const std::vector<c10::IValue>& in) mutable {
+      return std::vector<c10::IValue>{run_layers(sequential, s, e, in[0].toTensor())};
+    };
+    h = detail::checkpoint_impl(segment, 1, args, options, buffers)[0].toTensor();
+  }
+  return h;  // no layers
+}
+
+at::Tensor checkpoint_sequential(torch::nn::Sequential sequential, int64_t segments,
+                                 const at::Tensor& x, const CheckpointOptions& options) {
+  const auto n = static_cast<int64_t>(sequential->size());
+  return checkpoint_sequential(sequential, equal_segment_starts(n, segments), x, options);
+}
+
+at::Tensor checkpoint_sequential(torch::nn::Sequential sequential, const SegmentPlan& plan,
+                                 const at::Tensor& x, const CheckpointOptions& options) {
+  return checkpoint_sequential(sequential, plan.starts, x, options);
+}
+
+}  // namespace memlean
