@@ -14,9 +14,11 @@ namespace memlean {
 struct SwishOptions {
   SwishOptions(double beta = 1.0) : beta_(beta) {}  // NOLINT(runtime/explicit)
   TORCH_ARG(double, beta);
+  TORCH_ARG(SwishVariant, variant) = SwishVariant::kMemoryEfficient;
 };
 
-// y = x * sigmoid(beta * x) with the memory-efficient backward. Has no parameters.
+// y = x * sigmoid(beta * x), with the chosen variant's backward. Has no parameters.
+// With SwishVariant::kInplace, forward overwrites its input.
 class SwishImpl : public torch::nn::Cloneable<SwishImpl> {
  public:
   explicit SwishImpl(const SwishOptions& options = {}) : options(options) { reset(); }
@@ -26,10 +28,14 @@ class SwishImpl : public torch::nn::Cloneable<SwishImpl> {
                 options.beta());
   }
 
-  at::Tensor forward(const at::Tensor& x) { return swish(x, options.beta()); }
+  at::Tensor forward(const at::Tensor& x) { return swish(x, options.beta(), options.variant()); }
 
   void pretty_print(std::ostream& stream) const override {
-    stream << "memlean::Swish(beta=" << options.beta() << ")";
+    stream << "memlean::Swish(beta=" << options.beta();
+    if (options.variant() != SwishVariant::kMemoryEfficient) {
+      stream << ", variant=" << to_string(options.variant());
+    }
+    stream << ")";
   }
 
   SwishOptions options;

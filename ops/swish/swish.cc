@@ -3,6 +3,7 @@
 #include "ops/swish/swish.h"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/TensorIterator.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -39,6 +40,26 @@ void check_backward_args(const at::Tensor& grad, const at::Tensor& x, double bet
               x.device());
 }
 
+void check_inplace_backward_args(const at::Tensor& grad, const at::Tensor& y,
+                                 const at::Tensor& mask, double beta) {
+  constexpr const char* op = "memlean::_swish_inplace_backward";
+  check_backward_args(grad, y, beta);
+  TORCH_CHECK(mask.defined() && mask.scalar_type() == at::kByte, op,
+              ": mask must be a uint8 tensor of packed bits");
+  TORCH_CHECK(mask.numel() == swish_inplace_mask_bytes(y.numel()), op, ": mask has ",
+              mask.numel(), " bytes but y has ", y.numel(), " elements (expected ",
+              swish_inplace_mask_bytes(y.numel()), " bytes)");
+  TORCH_CHECK(mask.device() == y.device(), op, ": mask is on ", mask.device(), " but y is on ",
+              y.device());
+}
+
+void check_inplace_input(const at::Tensor& x, double beta) {
+  constexpr const char* op = "memlean::swish_";
+  check_input(x, "x", op);
+  check_beta(beta, op);
+  at::assert_no_internal_overlap(x);
+}
+
 // ---- kernels registered per dispatch key ----------------------------------------
 
 at::Tensor forward_cpu(const at::Tensor& x, double beta) {
@@ -60,6 +81,55 @@ at::Tensor backward_cpu(const at::Tensor& grad, const at::Tensor& x, double beta
                   .build();
   swish_cpu::backward_kernel(iter, beta);
   return grad_x;
+}
+
+// The in-place kernels run on contiguous memory; another layout goes through a copy.
+void run_inplace_cpu(at::Tensor& x, const at::Tensor& mask, double beta) {
+  if (x.is_contiguous()) {
+    swish_cpu::inplace_forward_kernel(x, mask, beta);
+  } else {
+    at::Tensor tmp = x.contiguous();
+    swish_cpu::inplace_forward_kernel(tmp, mask, beta);
+    x.copy_(tmp);
+  }
+}
+
+at::Tensor& inplace_cpu(at::Tensor& x, double beta) {
+  check_inplace_input(x, beta);
+  run_inplace_cpu(x, at::Tensor(), beta);
+  return x;
+}
+
+at::Tensor inplace_with_mask_cpu(at::Tensor& x, double beta) {
+  check_inplace_input(x, beta);
+  at::Tensor mask = at::empty({swish_inplace_mask_bytes(x.numel())}, x.options().dtype(at::kByte));
+  run_inplace_cpu(x, mask, beta);
+  return mask;
+}
+
+at::Tensor inplace_backward_cpu(const at::Tensor& grad, const at::Tensor& y, const at::Tensor& mask,
+                                double beta) {
+  check_inplace_backward_args(grad, y, mask, beta);
+  at::Tensor grad_x = at::empty(y.sizes(), y.options());
+  swish_cpu::inplace_backward_kernel(grad.contiguous(), y.contiguous(), mask.contiguous(), grad_x,
+                                     beta);
+  return grad_x;
+}
+
+at::Tensor& inplace_meta(at::Tensor& x, double beta) {
+  check_inplace_input(x, beta);
+  return x;
+}
+
+at::Tensor inplace_with_mask_meta(at::Tensor& x, double beta) {
+  check_inplace_input(x, beta);
+  return at::empty({swish_inplace_mask_bytes(x.numel())}, x.options().dtype(at::kByte));
+}
+
+at::Tensor inplace_backward_meta(const at::Tensor& grad, const at::Tensor& y,
+                                 const at::Tensor& mask, double beta) {
+  check_inplace_backward_args(grad, y, mask, beta);
+  return at::empty(y.sizes(), y.options());
 }
 
 at::Tensor forward_meta(const at::Tensor& x, double beta) {
@@ -85,6 +155,28 @@ const auto& backward_op() {
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("memlean::swish_backward", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  return op;
+}
+
+const auto& inplace_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("memlean::swish_", "")
+                             .typed<at::Tensor&(at::Tensor&, double)>();
+  return op;
+}
+
+const auto& inplace_with_mask_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("memlean::_swish_inplace_with_mask", "")
+                             .typed<at::Tensor(at::Tensor&, double)>();
+  return op;
+}
+
+const auto& inplace_backward_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("memlean::_swish_inplace_backward", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
   return op;
 }
 
@@ -119,9 +211,101 @@ at::Tensor forward_autograd(const at::Tensor& x, double beta) {
   return SwishFunction::apply(x, beta);
 }
 
+// Overwrites x with y; saves y (the output, alive anyway) and the packed side bits.
+class SwishInplaceFunction : public torch::autograd::Function<SwishInplaceFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor x, double beta) {
+    at::Tensor mask;
+    {
+      at::AutoDispatchBelowAutograd guard;  // ADInplaceOrView still bumps x's version
+      mask = inplace_with_mask_op().call(x, beta);
+    }
+    ctx->mark_dirty({x});
+    ctx->save_for_backward({x, mask});
+    ctx->saved_data["beta"] = beta;
+    return x;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "memlean::swish_: double backward (create_graph=True) is not supported by the "
+                "in-place variant; use the memory_efficient variant");
+    const auto saved = ctx->get_saved_variables();  // fails if y was modified since
+    const double beta = ctx->saved_data["beta"].toDouble();
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};
+    return {inplace_backward_op().call(grads[0], saved[0], saved[1], beta), at::Tensor()};
+  }
+};
+
+at::Tensor& inplace_autograd(at::Tensor& x, double beta) {
+  if (!at::GradMode::is_enabled() || !x.requires_grad()) {
+    at::AutoDispatchBelowAutograd guard;
+    return inplace_op().call(x, beta);
+  }
+  TORCH_CHECK(!x.is_leaf(),
+              "memlean::swish_: x is a leaf tensor that requires grad, and an in-place op would "
+              "overwrite it; use the memory_efficient variant (memlean::swish) for it");
+  SwishInplaceFunction::apply(x, beta);
+  return x;
+}
+
+// In-place ops bump the version counter of what they modify: saved copies of x elsewhere
+// in the graph then fail loudly in backward instead of being used with the new values.
+at::Tensor& inplace_ad_inplace_or_view(at::Tensor& x, double beta) {
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    inplace_op().call(x, beta);
+  }
+  x.unsafeGetTensorImpl()->bump_version();
+  return x;
+}
+
+at::Tensor inplace_with_mask_ad_inplace_or_view(at::Tensor& x, double beta) {
+  at::Tensor mask;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    mask = inplace_with_mask_op().call(x, beta);
+  }
+  x.unsafeGetTensorImpl()->bump_version();
+  return mask;
+}
+
 }  // namespace
 
-at::Tensor swish(const at::Tensor& x, double beta) { return forward_op().call(x, beta); }
+SwishVariant parse_swish_variant(std::string_view name) {
+  if (name == "naive") return SwishVariant::kNaive;
+  if (name == "memory_efficient") return SwishVariant::kMemoryEfficient;
+  if (name == "inplace") return SwishVariant::kInplace;
+  TORCH_CHECK(false, "memlean::swish: unknown variant \"", std::string(name),
+              "\"; expected \"naive\", \"memory_efficient\" or \"inplace\"");
+}
+
+std::string to_string(SwishVariant variant) {
+  switch (variant) {
+    case SwishVariant::kNaive: return "naive";
+    case SwishVariant::kMemoryEfficient: return "memory_efficient";
+    case SwishVariant::kInplace: return "inplace";
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown SwishVariant ", static_cast<int>(variant));
+}
+
+at::Tensor swish(const at::Tensor& x, double beta, SwishVariant variant) {
+  switch (variant) {
+    case SwishVariant::kNaive:
+      check_input(x, "x", "memlean::swish");
+      check_beta(beta, "memlean::swish");
+      return x * at::sigmoid(beta == 1.0 ? x : x * beta);
+    case SwishVariant::kMemoryEfficient: return forward_op().call(x, beta);
+    case SwishVariant::kInplace: return swish_(x, beta);
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown SwishVariant ", static_cast<int>(variant));
+}
+
+const at::Tensor& swish_(const at::Tensor& x, double beta) {
+  inplace_op().call(const_cast<at::Tensor&>(x), beta);
+  return x;
+}
 
 at::Tensor swish_forward(const at::Tensor& x, double beta) {
   at::AutoDispatchBelowADInplaceOrView guard;
@@ -140,16 +324,33 @@ at::Tensor swish_backward(const at::Tensor& grad, const at::Tensor& x, double be
 TORCH_LIBRARY_FRAGMENT(memlean, m) {
   m.def("swish(Tensor x, float beta=1.0) -> Tensor");
   m.def("swish_backward(Tensor grad, Tensor x, float beta) -> Tensor");
+  m.def("swish_(Tensor(a!) x, float beta=1.0) -> Tensor(a!)");
+  m.def("_swish_inplace_with_mask(Tensor(a!) x, float beta) -> Tensor");
+  m.def("_swish_inplace_backward(Tensor grad, Tensor y, Tensor mask, float beta) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(memlean, CPU, m) {
   m.impl("swish", &memlean::forward_cpu);
   m.impl("swish_backward", &memlean::backward_cpu);
+  m.impl("swish_", &memlean::inplace_cpu);
+  m.impl("_swish_inplace_with_mask", &memlean::inplace_with_mask_cpu);
+  m.impl("_swish_inplace_backward", &memlean::inplace_backward_cpu);
 }
 
 TORCH_LIBRARY_IMPL(memlean, Meta, m) {
   m.impl("swish", &memlean::forward_meta);
   m.impl("swish_backward", &memlean::backward_meta);
+  m.impl("swish_", &memlean::inplace_meta);
+  m.impl("_swish_inplace_with_mask", &memlean::inplace_with_mask_meta);
+  m.impl("_swish_inplace_backward", &memlean::inplace_backward_meta);
 }
 
-TORCH_LIBRARY_IMPL(memlean, Autograd, m) { m.impl("swish", &memlean::forward_autograd); }
+TORCH_LIBRARY_IMPL(memlean, Autograd, m) {
+  m.impl("swish", &memlean::forward_autograd);
+  m.impl("swish_", &memlean::inplace_autograd);
+}
+
+TORCH_LIBRARY_IMPL(memlean, ADInplaceOrView, m) {
+  m.impl("swish_", &memlean::inplace_ad_inplace_or_view);
+  m.impl("_swish_inplace_with_mask", &memlean::inplace_with_mask_ad_inplace_or_view);
+}

@@ -1,9 +1,12 @@
 // Swish-β, y = x * sigmoid(beta * x): the C++ API of //ops/swish.
 //
-// memlean::swish is differentiable and memory-efficient: its backward saves only x and
-// recomputes sigmoid(beta * x), where the autograd composition x * sigmoid(beta * x)
-// saves both x and sigmoid(beta * x). It runs through the dispatcher as
-// torch.ops.memlean.swish(Tensor x, float beta=1.0) -> Tensor.
+// Three variants, one forward:
+//   kNaive            the autograd composition x * sigmoid(beta * x); saves x and the sigmoid.
+//   kMemoryEfficient  (default) saves only x and recomputes sigmoid(beta * x) in backward.
+//                     Operator torch.ops.memlean.swish(Tensor x, float beta=1.0) -> Tensor.
+//   kInplace          overwrites x with y and saves only one bit per element (which side of
+//                     the minimum of swish beta*x lies on); backward recovers x from y and
+//                     the bit. Operator torch.ops.memlean.swish_(Tensor(a!) x, float beta=1.0).
 //
 // Dtypes: float32, float64, bfloat16, float16 (math in float for the 16-bit types).
 // beta: any finite value (beta = 0 gives x / 2, beta = 1 is SiLU).
@@ -11,14 +14,33 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
+#include <string_view>
+
 namespace memlean {
 
-// Differentiable Swish-β; saves only x for backward.
-at::Tensor swish(const at::Tensor& x, double beta = 1.0);
+enum class SwishVariant { kNaive, kMemoryEfficient, kInplace };
+
+// "naive", "memory_efficient", "inplace"; anything else is an error listing the names.
+SwishVariant parse_swish_variant(std::string_view name);
+std::string to_string(SwishVariant variant);
+
+// Differentiable Swish-β. With kInplace, x is overwritten and returned.
+at::Tensor swish(const at::Tensor& x, double beta = 1.0,
+                 SwishVariant variant = SwishVariant::kMemoryEfficient);
+
+// In-place Swish-β (the kInplace variant): overwrites x with y and returns it. As for any
+// in-place op, a leaf that requires grad is refused, and if an earlier op saved x for its
+// backward, that backward fails (version counter) instead of using the overwritten values.
+// Double backward is not supported (use kMemoryEfficient for that).
+const at::Tensor& swish_(const at::Tensor& x, double beta = 1.0);
 
 // The kernels without autograd: the forward, and the gradient with respect to x given
 // the gradient of the output. Both check their arguments and name them in errors.
 at::Tensor swish_forward(const at::Tensor& x, double beta = 1.0);
 at::Tensor swish_backward(const at::Tensor& grad, const at::Tensor& x, double beta = 1.0);
+
+// Bytes of the mask the in-place variant saves for a tensor of numel elements.
+inline int64_t swish_inplace_mask_bytes(int64_t numel) { return (numel + 7) / 8; }
 
 }  // namespace memlean

@@ -23,4 +23,15 @@ void backward_kernel(at::TensorIteratorBase& iter, double beta) {
   use_avx2() ? AVX2::backward_kernel(iter, beta) : DEFAULT::backward_kernel(iter, beta);
 }
 
+void inplace_forward_kernel(const at::Tensor& x, const at::Tensor& mask, double beta) {
+  use_avx2() ? AVX2::inplace_forward_kernel(x, mask, beta)
+             : DEFAULT::inplace_forward_kernel(x, mask, beta);
+}
+
+void inplace_backward_kernel(const at::Tensor& grad, const at::Tensor& y, const at::Tensor& mask,
+                             const at::Tensor& grad_x, double beta) {
+  use_avx2() ? AVX2::inplace_backward_kernel(grad, y, mask, grad_x, beta)
+             : DEFAULT::inplace_backward_kernel(grad, y, mask, grad_x, beta);
+}
+
 }  // namespace memlean::swish_cpu

@@ -1,0 +1,22 @@
+// Constants of g(t) = t * sigmoid(t), the shape of every Swish-β (y = g(βx) / β), shared by
+// the CPU and CUDA kernels of the in-place variant.
+#pragma once
+
+namespace memlean::swish_constants {
+
+// g has one minimum, at t* (g'(t*) = 0); g is strictly decreasing left of it and strictly
+// increasing right of it, so g(t) and the side of t* determine t.
+constexpr double kTStar = -1.2784645427610738;
+constexpr double kGStar = -0.27846454276107385;  // g(t*)
+constexpr double kG2Star = 0.2178117057198001;   // g''(t*)
+// Newton iterations of the in-place backward in float (twice as many in double).
+constexpr int kInverseIterations = 3;
+
+// Near t*, t - t* as a series in s = ±sqrt(g(t) - g*) (sign: the side of t*):
+// t - t* = sum_k kInverseSeries[k-1] * s^k, error < 1e-9 for |s| < kSeriesRadius.
+constexpr double kSeriesRadius = 0.03;
+constexpr double kInverseSeries[6] = {3.0302216013580993996, -2.0607476511124147578,
+                                      2.9008178055701453436, -3.9864452806038695946,
+                                      6.0346691684603402629, -9.4598395801732379568};
+
+}  // namespace memlean::swish_constants
