@@ -1,0 +1,133 @@
+// memlean::memstats: exact accounting of tensor memory per device, scoped peaks that nest,
+// phases (the seed 000 data/forw/loss/back/step table), categories, and text/CSV/JSON reports.
+//
+// CPU: a counting allocator wraps the CPU allocator (installed once with
+// c10::SetCPUAllocator by enable(); every Tracker on the CPU enables it). It counts, to the
+// byte, every storage allocated through c10::GetCPUAllocator() after that moment by any
+// thread, and the frees of exactly those storages. Storages allocated before enable() are
+// not counted, nor are their frees; pinned host memory (CUDA's host allocator) is not CPU
+// memory here.
+// CUDA: the caching allocator's device statistics (allocated bytes, current and peak, and
+// reserved bytes), through c10's generic DeviceAllocator interface, so this library does not
+// link libtorch_cuda: a process that uses CUDA loads it anyway.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace memlean::memstats {
+
+// Installs the counting CPU allocator (idempotent, thread-safe). Call it before building
+// the model to have parameters counted.
+void enable();
+// Whether the counting allocator is the current CPU allocator.
+bool enabled();
+
+// "cpu", "cuda", "cuda:1" → a device memstats can account; a clear error naming `device`
+// otherwise (unknown device type, CUDA asked without CUDA, device index out of range).
+c10::Device parse_device(const std::string& device);
+// The same checks for a c10::Device.
+void check_device(c10::Device device);
+
+// Process-wide figures, named after torch.cuda's:
+// CPU: bytes alive that the counting allocator allocated (enables it); CUDA: allocated bytes.
+int64_t memory_allocated(c10::Device device = c10::kCPU);
+// The largest memory_allocated since accounting began (CPU) or since the last
+// torch.cuda.reset_peak_memory_stats (CUDA). Trackers never lower it.
+int64_t max_memory_allocated(c10::Device device = c10::kCPU);
+// CPU: the same as memory_allocated (no cache); CUDA: bytes reserved by the caching allocator.
+int64_t memory_reserved(c10::Device device = c10::kCPU);
+
+// What one mark() recorded.
+struct Mark {
+  std::string name;
+  int64_t step = 1;      // 1-based column: a new step starts when a name repeats in a step
+  int64_t current = 0;   // bytes alive at the mark
+  int64_t peak = 0;      // the largest number of bytes alive since the previous mark (or start)
+  int64_t kept = -1;     // bytes allocated since the previous mark and still alive at this
+                         // one (after "forward": the activations kept for backward);
+                         // -1 where unknown (CUDA)
+  int64_t reserved = 0;  // CUDA: reserved bytes; CPU: = current
+  double seconds = 0;    // since the tracker started
+};
+
+// The live bytes of a device split into parts that sum to `total`, to the byte.
+struct Categories {
+  int64_t parameters = 0;
+  int64_t gradients = 0;
+  int64_t optimizer_state = 0;
+  // Bytes allocated during the latest forward phase (see Tracker::categories) still alive
+  // now, other than parameters, gradients and optimizer state. 0 on CUDA.
+  int64_t activations = 0;
+  int64_t other = 0;               // everything else: inputs, outputs, temporaries
+  int64_t allocator_rounding = 0;  // CUDA: allocated - requested bytes (block rounding); CPU: 0
+  int64_t total = 0;               // memory_allocated(device) when computed
+  // Bytes of the given tensors that are outside `total` (CPU: allocated before enable()).
+  int64_t untracked = 0;
+
+  // Aligned text, MiB with two decimals (bytes = true: exact bytes).
+  std::string str(bool bytes = false) const;
+  std::string json() const;
+};
+
+struct TableOptions {
+  bool bytes = false;                 // exact bytes instead of MiB with two decimals
+  std::string value = "current";      // "current", "peak", "kept" or "reserved"
+};
+
+// A scoped view of one device's memory. Starting (construction) and reset_peak() begin its
+// own peak; trackers nest and never disturb each other's peaks, on any thread. On CUDA the
+// scoping resets the caching allocator's peak counter (as torch.cuda.reset_peak_memory_stats
+// does); max_memory_allocated() above keeps the process-wide peak.
+class Tracker {
+ public:
+  explicit Tracker(c10::Device device = c10::kCPU);
+  explicit Tracker(const std::string& device);
+  ~Tracker();
+  Tracker(const Tracker&) = delete;
+  Tracker& operator=(const Tracker&) = delete;
+
+  c10::Device device() const;
+  bool running() const;
+  // Bytes alive on the device now (memory_allocated); after stop(), the value at stop().
+  int64_t current() const;
+  // The largest current() since start or the last reset_peak(); frozen by stop().
+  int64_t peak() const;
+  int64_t reserved() const;
+  void reset_peak();
+  // Ends the phase that began at the previous mark (or start) and records it under `name`.
+  Mark mark(const std::string& name);
+  std::vector<Mark> marks() const;
+  void stop();
+
+  // Rows = phase names (first-seen order), columns = steps, as in the seed 000 table.
+  std::string table(const TableOptions& options = {}) const;
+  // One row per mark: step,phase,current_bytes,peak_bytes,kept_bytes,reserved_bytes.
+  std::string csv() const;
+  // {"device", "running", "current", "peak", "reserved", "marks": [...]}.
+  std::string json() const;
+
+  // Splits the live bytes of this tracker's device into categories. Each storage is counted
+  // once (the first list that holds it wins: parameters, gradients, optimizer state);
+  // undefined tensors and tensors on other devices are skipped. Activations come from the
+  // latest mark named `forward_mark` ("" = the latest "forward" or "forw" mark; none: 0).
+  Categories categories(const std::vector<at::Tensor>& parameters,
+                        const std::vector<at::Tensor>& gradients,
+                        const std::vector<at::Tensor>& optimizer_state,
+                        const std::string& forward_mark = "") const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Marks the innermost running tracker (the one started last); an error when none runs.
+Mark mark(const std::string& name);
+
+}  // namespace memlean::memstats

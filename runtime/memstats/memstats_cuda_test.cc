@@ -1,0 +1,79 @@
+// memstats on CUDA, in a process that loads libtorch_cuda (when torch has CUDA). Without a
+// GPU: the clear errors. With one: the caching allocator's figures, nesting, categories.
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <gtest/gtest.h>
+
+#ifdef MEMLEAN_TEST_WITH_TORCH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+#include "runtime/memstats/memstats.h"
+#include "runtime/testing/expect_error.h"
+
+namespace memlean::memstats {
+namespace {
+
+using ::memlean::testing::expect_error;
+
+bool have_gpu() { return at::hasCUDA() && at::getNumGPUs() > 0; }
+
+TEST(MemstatsCuda, LibtorchCudaIsLoadedWhenTorchHasCuda) {
+#ifdef MEMLEAN_TEST_WITH_TORCH_CUDA
+  // Referencing c10_cuda keeps the library linked; its allocator is a DeviceAllocator.
+  EXPECT_GE(c10::cuda::device_count(), 0);
+  EXPECT_NE(dynamic_cast<c10::DeviceAllocator*>(c10::GetAllocator(c10::DeviceType::CUDA)),
+            nullptr);
+#else
+  GTEST_SKIP() << "torch has no CUDA";
+#endif
+}
+
+TEST(MemstatsCuda, ClearErrorWithoutAGpu) {
+  if (have_gpu()) GTEST_SKIP() << "a GPU is present";
+  expect_error([] { Tracker t("cuda"); }, "CUDA is not available");
+  expect_error([] { Tracker t("cuda:0"); }, "CUDA is not available");
+  expect_error([] { memory_allocated(c10::Device(c10::DeviceType::CUDA, 0)); },
+               "CUDA is not available");
+  // The CPU side works in the same process.
+  Tracker t("cpu");
+  const int64_t base = t.current();
+  at::Tensor x = at::empty({100});
+  EXPECT_EQ(t.current() - base, 400);
+}
+
+TEST(MemstatsCuda, AllocatedBytesPeaksAndCategories) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  const c10::Device dev(c10::DeviceType::CUDA, 0);
+  const auto opts = at::TensorOptions().device(dev).dtype(at::kFloat);
+  expect_error([] { Tracker t("cuda:99"); }, "out of range");
+  Tracker outer("cuda");
+  EXPECT_EQ(outer.device(), dev);
+  const int64_t base = outer.current();
+  at::Tensor a = at::empty({1000}, opts);  // 4000 bytes, a 4096-byte block
+  EXPECT_EQ(outer.current() - base, 4096);
+  {
+    Tracker inner(dev);
+    at::Tensor b = at::empty({1 << 20}, opts);  // 4 MiB
+    b.reset();
+    EXPECT_EQ(inner.peak() - base, 4096 + (4 << 20));
+    inner.reset_peak();
+    EXPECT_EQ(inner.peak() - base, 4096);
+    EXPECT_EQ(outer.peak() - base, 4096 + (4 << 20));
+    EXPECT_GE(inner.reserved(), inner.current());
+    Mark m = inner.mark("x");
+    EXPECT_EQ(m.kept, -1);
+  }
+  EXPECT_GE(max_memory_allocated(dev), base + 4096 + (4 << 20));
+  at::Tensor p = at::empty({1000}, opts);
+  Categories c = outer.categories({p}, {}, {});
+  EXPECT_EQ(c.parameters, 4000);
+  EXPECT_EQ(c.total, outer.current());
+  EXPECT_GE(c.allocator_rounding, 96 * 2);
+  EXPECT_EQ(c.parameters + c.gradients + c.optimizer_state + c.activations + c.other +
+                c.allocator_rounding,
+            c.total);
+}
+
+}  // namespace
+}  // namespace memlean::memstats
