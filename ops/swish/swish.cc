@@ -34,8 +34,8 @@ void check_backward_args(const at::Tensor& grad, const at::Tensor& x, double bet
   check_beta(beta, op);
   TORCH_CHECK(grad.scalar_type() == x.scalar_type(), op, ": grad has dtype ", grad.scalar_type(),
               " but x has dtype ", x.scalar_type());
-  TORCH_CHECK(grad.sizes() == x.sizes(), op, ": grad has shape ", grad.sizes(),
-              " but x has shape ", x.sizes());
+  TORCH_CHECK(grad.sym_sizes() == x.sym_sizes(), op, ": grad has shape ", grad.sym_sizes(),
+              " but x has shape ", x.sym_sizes());
   TORCH_CHECK(grad.device() == x.device(), op, ": grad is on ", grad.device(), " but x is on ",
               x.device());
 }
@@ -46,9 +46,10 @@ void check_inplace_backward_args(const at::Tensor& grad, const at::Tensor& y,
   check_backward_args(grad, y, beta);
   TORCH_CHECK(mask.defined() && mask.scalar_type() == at::kByte, op,
               ": mask must be a uint8 tensor of packed bits");
-  TORCH_CHECK(mask.numel() == swish_inplace_mask_bytes(y.numel()), op, ": mask has ",
-              mask.numel(), " bytes but y has ", y.numel(), " elements (expected ",
-              swish_inplace_mask_bytes(y.numel()), " bytes)");
+  // Symbolic sizes (torch.compile with dynamic shapes) compare through guards.
+  const c10::SymInt expected = (y.sym_numel() + 7) / 8;
+  TORCH_CHECK(mask.sym_numel() == expected, op, ": mask has ", mask.sym_numel(),
+              " bytes but y has ", y.sym_numel(), " elements (expected ", expected, " bytes)");
   TORCH_CHECK(mask.device() == y.device(), op, ": mask is on ", mask.device(), " but y is on ",
               y.device());
 }
@@ -94,10 +95,9 @@ void run_inplace_cpu(at::Tensor& x, const at::Tensor& mask, double beta) {
   }
 }
 
-at::Tensor& inplace_cpu(at::Tensor& x, double beta) {
+void inplace_cpu(at::Tensor& x, double beta) {
   check_inplace_input(x, beta);
   run_inplace_cpu(x, at::Tensor(), beta);
-  return x;
 }
 
 at::Tensor inplace_with_mask_cpu(at::Tensor& x, double beta) {
@@ -116,20 +116,17 @@ at::Tensor inplace_backward_cpu(const at::Tensor& grad, const at::Tensor& y, con
   return grad_x;
 }
 
-at::Tensor& inplace_meta(at::Tensor& x, double beta) {
-  check_inplace_input(x, beta);
-  return x;
-}
+void inplace_meta(at::Tensor& x, double beta) { check_inplace_input(x, beta); }
 
 at::Tensor inplace_with_mask_meta(at::Tensor& x, double beta) {
   check_inplace_input(x, beta);
-  return at::empty({swish_inplace_mask_bytes(x.numel())}, x.options().dtype(at::kByte));
+  return at::empty_symint({(x.sym_numel() + 7) / 8}, x.options().dtype(at::kByte));
 }
 
 at::Tensor inplace_backward_meta(const at::Tensor& grad, const at::Tensor& y,
                                  const at::Tensor& mask, double beta) {
   check_inplace_backward_args(grad, y, mask, beta);
-  return at::empty(y.sizes(), y.options());
+  return at::empty_symint(y.sym_sizes(), y.options());
 }
 
 at::Tensor forward_meta(const at::Tensor& x, double beta) {
@@ -161,7 +158,7 @@ const auto& backward_op() {
 const auto& inplace_op() {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("memlean::swish_", "")
-                             .typed<at::Tensor&(at::Tensor&, double)>();
+                             .typed<void(at::Tensor&, double)>();
   return op;
 }
 
@@ -238,27 +235,27 @@ class SwishInplaceFunction : public torch::autograd::Function<SwishInplaceFuncti
   }
 };
 
-at::Tensor& inplace_autograd(at::Tensor& x, double beta) {
+// The graph is rebased onto x itself (mark_dirty), so the op needs no return value.
+void inplace_autograd(at::Tensor& x, double beta) {
   if (!at::GradMode::is_enabled() || !x.requires_grad()) {
     at::AutoDispatchBelowAutograd guard;
-    return inplace_op().call(x, beta);
+    inplace_op().call(x, beta);
+    return;
   }
   TORCH_CHECK(!x.is_leaf(),
               "memlean::swish_: x is a leaf tensor that requires grad, and an in-place op would "
               "overwrite it; use the memory_efficient variant (memlean::swish) for it");
   SwishInplaceFunction::apply(x, beta);
-  return x;
 }
 
 // In-place ops bump the version counter of what they modify: saved copies of x elsewhere
 // in the graph then fail loudly in backward instead of being used with the new values.
-at::Tensor& inplace_ad_inplace_or_view(at::Tensor& x, double beta) {
+void inplace_ad_inplace_or_view(at::Tensor& x, double beta) {
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     inplace_op().call(x, beta);
   }
   x.unsafeGetTensorImpl()->bump_version();
-  return x;
 }
 
 at::Tensor inplace_with_mask_ad_inplace_or_view(at::Tensor& x, double beta) {
@@ -324,7 +321,9 @@ at::Tensor swish_backward(const at::Tensor& grad, const at::Tensor& x, double be
 TORCH_LIBRARY_FRAGMENT(memlean, m) {
   m.def("swish(Tensor x, float beta=1.0) -> Tensor");
   m.def("swish_backward(Tensor grad, Tensor x, float beta) -> Tensor");
-  m.def("swish_(Tensor(a!) x, float beta=1.0) -> Tensor(a!)");
+  // No return value: functionalization (torch.compile, torch.export) supports mutating
+  // custom ops only when their outputs do not alias inputs. memlean::swish_ returns x.
+  m.def("swish_(Tensor(a!) x, float beta=1.0) -> ()");
   m.def("_swish_inplace_with_mask(Tensor(a!) x, float beta) -> Tensor");
   m.def("_swish_inplace_backward(Tensor grad, Tensor y, Tensor mask, float beta) -> Tensor");
 }

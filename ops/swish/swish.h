@@ -6,7 +6,8 @@
 //                     Operator torch.ops.memlean.swish(Tensor x, float beta=1.0) -> Tensor.
 //   kInplace          overwrites x with y and saves only one bit per element (which side of
 //                     the minimum of swish beta*x lies on); backward recovers x from y and
-//                     the bit. Operator torch.ops.memlean.swish_(Tensor(a!) x, float beta=1.0).
+//                     the bit. Operator torch.ops.memlean.swish_(Tensor(a!) x, float beta=1.0)
+//                     -> () (no return value, so that torch.compile can functionalize it).
 //
 // Dtypes: float32, float64, bfloat16, float16 (math in float for the 16-bit types).
 // beta: any finite value (beta = 0 gives x / 2, beta = 1 is SiLU).

@@ -3,6 +3,7 @@
     import memlean
     y = memlean.swish(x, beta=1.0)      # Swish-beta whose backward saves only x
     act = memlean.Swish(beta=1.0)       # the same as an nn.Module
+    act = memlean.Swish(variant="inplace")   # overwrites x, saves one bit per element
 
 Importing memlean registers its operators under torch.ops.memlean.
 """
@@ -28,6 +29,6 @@ def _check_torch_version():
 _check_torch_version()
 
 from memlean import _C  # noqa: E402  (registers torch.ops.memlean.*)
-from memlean.swish import Swish, swish  # noqa: E402
+from memlean.swish import VARIANTS, Swish, swish, swish_  # noqa: E402
 
-__all__ = ["Swish", "swish", "__version__"]
+__all__ = ["Swish", "VARIANTS", "swish", "swish_", "__version__"]

@@ -1,0 +1,48 @@
+"""ONNX export of memlean's Swish operators as standard ONNX Sigmoid and Mul.
+
+    memlean.onnx.export(model, (x,), "model.onnx")          # torch.onnx.export, with the table
+    torch.onnx.export(model, (x,), dynamo=True,
+                      custom_translation_table=memlean.onnx.translation_table())
+
+Importing this module also registers the symbolic functions of the TorchScript-based
+exporter (``torch.onnx.export(..., dynamo=False)``). Needs the ``onnx`` and ``onnxscript``
+packages (``pip install onnx onnxscript``).
+"""
+import torch
+
+_OPSET = 18
+
+
+def _swish_onnx(x, beta: float = 1.0):
+    from onnxscript import opset18 as op  # pylint: disable=import-outside-toplevel
+
+    if beta == 1.0:
+        return op.Mul(x, op.Sigmoid(x))
+    return op.Mul(x, op.Sigmoid(op.Mul(x, op.CastLike(beta, x))))
+
+
+def translation_table():
+    """custom_translation_table for torch.onnx.export(dynamo=True)."""
+    return {torch.ops.memlean.swish.default: _swish_onnx}
+
+
+def _swish_symbolic(g, x, beta):
+    from torch.onnx import symbolic_helper  # pylint: disable=import-outside-toplevel
+
+    b = symbolic_helper._maybe_get_const(beta, "f")
+    scaled = x if b == 1.0 else g.op("Mul", x, g.op("Constant", value_t=torch.tensor(b)).setType(x.type()))
+    return g.op("Mul", x, g.op("Sigmoid", scaled))
+
+
+torch.onnx.register_custom_op_symbolic("memlean::swish", _swish_symbolic, 9)
+
+
+def export(model, args, f=None, **kwargs):
+    """torch.onnx.export with memlean's translation table added (dynamo exporter)."""
+    table = dict(kwargs.pop("custom_translation_table", None) or {})
+    for k, v in translation_table().items():
+        table.setdefault(k, v)
+    kwargs.setdefault("dynamo", True)
+    if kwargs["dynamo"]:
+        kwargs["custom_translation_table"] = table
+    return torch.onnx.export(model, args, f, **kwargs)

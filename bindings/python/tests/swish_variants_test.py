@@ -1,0 +1,229 @@
+"""The three Swish variants through memlean: same values, the in-place variant's gradient
+bound and autograd semantics, exact saved bytes, and the places PyTorch code runs:
+opcheck, torch.compile, TorchScript, ONNX (onnxruntime)."""
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+
+import memlean
+
+T_STAR = -1.2784645427610738
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+BOUND = {torch.float32: 2e-4, torch.float64: 1e-8, torch.bfloat16: 3e-2, torch.float16: 3e-2}
+
+
+def reference_grad(x, beta):
+    x64 = x.detach().double().requires_grad_(True)
+    (x64 * torch.sigmoid(beta * x64)).sum().backward()
+    return x64.grad
+
+
+@pytest.mark.parametrize("variant", memlean.VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_variants_agree(variant, dtype):
+    x0 = (torch.randn(257, 3, dtype=torch.float64) * 4).to(dtype)
+    leaf = x0.clone().requires_grad_(True)
+    y = memlean.swish(leaf * 1, 1.3, variant=variant)
+    ref = (x0.double() * torch.sigmoid(1.3 * x0.double()))
+    tol = 1e-12 if dtype == torch.float64 else 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-5
+    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol)
+    y.sum().backward()
+    torch.testing.assert_close(leaf.grad.double(), reference_grad(x0, 1.3), rtol=0, atol=max(BOUND[dtype], tol))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("beta", [1.0, 0.5, -2.0])
+def test_inplace_gradient_bound_dense_sweep_and_random(dtype, beta):
+    scale = 1 / abs(beta)
+    x_star = T_STAR / beta
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.cat([
+        torch.linspace(-110, 110, 1_000_001, dtype=torch.float64) * scale,
+        torch.linspace(x_star - 0.05 * scale, x_star + 0.05 * scale, 500_001, dtype=torch.float64),
+        torch.randn(500_000, generator=g, dtype=torch.float64) * 3 * scale,
+    ]).to(dtype)
+    leaf = x0.clone().requires_grad_(True)
+    y = memlean.swish_(leaf * 1, beta)
+    y.backward(torch.ones_like(y))
+    err = (leaf.grad.double() - reference_grad(x0, beta)).abs().max().item()
+    assert err <= BOUND[dtype], (dtype, beta, err)
+
+
+def test_swish_returns_x_itself_and_bumps_its_version():
+    x = torch.randn(10)
+    v = x._version
+    y = memlean.swish_(x)
+    assert y is x and x._version == v + 1
+    z = torch.randn(10)
+    assert memlean.swish(z, variant="inplace") is z
+
+
+def test_inplace_refuses_a_leaf_that_requires_grad():
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="x is a leaf tensor that requires grad"):
+        memlean.swish_(x)
+    with pytest.raises(RuntimeError, match="x is a leaf tensor that requires grad"):
+        memlean.Swish(variant="inplace")(x)
+    with torch.no_grad():
+        memlean.swish_(x)  # fine without grad mode, as for torch's in-place ops
+
+
+def test_inplace_overwriting_a_saved_tensor_fails_loudly():
+    leaf = torch.randn(16, requires_grad=True)
+    x = leaf * 2
+    sq = x * x  # saves x
+    memlean.swish_(x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (sq.sum() + x.sum()).backward()
+
+
+def test_inplace_double_backward_is_a_clear_error():
+    leaf = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    y = memlean.swish_(leaf * 1)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(y.sum(), leaf, create_graph=True)
+
+
+def test_bad_variant_and_arguments():
+    with pytest.raises(ValueError, match="unknown variant 'fast'"):
+        memlean.swish(torch.ones(2), variant="fast")
+    with pytest.raises(ValueError, match="inplace=True contradicts variant='naive'"):
+        memlean.Swish(variant="naive", inplace=True)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        memlean.swish_(3.0)
+    assert memlean.Swish(inplace=True).variant == "inplace"
+    assert repr(memlean.Swish(2.0, "naive")) == "Swish(beta=2.0, variant='naive')"
+
+
+def saved_storages(fn):
+    """{data_ptr: nbytes} of the distinct storages autograd saves while fn() runs."""
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return saved, out
+
+
+def test_linear_swish_linear_saved_bytes_exact():
+    torch.manual_seed(0)
+    batch, d_in, d_h = 64, 32, 1000
+    lin1, lin2 = torch.nn.Linear(d_in, d_h), torch.nn.Linear(d_h, 1)
+    params = {p.untyped_storage().data_ptr() for p in [*lin1.parameters(), *lin2.parameters()]}
+    x = torch.randn(batch, d_in)
+    h_bytes, n = batch * d_h * 4, batch * d_h
+
+    activation_bytes, counts = {}, {}
+    for variant in memlean.VARIANTS:
+        act = memlean.Swish(variant=variant)
+        saved, out = saved_storages(lambda: lin2(act(lin1(x))))
+        acts = {k: v for k, v in saved.items() if k not in params}
+        activation_bytes[variant] = sum(acts.values())
+        counts[variant] = sorted(acts.values())
+        out.sum().backward()  # the graph is usable
+    x_bytes = x.nbytes
+    # naive: x, h, sigmoid(h), y; memory_efficient: x, h, y; inplace: x, y (= h), mask.
+    assert counts["naive"] == sorted([x_bytes, h_bytes, h_bytes, h_bytes])
+    assert counts["memory_efficient"] == sorted([x_bytes, h_bytes, h_bytes])
+    assert counts["inplace"] == sorted([x_bytes, h_bytes, math.ceil(n / 8)])
+    assert activation_bytes["naive"] - activation_bytes["inplace"] == 2 * h_bytes - math.ceil(n / 8)
+    assert activation_bytes["memory_efficient"] - activation_bytes["inplace"] == h_bytes - math.ceil(n / 8)
+
+
+def test_opcheck_every_swish_op():
+    x = torch.randn(7, 5, dtype=torch.float64)
+    g = torch.randn(7, 5, dtype=torch.float64)
+    ops = torch.ops.memlean
+    torch.library.opcheck(ops.swish.default, (x.clone().requires_grad_(True), 1.5))
+    torch.library.opcheck(ops.swish.default, (x, 1.0))
+    torch.library.opcheck(ops.swish_backward.default, (g, x, 1.5))
+    torch.library.opcheck(ops.swish_.default, (x.clone(), 0.7))
+    torch.library.opcheck(ops._swish_inplace_with_mask.default, (x.clone(), 0.7))
+    y = x.clone()
+    mask = ops._swish_inplace_with_mask(y, 0.7)
+    torch.library.opcheck(ops._swish_inplace_backward.default, (g, y, mask, 0.7))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, variant):
+        super().__init__()
+        self.lin1 = torch.nn.Linear(8, 16)
+        self.act = memlean.Swish(beta=1.2, variant=variant)
+        self.lin2 = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.lin2(self.act(self.lin1(x)))
+
+
+def run_and_grads(model, x):
+    model.zero_grad()
+    out = model(x)
+    out.square().sum().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("variant,backend", [(v, "aot_eager") for v in memlean.VARIANTS] +
+                         [("memory_efficient", "inductor"), ("inplace", "inductor")])
+def test_torch_compile_fullgraph_matches_eager(variant, backend):
+    torch.manual_seed(0)
+    model = Net(variant)
+    x = torch.randn(4, 8)
+    eager_out, eager_grads = run_and_grads(model, x)
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    out, grads = run_and_grads(compiled, x)
+    torch.testing.assert_close(out, eager_out)
+    for a, b in zip(grads, eager_grads):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("variant", memlean.VARIANTS)
+def test_torchscript(variant):
+    torch.manual_seed(0)
+    model = Net(variant)
+    scripted = torch.jit.script(model)
+    x = torch.randn(4, 8)
+    out, grads = run_and_grads(scripted, x)
+    eager_out, eager_grads = run_and_grads(model, x)
+    torch.testing.assert_close(out, eager_out)
+    for a, b in zip(grads, eager_grads):
+        torch.testing.assert_close(a, b)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TEST_TMPDIR")) as d:
+        path = os.path.join(d, "net.pt")
+        scripted.save(path)
+        torch.testing.assert_close(torch.jit.load(path)(x), eager_out)
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+@pytest.mark.parametrize("beta", [1.0, 1.7])
+def test_onnx_export_standard_ops_and_onnxruntime(dynamo, beta):
+    onnx = pytest.importorskip("onnx", reason="onnx is a test dependency (./bazelw installs it)")
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime is a test dependency")
+    import memlean.onnx  # noqa: F401  (registers the exporters' translations)
+
+    torch.manual_seed(0)
+    model = Net("memory_efficient").eval()
+    model.act.beta = beta
+    x = torch.randn(5, 8)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TEST_TMPDIR")) as d:
+        path = os.path.join(d, "net.onnx")
+        if dynamo:
+            memlean.onnx.export(model, (x,), path)
+        else:
+            torch.onnx.export(model, (x,), path, dynamo=False)
+        proto = onnx.load(path)
+        kinds = {n.op_type for n in proto.graph.node}
+        assert all(n.domain in ("", "ai.onnx") for n in proto.graph.node), kinds
+        assert {"Sigmoid", "Mul"} <= kinds, kinds
+        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    torch.testing.assert_close(torch.from_numpy(out), model(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
