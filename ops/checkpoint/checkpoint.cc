@@ -84,7 +84,11 @@ class RngFork {
   detail::RngState previous_;
 };
 
-// Restores the buffers that the forward modified once the recompute is done.
+// Copies the buffers before the recompute and puts the copies back after it, so that a
+// module that updates a buffer in forward (torch's BatchNorm2d) updates it once. The copy
+// goes back without bumping the buffers' version counters (like the in-kernel updates of
+// batch norm's running statistics, which do not bump them either), so that graphs that
+// saved a buffer stay valid.
 class BufferRestore {
  public:
   explicit BufferRestore(const std::vector<at::Tensor>& buffers) : buffers_(buffers) {
@@ -93,7 +97,7 @@ class BufferRestore {
   }
   ~BufferRestore() {
     at::NoGradGuard no_grad;
-    for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(copies_[i]);
+    for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].variable_data().copy_(copies_[i]);
   }
 
  private:
@@ -226,9 +230,8 @@ struct SegmentState : torch::CustomClassHolder {
   std::vector<int64_t> output_tensor_slots;
   std::optional<detail::RngState> rng;
   AutocastState autocast;
-  // Before the forward: the buffers to watch; after it: those it modified, which are
-  // restored after the recompute.
-  std::vector<at::Tensor> guarded_buffers;
+  // Buffers of the module(s) the function runs: restored after the recompute.
+  std::vector<at::Tensor> buffers;
 };
 
 class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
@@ -244,10 +247,6 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
       inputs[state->input_tensor_slots[i]] = tensors[i];
       versions.push_back(tensors[i]._version());
     }
-    const std::vector<at::Tensor> buffers = std::move(state->guarded_buffers);
-    state->guarded_buffers.clear();
-    std::vector<int64_t> buffer_versions;
-    for (const auto& b : buffers) buffer_versions.push_back(b._version());
 
     std::vector<c10::IValue> outputs = state->function(inputs);
 
@@ -256,9 +255,6 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
                   "input ", state->input_tensor_slots[i], " in place; a checkpointed function "
                   "must not modify its inputs (the recompute in backward would see the modified "
                   "values). Clone the input first, or start the segment after the in-place op.");
-    }
-    for (size_t i = 0; i < buffers.size(); ++i) {
-      if (buffers[i]._version() != buffer_versions[i]) state->guarded_buffers.push_back(buffers[i]);
     }
     state->output_tensor_slots = tensor_output_slots(outputs);
     variable_list result;
@@ -278,7 +274,12 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
     variable_list saved;
     try {
       saved = ctx->get_saved_variables();
-    } catch (const c10::Error&) {
+    } catch (const c10::Error& e) {
+      // Other errors (an input modified in place since the forward ...) say what they are.
+      if (std::string(e.what()).find("backward through the graph a second time") ==
+          std::string::npos) {
+        throw;
+      }
       TORCH_CHECK(false, kName, ": backward ran through this checkpoint a second time, but the "
                   "first backward freed the inputs it saved. Pass retain_graph=true to the "
                   "first backward to run backward twice.");
@@ -304,7 +305,7 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
     {
       RngFork rng(state->rng ? &*state->rng : nullptr);
       AutocastRestore autocast(state->autocast);
-      BufferRestore buffers(state->guarded_buffers);
+      BufferRestore buffers(state->buffers);
       RecomputeGuard recomputing;
       at::AutoGradMode grad_mode(true);
       outputs = state->function(inputs);
@@ -428,7 +429,7 @@ std::vector<c10::IValue> checkpoint_impl(const IValueFunction& function, int64_t
   state->autocast = AutocastState::capture();
   if (options.preserve_rng_state()) state->rng = detail::RngState::capture(detail::rng_devices(tensors));
 
-  state->guarded_buffers = buffers;
+  state->buffers = buffers;
   variable_list wrapped = CheckpointNode::apply(state, at::TensorList(tensors));
 
   std::vector<c10::IValue> outputs = std::move(state->outputs);

@@ -62,9 +62,10 @@ std::vector<c10::IValue> checkpoint(const IValueFunction& function, int64_t n_in
                                     const CheckpointOptions& options = {});
 
 // Checkpointed function(inputs), where `function` runs `module`: the parameters are
-// module.parameters(), and the buffers that the forward modifies (e.g. the running stats
-// of a torch::nn::BatchNorm2d) are restored after the recompute, so that every module's
-// state is updated exactly once per forward.
+// module.parameters(), and the module's buffers are copied before the recompute and put
+// back after it, so that a module that updates a buffer in forward (e.g. the running stats
+// of torch::nn::BatchNorm2d) updates it exactly once per forward. (The copies live only
+// while the segment is recomputed.)
 std::vector<at::Tensor> checkpoint(const torch::nn::Module& module, const TensorFunction& function,
                                    const std::vector<at::Tensor>& inputs,
                                    const CheckpointOptions& options = {});

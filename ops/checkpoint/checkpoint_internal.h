@@ -25,8 +25,8 @@ struct RngState {
 // The CPU, and every CUDA device that holds one of the tensors.
 std::vector<at::Device> rng_devices(at::TensorList tensors);
 
-// checkpoint(function, n_inputs, inputs_and_params, options), where those of `buffers`
-// that the forward modifies are restored after the recompute.
+// checkpoint(function, n_inputs, inputs_and_params, options), where `buffers` are copied
+// before the recompute and put back after it.
 std::vector<c10::IValue> checkpoint_impl(const IValueFunction& function, int64_t n_inputs,
                                          const std::vector<c10::IValue>& inputs_and_params,
                                          const CheckpointOptions& options,

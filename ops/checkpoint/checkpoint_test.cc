@@ -1,0 +1,512 @@
+// Tests of memlean::checkpoint: gradients equal those of the plain function (float64,
+// bitwise), RNG preservation, activation memory (exact, with LiveBytes), the module forms,
+// and a clear error for every misuse.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/linear.h>
+
+#include <string>
+#include <vector>
+
+#include "ops/checkpoint/checkpoint.h"
+#include "ops/checkpoint/live_bytes.h"
+#include "runtime/testing/expect_error.h"
+
+namespace memlean {
+namespace {
+
+using ::memlean::testing::expect_error;
+using Tensors = std::vector<at::Tensor>;
+
+at::TensorOptions f64() { return at::TensorOptions(at::kDouble); }
+
+at::Tensor leaf(at::IntArrayRef shape, bool requires_grad = true) {
+  return at::randn(shape, f64()).requires_grad_(requires_grad);
+}
+
+// The gradients of `tensors` (undefined where there is none), then cleared.
+Tensors take_grads(const Tensors& tensors) {
+  Tensors grads;
+  for (const auto& t : tensors) {
+    grads.push_back(t.grad().defined() ? t.grad().clone() : at::Tensor());
+    if (t.grad().defined()) t.mutable_grad().reset();
+  }
+  return grads;
+}
+
+void expect_same(const Tensors& a, const Tensors& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i].defined(), b[i].defined()) << "tensor " << i;
+    if (a[i].defined()) {
+      EXPECT_TRUE(at::equal(a[i], b[i])) << "tensor " << i;
+    }
+  }
+}
+
+// A segment with two parameters: tanh(x w^T + b) * x.
+struct Block {
+  at::Tensor w = leaf({8, 8});
+  at::Tensor b = leaf({8});
+  Tensors params() const { return {w, b}; }
+  at::Tensor operator()(const at::Tensor& x) const { return at::tanh(at::linear(x, w, b)) * x; }
+};
+
+TEST(Checkpoint, GradientsEqualThePlainFunctionInFloat64) {
+  Block block;
+  const at::Tensor x = leaf({5, 8});
+  const Tensors all = {x, block.w, block.b};
+
+  block(x).pow(2).sum().backward();
+  const Tensors plain = take_grads(all);
+
+  const Tensors out = checkpoint(
+      [&](const Tensors& in) { return Tensors{block(in[0])}; }, 1, {x, block.w, block.b});
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_TRUE(out[0].requires_grad());
+  out[0].pow(2).sum().backward();
+  expect_same(take_grads(all), plain);
+}
+
+TEST(Checkpoint, SeveralOutputsAndOutputsWithoutGradient) {
+  Block block;
+  const at::Tensor x = leaf({4, 8});
+  const at::Tensor y = leaf({4, 8});
+  const Tensors all = {x, y, block.w, block.b};
+  auto f = [&](const Tensors& in) {
+    const at::Tensor h = block(in[0]);
+    return Tensors{h * in[1], h.sum(1), in[1].exp()};
+  };
+  {
+    const Tensors o = f({x, y});
+    (o[0].sum() + o[1].pow(2).sum()).backward();  // o[2] unused
+  }
+  const Tensors plain = take_grads(all);
+  const Tensors o = checkpoint(f, 2, {x, y, block.w, block.b});
+  ASSERT_EQ(o.size(), 3u);
+  (o[0].sum() + o[1].pow(2).sum()).backward();
+  expect_same(take_grads(all), plain);
+}
+
+TEST(Checkpoint, InputsThatDoNotRequireGrad) {
+  Block block;
+  const at::Tensor x = leaf({3, 8}, /*requires_grad=*/false);
+  block(x).sum().backward();
+  const Tensors plain = take_grads(block.params());
+  checkpoint([&](const Tensors& in) { return Tensors{block(in[0])}; }, 1, {x, block.w, block.b})[0]
+      .sum()
+      .backward();
+  expect_same(take_grads(block.params()), plain);
+  EXPECT_FALSE(x.grad().defined());
+}
+
+TEST(Checkpoint, UndefinedInputsPassThrough) {
+  Block block;
+  const at::Tensor x = leaf({3, 8});
+  int calls = 0;
+  auto f = [&](const Tensors& in) {
+    ++calls;
+    EXPECT_FALSE(in[1].defined());
+    return Tensors{block(in[0])};
+  };
+  checkpoint(f, 2, {x, at::Tensor(), block.w, block.b})[0].sum().backward();
+  EXPECT_EQ(calls, 2);  // forward and recompute
+  EXPECT_TRUE(x.grad().defined());
+}
+
+TEST(Checkpoint, NonTensorInputsAndOutputsPassThrough) {
+  Block block;
+  const at::Tensor x = leaf({3, 8});
+  auto f = [&](const std::vector<c10::IValue>& in) {
+    EXPECT_EQ(in[2].toStringRef(), "scale");
+    EXPECT_TRUE(in[3].isNone());
+    const at::Tensor h = block(in[0].toTensor()) * in[1].toDouble();
+    return std::vector<c10::IValue>{c10::IValue(int64_t{7}), h, c10::IValue("done")};
+  };
+  (f({x, 2.5, "scale", c10::IValue()})[1].toTensor()).sum().backward();
+  const Tensors plain = take_grads({x, block.w, block.b});
+
+  const std::vector<c10::IValue> out =
+      checkpoint(f, 4, {x, 2.5, "scale", c10::IValue(), block.w, block.b});
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_EQ(out[0].toInt(), 7);
+  EXPECT_EQ(out[2].toStringRef(), "done");
+  out[1].toTensor().sum().backward();
+  expect_same(take_grads({x, block.w, block.b}), plain);
+}
+
+TEST(Checkpoint, NonDifferentiableOutputs) {
+  Block block;
+  const at::Tensor x = leaf({3, 8});
+  const Tensors out = checkpoint(
+      [&](const Tensors& in) {
+        const at::Tensor h = block(in[0]);
+        return Tensors{h.argmax(1), h};
+      },
+      1, {x, block.w, block.b});
+  EXPECT_EQ(out[0].scalar_type(), at::kLong);
+  EXPECT_FALSE(out[0].requires_grad());
+  out[1].sum().backward();
+  EXPECT_TRUE(block.w.grad().defined());
+}
+
+TEST(Checkpoint, ParameterListedTwiceGetsItsGradientOnce) {
+  Block block;
+  const at::Tensor x = leaf({3, 8});
+  block(x).sum().backward();
+  const Tensors plain = take_grads({x, block.w, block.b});
+  checkpoint([&](const Tensors& in) { return Tensors{block(in[0])}; }, 1,
+             {x, block.w, block.b, block.w})[0]
+      .sum()
+      .backward();
+  expect_same(take_grads({x, block.w, block.b}), plain);
+}
+
+TEST(Checkpoint, WithoutGradModeItIsAPlainCall) {
+  Block block;
+  const at::Tensor x = leaf({3, 8});
+  int calls = 0;
+  at::NoGradGuard no_grad;
+  const Tensors out = checkpoint(
+      [&](const Tensors& in) {
+        ++calls;
+        return Tensors{block(in[0])};
+      },
+      1, {x, block.w, block.b});
+  EXPECT_EQ(calls, 1);
+  EXPECT_FALSE(out[0].requires_grad());
+  EXPECT_TRUE(at::equal(out[0], block(x)));
+}
+
+// ---- RNG -----------------------------------------------------------------------------
+
+TEST(Checkpoint, DropoutGradientsEqualWithRngPreservation) {
+  Block block;
+  const at::Tensor x = leaf({64, 8});
+  auto f = [&](const Tensors& in) { return Tensors{at::dropout(block(in[0]), 0.5, true)}; };
+
+  at::manual_seed(123);
+  f({x})[0].pow(2).sum().backward();
+  const at::Tensor after_plain = at::rand({4}, f64());
+  const Tensors plain = take_grads({x, block.w, block.b});
+
+  at::manual_seed(123);
+  checkpoint(f, 1, {x, block.w, block.b})[0].pow(2).sum().backward();
+  // The recompute did not move the RNG stream either.
+  EXPECT_TRUE(at::equal(at::rand({4}, f64()), after_plain));
+  expect_same(take_grads({x, block.w, block.b}), plain);
+}
+
+TEST(Checkpoint, DropoutDiffersWithoutRngPreservation) {
+  Block block;
+  const at::Tensor x = leaf({64, 8});
+  auto f = [&](const Tensors& in) { return Tensors{at::dropout(block(in[0]), 0.5, true)}; };
+  at::manual_seed(123);
+  f({x})[0].pow(2).sum().backward();
+  const Tensors plain = take_grads({x, block.w, block.b});
+  at::manual_seed(123);
+  checkpoint(f, 1, {x, block.w, block.b}, CheckpointOptions().preserve_rng_state(false))[0]
+      .pow(2)
+      .sum()
+      .backward();
+  EXPECT_FALSE(at::equal(take_grads({x, block.w, block.b})[1], plain[1]));
+}
+
+// ---- memory --------------------------------------------------------------------------
+
+// A chain of n blocks tanh(h w^T + b) in segments of `per` blocks; each segment either
+// checkpointed or plain.
+struct Chain {
+  std::vector<Block> blocks;
+  explicit Chain(int n) : blocks(n) {}
+  at::Tensor run(const at::Tensor& x, int per, bool checkpointed, bool rng = false) const {
+    at::Tensor h = x;
+    for (size_t s = 0; s < blocks.size(); s += per) {
+      auto segment = [this, s, per](const Tensors& in) {
+        at::Tensor t = in[0];
+        for (size_t i = s; i < s + per; ++i) t = at::tanh(at::linear(t, blocks[i].w, blocks[i].b));
+        return Tensors{t};
+      };
+      Tensors args = {h};
+      for (size_t i = s; i < s + per; ++i) {
+        args.push_back(blocks[i].w);
+        args.push_back(blocks[i].b);
+      }
+      h = checkpointed ? checkpoint(segment, 1, args, CheckpointOptions().preserve_rng_state(rng))[0]
+                       : segment({h})[0];
+    }
+    return h;
+  }
+};
+
+TEST(CheckpointMemory, ForwardKeepsOnlyTheSegmentInputs) {
+  ASSERT_TRUE(LiveBytes::available());
+  constexpr int kBlocks = 12;
+  const Chain chain(kBlocks);
+  const at::Tensor x = leaf({32, 8});
+  const int64_t act = 32 * 8 * 8;  // one activation, float64
+
+  {
+    LiveBytes live;
+    const at::Tensor y = chain.run(x, 1, /*checkpointed=*/false);
+    // Plain: every tanh keeps its output for backward.
+    EXPECT_EQ(live.live(), kBlocks * act);
+  }
+  for (int per : {1, 2, 3, 4, 6, 12}) {
+    LiveBytes live;
+    const at::Tensor y = chain.run(x, per, /*checkpointed=*/true);
+    // k segments: the k segment outputs (each the next one's saved input, the last one y).
+    EXPECT_EQ(live.live(), (kBlocks / per) * act) << per << " blocks per segment";
+    // Backward frees them; the recompute of one segment at a time needs `per` more.
+    live.reset_peak();
+    y.sum().backward();
+  }
+}
+
+TEST(CheckpointMemory, RngStateCostsOneGeneratorStatePerCheckpoint) {
+  const Chain chain(4);
+  const at::Tensor x = leaf({32, 8});
+  const int64_t state_bytes = at::detail::getDefaultCPUGenerator().get_state().nbytes();
+  LiveBytes live;
+  const at::Tensor y = chain.run(x, 1, /*checkpointed=*/true, /*rng=*/true);
+  EXPECT_EQ(live.live(), 4 * (32 * 8 * 8 + state_bytes));
+}
+
+TEST(CheckpointMemory, BackwardRecomputesOneSegmentAtATime) {
+  constexpr int kBlocks = 12;
+  const Chain chain(kBlocks);
+  const at::Tensor x = leaf({512, 8});  // activations much larger than the parameters
+  const int64_t act = 512 * 8 * 8;
+  int64_t peak[2] = {0, 0};
+  for (bool ckpt : {false, true}) {
+    LiveBytes live;
+    const at::Tensor y = chain.run(x, 4, ckpt);
+    y.sum().backward();
+    peak[ckpt] = live.peak();
+    for (const auto& b : chain.blocks) take_grads({b.w, b.b});
+  }
+  x.mutable_grad().reset();
+  // Plain: the 12 kept activations and the gradients' temporaries. Checkpointed: 3 kept
+  // segment outputs, plus one segment of 4 recomputed, plus the same temporaries.
+  EXPECT_GE(peak[0], kBlocks * act);
+  // (Measured: 14.0 and 9.1 activations.)
+  EXPECT_LT(peak[1], 10 * act) << peak[1] << " vs " << peak[0];
+  EXPECT_LT(peak[1], peak[0] - 4 * act) << peak[1] << " vs " << peak[0];
+}
+
+// ---- module forms --------------------------------------------------------------------
+
+TEST(CheckpointModule, SequentialGradientsEqualPlain) {
+  torch::nn::Sequential seq(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 4));
+  seq->to(at::kDouble);
+  const at::Tensor x = leaf({5, 8});
+  Tensors all = seq->parameters();
+  all.push_back(x);
+  seq->forward(x).pow(2).sum().backward();
+  const Tensors plain = take_grads(all);
+  checkpoint(seq, x).pow(2).sum().backward();
+  expect_same(take_grads(all), plain);
+}
+
+TEST(CheckpointModule, FunctionOverAModule) {
+  torch::nn::Linear lin(8, 8);
+  lin->to(at::kDouble);
+  const at::Tensor x = leaf({5, 8});
+  const at::Tensor y = leaf({5, 8});
+  Tensors all = {x, y, lin->weight, lin->bias};
+  (lin(x) * y).sum().backward();
+  const Tensors plain = take_grads(all);
+  checkpoint(*lin, [&](const Tensors& in) { return Tensors{lin(in[0]) * in[1]}; }, {x, y})[0]
+      .sum()
+      .backward();
+  expect_same(take_grads(all), plain);
+}
+
+// The module form restores the buffers the forward changed, so even torch's BatchNorm2d
+// inside it is updated once.
+TEST(CheckpointModule, TorchBatchNormInsideIsUpdatedOnce) {
+  auto make = [] {
+    torch::nn::Sequential s(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3).padding(1)),
+                            torch::nn::BatchNorm2d(4), torch::nn::ReLU());
+    s->to(at::kDouble);
+    return s;
+  };
+  at::manual_seed(0);
+  auto plain = make();
+  at::manual_seed(0);
+  auto ckpt = make();
+  const at::Tensor x = at::randn({6, 3, 5, 5}, f64());
+  plain->forward(x).sum().backward();
+  checkpoint(ckpt, x).sum().backward();
+  auto bp = std::dynamic_pointer_cast<torch::nn::BatchNorm2dImpl>(plain->ptr(1));
+  auto bc = std::dynamic_pointer_cast<torch::nn::BatchNorm2dImpl>(ckpt->ptr(1));
+  EXPECT_EQ(bc->num_batches_tracked.item<int64_t>(), 1);
+  EXPECT_TRUE(at::equal(bc->running_mean, bp->running_mean));
+  EXPECT_TRUE(at::equal(bc->running_var, bp->running_var));
+  expect_same(take_grads(ckpt->parameters()), take_grads(plain->parameters()));
+}
+
+// ---- other properties ----------------------------------------------------------------
+
+TEST(Checkpoint, IsRecomputingOnlyDuringTheRecompute) {
+  Block block;
+  const at::Tensor x = leaf({3, 8});
+  std::vector<bool> seen;
+  auto f = [&](const Tensors& in) {
+    seen.push_back(is_recomputing());
+    return Tensors{block(in[0])};
+  };
+  EXPECT_FALSE(is_recomputing());
+  checkpoint(f, 1, {x, block.w, block.b})[0].sum().backward();
+  EXPECT_EQ(seen, (std::vector<bool>{false, true}));
+  EXPECT_FALSE(is_recomputing());
+}
+
+TEST(Checkpoint, NestedCheckpointsGiveTheSameGradients) {
+  Block inner, outer;
+  const at::Tensor x = leaf({4, 8});
+  const Tensors all = {x, inner.w, inner.b, outer.w, outer.b};
+  outer(inner(x)).sum().backward();
+  const Tensors plain = take_grads(all);
+  auto f = [&](const Tensors& in) {
+    const at::Tensor h =
+        checkpoint([&](const Tensors& i) { return Tensors{inner(i[0])}; }, 1, {in[0], inner.w, inner.b})[0];
+    return Tensors{outer(h)};
+  };
+  checkpoint(f, 1, {x, inner.w, inner.b, outer.w, outer.b})[0].sum().backward();
+  expect_same(take_grads(all), plain);
+}
+
+TEST(Checkpoint, BackwardTwiceWithRetainGraphRecomputesAgain) {
+  Block block;
+  const at::Tensor x = leaf({3, 8});
+  block(x).sum().backward();
+  const Tensors once = take_grads({x, block.w});
+  const at::Tensor y =
+      checkpoint([&](const Tensors& in) { return Tensors{block(in[0])}; }, 1, {x, block.w, block.b})[0];
+  y.sum().backward({}, /*retain_graph=*/true);
+  y.sum().backward();
+  const Tensors twice = take_grads({x, block.w});
+  EXPECT_TRUE(at::allclose(twice[0], 2 * once[0], 1e-14, 0));
+  EXPECT_TRUE(at::allclose(twice[1], 2 * once[1], 1e-14, 0));
+}
+
+TEST(Checkpoint, CreateGraphGivesFirstOrderGradientsAndRefusesTheSecond) {
+  Block block;
+  const at::Tensor x = leaf({3, 8});
+  block(x).sum().backward();
+  const Tensors plain = take_grads({x});
+  const at::Tensor y =
+      checkpoint([&](const Tensors& in) { return Tensors{block(in[0])}; }, 1, {x, block.w, block.b})[0];
+  const Tensors g = torch::autograd::grad({y.sum()}, {x}, {}, std::nullopt, /*create_graph=*/true);
+  EXPECT_TRUE(at::equal(g[0].detach(), plain[0]));
+  expect_error([&] { g[0].sum().backward(); }, "double backward (create_graph=true) through a checkpoint");
+}
+
+// ---- errors --------------------------------------------------------------------------
+
+TEST(CheckpointErrors, NLargerThanTheArguments) {
+  const at::Tensor x = leaf({2});
+  expect_error([&] { checkpoint([](const Tensors& in) { return in; }, 3, {x, x}); },
+               "memlean::checkpoint: n_inputs is 3 but only 2 arguments were given");
+  expect_error([&] { checkpoint([](const Tensors& in) { return in; }, -1, {x}); },
+               "n_inputs must be >= 0, got -1");
+}
+
+TEST(CheckpointErrors, AParameterThatIsNotATensor) {
+  const at::Tensor x = leaf({2});
+  auto f = [](const std::vector<c10::IValue>& in) { return in; };
+  expect_error([&] { checkpoint(f, 1, {x, 0.5}); },
+               "parameter 0 (inputs_and_params[1]) is a value of type Double, not a tensor");
+  expect_error([&] { checkpoint(f, 1, {x, x, c10::IValue()}); },
+               "parameter 1 (inputs_and_params[2]) is None, not a tensor");
+  expect_error([&] { checkpoint([](const Tensors& in) { return in; }, 1, {x, at::Tensor()}); },
+               "parameter 0 (inputs_and_params[1]) is an undefined tensor, not a tensor");
+}
+
+TEST(CheckpointErrors, AFunctionThatReturnsNoTensor) {
+  const at::Tensor x = leaf({2});
+  expect_error([&] { checkpoint([](const Tensors&) { return Tensors{}; }, 1, {x}); },
+               "the function returned no tensor (it returned 0 values)");
+  expect_error([&] { checkpoint([](const Tensors&) { return Tensors{at::Tensor()}; }, 1, {x}); },
+               "the function returned no tensor (it returned 1 value: an undefined tensor)");
+  auto ints = [](const std::vector<c10::IValue>&) {
+    return std::vector<c10::IValue>{c10::IValue(int64_t{1}), c10::IValue()};
+  };
+  expect_error([&] { checkpoint(ints, 1, {x}); },
+               "returned no tensor (it returned 2 values: a value of type Int, None)");
+  // Also without grad (the plain-call path).
+  at::NoGradGuard no_grad;
+  expect_error([&] { checkpoint(ints, 1, {x}); }, "returned no tensor");
+}
+
+TEST(CheckpointErrors, TensorsInsideAContainer) {
+  const at::Tensor x = leaf({2});
+  auto f = [](const std::vector<c10::IValue>& in) {
+    return std::vector<c10::IValue>{in[0], c10::IValue(c10::List<at::Tensor>({in[0].toTensor()}))};
+  };
+  expect_error([&] { checkpoint(f, 1, {x}); }, "output 1 of the function is a container that holds tensors");
+}
+
+TEST(CheckpointErrors, BackwardThroughACheckpointTwice) {
+  Block block;
+  const at::Tensor x = leaf({3, 8});
+  const at::Tensor y =
+      checkpoint([&](const Tensors& in) { return Tensors{block(in[0])}; }, 1, {x, block.w, block.b})[0];
+  y.sum().backward();
+  expect_error([&] { y.sum().backward(); },
+               "memlean::checkpoint: backward ran through this checkpoint a second time");
+}
+
+TEST(CheckpointErrors, AParameterThatWasNotListed) {
+  Block block;
+  const at::Tensor x = leaf({3, 8});
+  const at::Tensor y =
+      checkpoint([&](const Tensors& in) { return Tensors{block(in[0])}; }, 1, {x, block.w})[0];
+  expect_error([&] { y.sum().backward(); },
+               "uses a tensor that requires grad but is neither one of its inputs nor one of the "
+               "parameters given to the checkpoint (it reaches a leaf of shape [8] through");
+}
+
+TEST(CheckpointErrors, AnOutsideActivationThatWasNotListed) {
+  Block block;
+  const at::Tensor x = leaf({3, 8});
+  const at::Tensor outside = leaf({3, 8}) * 2;  // not a leaf
+  const at::Tensor y = checkpoint(
+      [&](const Tensors& in) { return Tensors{block(in[0]) + outside}; }, 1, {x, block.w, block.b})[0];
+  expect_error([&] { y.sum().backward(); }, "its gradient would be lost");
+}
+
+TEST(CheckpointErrors, TheFunctionModifiesItsInputInPlace) {
+  const at::Tensor x = leaf({3, 8});
+  const at::Tensor h = x * 2;
+  expect_error(
+      [&] { checkpoint([](const Tensors& in) { return Tensors{in[0].relu_()}; }, 1, {h}); },
+      "the function modified its input 0 in place");
+}
+
+TEST(CheckpointErrors, AnInputModifiedBeforeBackward) {
+  Block block;
+  const at::Tensor x = leaf({3, 8});
+  const at::Tensor h = x * 2;
+  const at::Tensor y =
+      checkpoint([&](const Tensors& in) { return Tensors{block(in[0])}; }, 1, {h, block.w, block.b})[0];
+  {
+    at::NoGradGuard no_grad;
+    h.add_(1);
+  }
+  expect_error([&] { y.sum().backward(); }, "modified by an inplace operation");
+}
+
+TEST(CheckpointErrors, EmptyFunction) {
+  expect_error([&] { checkpoint(TensorFunction(), 0, {leaf({2})}); }, "function is empty");
+}
+
+}  // namespace
+}  // namespace memlean
