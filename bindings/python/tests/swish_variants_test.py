@@ -226,5 +226,36 @@ def test_onnx_export_standard_ops_and_onnxruntime(dynamo, beta):
     torch.testing.assert_close(torch.from_numpy(out), model(x).detach(), rtol=1e-5, atol=1e-5)
 
 
+OPS = ["swish", "swish_backward", "swish_", "_swish_inplace_with_mask", "_swish_inplace_backward"]
+
+
+def test_cuda_kernels_are_registered_when_built_with_cuda():
+    # The library links libtorch_cuda and loads here without a GPU; its CUDA kernels are
+    # registered whenever the torch it was built against has CUDA.
+    if torch.version.cuda is None:
+        pytest.skip("this torch has no CUDA: memlean builds without CUDA kernels")
+    for op in OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"memlean::{op}", "CUDA"), op
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"memlean::{op}", "CPU"), op
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", memlean.VARIANTS)
+def test_cuda_matches_float64_reference(dtype, variant):
+    beta = 1.3
+    x0 = torch.cat([torch.linspace(-60, 60, 200_001, dtype=torch.float64),
+                    torch.linspace(T_STAR / beta - 0.05, T_STAR / beta + 0.05, 100_001, dtype=torch.float64),
+                    torch.randn(100_003, dtype=torch.float64) * 3]).to(dtype)
+    leaf = x0.cuda().requires_grad_(True)
+    y = memlean.swish(leaf * 1, beta, variant=variant)
+    ref = x0.double() * torch.sigmoid(beta * x0.double())
+    tol = 1e-12 if dtype == torch.float64 else 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-5
+    torch.testing.assert_close(y.detach().cpu().double(), ref, rtol=tol, atol=tol)
+    y.backward(torch.ones_like(y))
+    err = (leaf.grad.cpu().double() - reference_grad(x0, beta)).abs().max().item()
+    assert err <= max(BOUND[dtype], tol), (dtype, variant, err)
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

@@ -1,0 +1,56 @@
+// Argument checks shared by the CPU, Meta and CUDA kernels of //ops/swish.
+#include "ops/swish/swish_checks.h"
+
+#include <ATen/MemoryOverlap.h>
+#include <c10/core/SymInt.h>
+
+#include <cmath>
+
+namespace memlean::swish_detail {
+
+void check_input(const at::Tensor& x, const char* name, const char* op) {
+  TORCH_CHECK(x.defined(), op, ": ", name, " is an undefined tensor");
+  const auto t = x.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf, op,
+              ": ", name, " must be float32, float64, bfloat16 or float16, got ", t);
+}
+
+void check_beta(double beta, const char* op) {
+  TORCH_CHECK(std::isfinite(beta), op, ": beta must be finite, got ", beta);
+}
+
+void check_backward_args(const at::Tensor& grad, const at::Tensor& x, double beta) {
+  constexpr const char* op = "memlean::swish_backward";
+  check_input(x, "x", op);
+  check_input(grad, "grad", op);
+  check_beta(beta, op);
+  TORCH_CHECK(grad.scalar_type() == x.scalar_type(), op, ": grad has dtype ", grad.scalar_type(),
+              " but x has dtype ", x.scalar_type());
+  TORCH_CHECK(grad.sym_sizes() == x.sym_sizes(), op, ": grad has shape ", grad.sym_sizes(),
+              " but x has shape ", x.sym_sizes());
+  TORCH_CHECK(grad.device() == x.device(), op, ": grad is on ", grad.device(), " but x is on ",
+              x.device());
+}
+
+void check_inplace_backward_args(const at::Tensor& grad, const at::Tensor& y,
+                                 const at::Tensor& mask, double beta) {
+  constexpr const char* op = "memlean::_swish_inplace_backward";
+  check_backward_args(grad, y, beta);
+  TORCH_CHECK(mask.defined() && mask.scalar_type() == at::kByte, op,
+              ": mask must be a uint8 tensor of packed bits");
+  // Symbolic sizes (torch.compile with dynamic shapes) compare through guards.
+  const c10::SymInt expected = (y.sym_numel() + 7) / 8;
+  TORCH_CHECK(mask.sym_numel() == expected, op, ": mask has ", mask.sym_numel(),
+              " bytes but y has ", y.sym_numel(), " elements (expected ", expected, " bytes)");
+  TORCH_CHECK(mask.device() == y.device(), op, ": mask is on ", mask.device(), " but y is on ",
+              y.device());
+}
+
+void check_inplace_input(const at::Tensor& x, double beta) {
+  constexpr const char* op = "memlean::swish_";
+  check_input(x, "x", op);
+  check_beta(beta, op);
+  at::assert_no_internal_overlap(x);
+}
+
+}  // namespace memlean::swish_detail

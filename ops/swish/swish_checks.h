@@ -1,0 +1,21 @@
+// Argument checks shared by the CPU, Meta and CUDA kernels of //ops/swish: each names the
+// argument and the operator in its error.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace memlean::swish_detail {
+
+// x: defined, float32/float64/bfloat16/float16.
+void check_input(const at::Tensor& x, const char* name, const char* op);
+// beta: finite.
+void check_beta(double beta, const char* op);
+// grad and x: valid inputs of the same dtype, shape and device.
+void check_backward_args(const at::Tensor& grad, const at::Tensor& x, double beta);
+// As above, and mask: uint8 with ceil(numel / 8) bytes, on y's device.
+void check_inplace_backward_args(const at::Tensor& grad, const at::Tensor& y,
+                                 const at::Tensor& mask, double beta);
+// x: a valid input whose elements do not share memory.
+void check_inplace_input(const at::Tensor& x, double beta);
+
+}  // namespace memlean::swish_detail
