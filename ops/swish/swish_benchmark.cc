@@ -1,0 +1,208 @@
+// google-benchmark of the Swish variants against ATen's silu, the naive composition and a
+// plain copy (x.clone(), the bandwidth reference), float32 at 1M, 16M and 64M elements.
+// Phases: fwd (kernels, no autograd), bwd (kernels; the naive one through autograd, as it
+// runs in training), both (forward + backward through autograd). After the runs, a table
+// of time ratios against at::silu and the naive composition, and bytes/s against clone.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <benchmark/benchmark.h>
+
+#include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "ops/swish/swish.h"
+
+namespace {
+
+constexpr int64_t kSizes[] = {1 << 20, 16 << 20, 64 << 20};
+
+at::Tensor with_mask(at::Tensor& x) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("memlean::_swish_inplace_with_mask", "")
+                             .typed<at::Tensor(at::Tensor&, double)>();
+  return op.call(x, 1.0);
+}
+
+at::Tensor inplace_backward(const at::Tensor& g, const at::Tensor& y, const at::Tensor& mask) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("memlean::_swish_inplace_backward", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  return op.call(g, y, mask, 1.0);
+}
+
+at::Tensor input(int64_t n) {
+  at::manual_seed(0);
+  return at::randn({n}) * 3;
+}
+
+void set_bytes(benchmark::State& state, int64_t bytes_per_element) {
+  state.SetBytesProcessed(state.iterations() * state.range(0) * bytes_per_element);
+}
+
+// ---- forward kernels: read x, write y (8 bytes per element) ----
+void BM_fwd_silu(benchmark::State& state) {
+  const at::Tensor x = input(state.range(0));
+  for (auto _ : state) benchmark::DoNotOptimize(at::silu(x));
+  set_bytes(state, 8);
+}
+void BM_fwd_naive(benchmark::State& state) {
+  const at::Tensor x = input(state.range(0));
+  for (auto _ : state) benchmark::DoNotOptimize(x * at::sigmoid(x));
+  set_bytes(state, 8);
+}
+void BM_fwd_memory_efficient(benchmark::State& state) {
+  const at::Tensor x = input(state.range(0));
+  for (auto _ : state) benchmark::DoNotOptimize(memlean::swish_forward(x));
+  set_bytes(state, 8);
+}
+void BM_fwd_inplace(benchmark::State& state) {
+  const at::Tensor src = input(state.range(0));
+  at::Tensor x = src.clone();
+  for (auto _ : state) {
+    state.PauseTiming();
+    x.copy_(src);  // repeated in-place application would drift towards denormals
+    state.ResumeTiming();
+    benchmark::DoNotOptimize(with_mask(x));
+  }
+  set_bytes(state, 8);
+}
+void BM_clone(benchmark::State& state) {
+  const at::Tensor x = input(state.range(0));
+  for (auto _ : state) benchmark::DoNotOptimize(x.clone());
+  set_bytes(state, 8);
+}
+
+// ---- backward: read grad and x (or y), write grad_x (12 bytes per element) ----
+void BM_bwd_silu(benchmark::State& state) {
+  const at::Tensor x = input(state.range(0)), g = at::randn_like(x);
+  for (auto _ : state) benchmark::DoNotOptimize(at::silu_backward(g, x));
+  set_bytes(state, 12);
+}
+void BM_bwd_naive(benchmark::State& state) {
+  const at::Tensor x0 = input(state.range(0)), g = at::randn_like(x0);
+  const at::Tensor x = x0.clone().set_requires_grad(true);
+  for (auto _ : state) {
+    state.PauseTiming();
+    x.mutable_grad() = at::Tensor();
+    at::Tensor y = x * at::sigmoid(x);
+    state.ResumeTiming();
+    y.backward(g);
+  }
+  set_bytes(state, 12);
+}
+void BM_bwd_memory_efficient(benchmark::State& state) {
+  const at::Tensor x = input(state.range(0)), g = at::randn_like(x);
+  for (auto _ : state) benchmark::DoNotOptimize(memlean::swish_backward(g, x));
+  set_bytes(state, 12);
+}
+void BM_bwd_inplace(benchmark::State& state) {
+  at::Tensor y = input(state.range(0));
+  const at::Tensor g = at::randn_like(y);
+  const at::Tensor mask = with_mask(y);
+  for (auto _ : state) benchmark::DoNotOptimize(inplace_backward(g, y, mask));
+  set_bytes(state, 12);
+}
+
+// ---- forward + backward through autograd (20 bytes per element) ----
+template <typename F>
+void both(benchmark::State& state, F f, bool needs_non_leaf) {
+  const at::Tensor x0 = input(state.range(0)), g = at::randn_like(x0);
+  const at::Tensor leaf = x0.clone().set_requires_grad(true);
+  for (auto _ : state) {
+    state.PauseTiming();
+    leaf.mutable_grad() = at::Tensor();
+    at::Tensor x = needs_non_leaf ? leaf.clone() : leaf;
+    state.ResumeTiming();
+    f(x).backward(g);
+  }
+  set_bytes(state, 20);
+}
+void BM_both_silu(benchmark::State& s) { both(s, [](const at::Tensor& x) { return at::silu(x); }, false); }
+void BM_both_naive(benchmark::State& s) {
+  both(s, [](const at::Tensor& x) { return x * at::sigmoid(x); }, false);
+}
+void BM_both_memory_efficient(benchmark::State& s) {
+  both(s, [](const at::Tensor& x) { return memlean::swish(x); }, false);
+}
+void BM_both_inplace(benchmark::State& s) {
+  both(s, [](const at::Tensor& x) { return memlean::swish(x, 1.0, memlean::SwishVariant::kInplace); }, true);
+}
+
+void sizes(benchmark::internal::Benchmark* b) {
+  for (int64_t n : kSizes) b->Arg(n);
+  b->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.3);
+}
+
+BENCHMARK(BM_clone)->Apply(sizes);
+BENCHMARK(BM_fwd_silu)->Apply(sizes);
+BENCHMARK(BM_fwd_naive)->Apply(sizes);
+BENCHMARK(BM_fwd_memory_efficient)->Apply(sizes);
+BENCHMARK(BM_fwd_inplace)->Apply(sizes);
+BENCHMARK(BM_bwd_silu)->Apply(sizes);
+BENCHMARK(BM_bwd_naive)->Apply(sizes);
+BENCHMARK(BM_bwd_memory_efficient)->Apply(sizes);
+BENCHMARK(BM_bwd_inplace)->Apply(sizes);
+BENCHMARK(BM_both_silu)->Apply(sizes);
+BENCHMARK(BM_both_naive)->Apply(sizes);
+BENCHMARK(BM_both_memory_efficient)->Apply(sizes);
+BENCHMARK(BM_both_inplace)->Apply(sizes);
+
+// Keeps each run's time per iteration and bytes/s, keyed by its name.
+class Collector : public benchmark::ConsoleReporter {
+ public:
+  struct Result {
+    double seconds;
+    double bytes_per_second;
+  };
+  std::map<std::string, Result> results;
+
+  void ReportRuns(const std::vector<Run>& runs) override {
+    for (const Run& r : runs) {
+      if (r.run_type != Run::RT_Iteration || r.error_occurred) continue;
+      const auto bps = r.counters.find("bytes_per_second");
+      results[r.benchmark_name()] = {r.GetAdjustedRealTime(),
+                                     bps == r.counters.end() ? 0.0 : double(bps->second)};
+    }
+    ConsoleReporter::ReportRuns(runs);
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  Collector collector;
+  benchmark::RunSpecifiedBenchmarks(&collector);
+
+  const auto get = [&](const std::string& name) -> const Collector::Result* {
+    const auto it = collector.results.find(name);
+    return it == collector.results.end() ? nullptr : &it->second;
+  };
+  std::printf("\nSpeed-up of each variant (time of the reference / time of the variant), at::"
+              "get_num_threads()=%d\n",
+              at::get_num_threads());
+  std::printf("%-6s %-10s %-18s %10s %10s %14s\n", "phase", "elements", "variant", "vs silu",
+              "vs naive", "GB/s (clone)");
+  for (const char* phase : {"fwd", "bwd", "both"}) {
+    for (int64_t n : kSizes) {
+      const std::string suffix = "/" + std::to_string(n) + "/min_time:0.300/real_time";
+      const auto* silu = get(std::string("BM_") + phase + "_silu" + suffix);
+      const auto* naive = get(std::string("BM_") + phase + "_naive" + suffix);
+      const auto* clone = get("BM_clone" + suffix);
+      for (const char* v : {"memory_efficient", "inplace"}) {
+        const auto* r = get(std::string("BM_") + phase + "_" + v + suffix);
+        if (!r || !silu || !naive || !clone) continue;
+        std::printf("%-6s %-10lld %-18s %9.2fx %9.2fx %7.1f (%.1f)\n", phase,
+                    static_cast<long long>(n), v, silu->seconds / r->seconds,
+                    naive->seconds / r->seconds, r->bytes_per_second / 1e9,
+                    clone->bytes_per_second / 1e9);
+      }
+    }
+  }
+  benchmark::Shutdown();
+  return 0;
+}
