@@ -1,16 +1,18 @@
 // The counting CPU allocator: wraps the CPU allocator found at install time, adds a 64-byte
-// header in front of each allocation, and keeps global atomic counters. Hot path: one
-// fetch_add on the current bytes, a load (rarely a CAS) on the epoch peak, one fetch_add on
-// the epoch's live bytes.
+// header in front of each allocation, and keeps the counters. Hot path: one atomic add on
+// the global current bytes, a load (a CAS when it grows) of the epoch peak, and a plain
+// load + store in the calling thread's own ring of live bytes per epoch.
 #include "runtime/memstats/cpu_accounting.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <limits>
 #include <mutex>
 #include <new>
+#include <vector>
 
 namespace memlean::memstats::detail {
 
@@ -20,17 +22,100 @@ std::atomic<uint32_t> g_epoch{0};
 
 namespace {
 
-// Slot word: the epoch's lap (epoch >> kRingBits, 20 bits) above 44 bits of live bytes. A
-// slot is reused every kRing epochs; the lap tells a free whether the slot still belongs to
-// the epoch of its allocation.
-constexpr int kBytesBits = 44;
+// Live bytes per epoch: one ring of kRing slots per thread, written only by its thread
+// (plain load + store, no lock prefix), summed over all threads by readers. A slot word is
+// the epoch's lap (epoch >> kRingBits) above the thread's net bytes for that epoch (signed:
+// a thread may free what another allocated). A slot still holding an older lap is reused;
+// one holding a newer lap means the epoch is too old to be asked about, so it is skipped.
+constexpr int kLapBits = 32 - static_cast<int>(kRingBits);
+constexpr int kBytesBits = 64 - kLapBits;
 constexpr uint64_t kBytesMask = (uint64_t{1} << kBytesBits) - 1;
-static_assert(32 - kRingBits + kBytesBits == 64);
+constexpr uint32_t kLapMask = (uint32_t{1} << kLapBits) - 1;
 
-std::atomic<uint64_t> g_ring[kRing];
+inline uint32_t lap_of(uint32_t epoch) { return epoch >> kRingBits; }
+inline uint64_t pack(uint32_t lap, int64_t bytes) {
+  return (uint64_t{lap} << kBytesBits) | (static_cast<uint64_t>(bytes) & kBytesMask);
+}
+inline uint32_t lap_in(uint64_t w) { return static_cast<uint32_t>(w >> kBytesBits); }
+inline int64_t bytes_in(uint64_t w) {
+  return static_cast<int64_t>(w << kLapBits) >> kLapBits;  // sign-extends
+}
 
-inline uint64_t lap_tag(uint32_t epoch) { return uint64_t{epoch >> kRingBits} << kBytesBits; }
-inline std::atomic<uint64_t>& slot(uint32_t epoch) { return g_ring[epoch & (kRing - 1)]; }
+struct Ring {
+  std::atomic<uint64_t> slots[kRing] = {};
+};
+
+// Adds delta to the slot of `epoch`; one writer per ring at a time.
+inline void ring_update(Ring& ring, uint32_t epoch, int64_t delta) {
+  std::atomic<uint64_t>& s = ring.slots[epoch & (kRing - 1)];
+  const uint64_t w = s.load(std::memory_order_relaxed);
+  const uint32_t lap = lap_of(epoch), have = lap_in(w);
+  if (have == lap) {
+    s.store(pack(lap, bytes_in(w) + delta), std::memory_order_relaxed);
+  } else if (((lap - have) & kLapMask) < (uint32_t{1} << (kLapBits - 1))) {
+    s.store(pack(lap, delta), std::memory_order_relaxed);
+  }
+}
+
+// The rings of live threads, and one for threads that exited (and for frees that happen
+// while a thread exits), under one mutex. Leaked: frees run until the process is gone.
+struct Rings {
+  std::mutex mu;
+  std::vector<Ring*> live;
+  Ring exited;
+};
+Rings& rings() {
+  static Rings* r = new Rings;
+  return *r;
+}
+
+thread_local Ring* tls_ring = nullptr;
+thread_local bool tls_exiting = false;
+
+struct RingOwner {
+  Ring* ring = nullptr;
+  ~RingOwner() {
+    tls_exiting = true;
+    tls_ring = nullptr;
+    if (ring == nullptr) return;
+    Rings& r = rings();
+    std::lock_guard<std::mutex> lock(r.mu);
+    for (uint32_t i = 0; i < kRing; ++i) {
+      const uint64_t w = ring->slots[i].load(std::memory_order_relaxed);
+      if (bytes_in(w) == 0) continue;
+      const uint32_t epoch = (lap_in(w) << kRingBits) | i;
+      ring_update(r.exited, epoch, bytes_in(w));
+    }
+    r.live.erase(std::find(r.live.begin(), r.live.end(), ring));
+    delete ring;
+  }
+};
+thread_local RingOwner tls_owner;
+
+C10_NOINLINE void ring_add_slow(uint32_t epoch, int64_t delta) {
+  Rings& r = rings();
+  if (!tls_exiting) {
+    auto* ring = new Ring;
+    {
+      std::lock_guard<std::mutex> lock(r.mu);
+      r.live.push_back(ring);
+    }
+    tls_owner.ring = ring;
+    tls_ring = ring;
+    ring_update(*ring, epoch, delta);
+    return;
+  }
+  std::lock_guard<std::mutex> lock(r.mu);
+  ring_update(r.exited, epoch, delta);
+}
+
+inline void ring_add(uint32_t epoch, int64_t delta) {
+  if (Ring* ring = tls_ring; C10_LIKELY(ring != nullptr)) {
+    ring_update(*ring, epoch, delta);
+  } else {
+    ring_add_slow(epoch, delta);
+  }
+}
 
 inline void count_alloc(uint64_t n, uint32_t epoch) {
   const int64_t now = g_current.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed) +
@@ -39,21 +124,12 @@ inline void count_alloc(uint64_t n, uint32_t epoch) {
   while (now > peak &&
          !g_epoch_peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
   }
-  // The slot of the epoch just read is initialized (advance_epoch publishes the epoch after
-  // resetting its slot) and is not reused before kRing more epochs.
-  slot(epoch).fetch_add(n, std::memory_order_relaxed);
+  ring_add(epoch, static_cast<int64_t>(n));
 }
 
 inline void count_free(uint64_t n, uint32_t epoch) {
   g_current.fetch_sub(static_cast<int64_t>(n), std::memory_order_relaxed);
-  std::atomic<uint64_t>& s = slot(epoch);
-  const uint64_t tag = lap_tag(epoch);
-  uint64_t w = s.load(std::memory_order_relaxed);
-  // A slot reused by a later epoch (the allocation is more than kRing epochs old) is left
-  // alone: its old bytes were dropped when it was reused.
-  while ((w & ~kBytesMask) == tag && (w & kBytesMask) >= n) {
-    if (s.compare_exchange_weak(w, w - n, std::memory_order_relaxed)) break;
-  }
+  ring_add(epoch, -static_cast<int64_t>(n));
 }
 
 void counting_delete(void* data) {
@@ -151,9 +227,6 @@ const Header* header_of(const c10::StorageImpl& storage) {
 
 int64_t advance_epoch() {
   const uint32_t next = g_epoch.load(std::memory_order_relaxed) + 1;
-  // Reuse the slot before publishing the epoch: an allocation that reads `next` finds its
-  // slot ready; a late free of an allocation kRing epochs older sees a different lap.
-  slot(next).store(lap_tag(next), std::memory_order_relaxed);
   const int64_t peak =
       g_epoch_peak.exchange(g_current.load(std::memory_order_relaxed), std::memory_order_acq_rel);
   g_epoch.store(next, std::memory_order_release);
@@ -163,12 +236,18 @@ int64_t advance_epoch() {
 int64_t live_bytes_in_epochs(uint32_t first, uint32_t last) {
   const uint32_t now = g_epoch.load(std::memory_order_acquire);
   if (now - first >= kRing || last - first > now - first) return -1;
+  Rings& r = rings();
+  std::lock_guard<std::mutex> lock(r.mu);
   int64_t sum = 0;
-  for (uint32_t e = first;; ++e) {
-    const uint64_t w = slot(e).load(std::memory_order_relaxed);
-    if ((w & ~kBytesMask) == lap_tag(e)) sum += static_cast<int64_t>(w & kBytesMask);
-    if (e == last) break;
-  }
+  auto add = [&](const Ring& ring) {
+    for (uint32_t e = first;; ++e) {
+      const uint64_t w = ring.slots[e & (kRing - 1)].load(std::memory_order_relaxed);
+      if (lap_in(w) == lap_of(e)) sum += bytes_in(w);
+      if (e == last) break;
+    }
+  };
+  for (const Ring* ring : r.live) add(*ring);
+  add(r.exited);
   return sum;
 }
 

@@ -33,9 +33,9 @@ extern std::atomic<int64_t> g_epoch_peak;
 // The epoch new allocations are stamped with.
 extern std::atomic<uint32_t> g_epoch;
 
-// Live bytes per epoch live in a ring of kRing slots; a phase can be asked about while fewer
-// than kRing epochs have passed since it began.
-constexpr uint32_t kRingBits = 12;
+// Live bytes per epoch are kept for the last kRing epochs: a phase can be asked about while
+// fewer than kRing epochs have passed since it began.
+constexpr uint32_t kRingBits = 10;
 constexpr uint32_t kRing = 1u << kRingBits;
 
 // The counting allocator, created and installed by install() (idempotent). Returns it.
