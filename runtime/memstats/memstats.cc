@@ -482,10 +482,7 @@ std::string Tracker::json() const {
   return out.str();
 }
 
-Categories Tracker::categories(const std::vector<at::Tensor>& parameters,
-                               const std::vector<at::Tensor>& gradients,
-                               const std::vector<at::Tensor>& optimizer_state,
-                               const std::string& forward_mark) const {
+Categories Tracker::categories(const Tensors& tensors, const std::string& forward_mark) const {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   const Impl& t = *impl_;
@@ -532,9 +529,10 @@ Categories Tracker::categories(const std::vector<at::Tensor>& parameters,
       bucket += static_cast<int64_t>(s->nbytes());
     }
   };
-  for (const auto& x : parameters) add_tensor(x, c.parameters);
-  for (const auto& x : gradients) add_tensor(x, c.gradients);
-  for (const auto& x : optimizer_state) add_tensor(x, c.optimizer_state);
+  for (const auto& x : tensors.parameters) add_tensor(x, c.parameters);
+  for (const auto& x : tensors.buffers) add_tensor(x, c.buffers);
+  for (const auto& x : tensors.gradients) add_tensor(x, c.gradients);
+  for (const auto& x : tensors.optimizer_state) add_tensor(x, c.optimizer_state);
 
   if (d.is_cpu()) {
     c.total = device_current(d);
@@ -549,15 +547,16 @@ Categories Tracker::categories(const std::vector<at::Tensor>& parameters,
     c.total = f.allocated;
     c.allocator_rounding = f.allocated - f.requested;
   }
-  c.other = c.total - c.parameters - c.gradients - c.optimizer_state - c.activations -
+  c.other = c.total - c.parameters - c.buffers - c.gradients - c.optimizer_state - c.activations -
             c.allocator_rounding;
   return c;
 }
 
 std::string Categories::str(bool bytes) const {
   std::vector<std::pair<std::string, int64_t>> rows = {
-      {"parameters", parameters},   {"gradients", gradients}, {"optimizer state", optimizer_state},
-      {"activations", activations}, {"other", other}};
+      {"parameters", parameters},           {"buffers", buffers},
+      {"gradients", gradients},             {"optimizer state", optimizer_state},
+      {"activations", activations},         {"other", other}};
   if (allocator_rounding != 0) rows.emplace_back("allocator rounding", allocator_rounding);
   rows.emplace_back("total", total);
   if (untracked != 0) rows.emplace_back("untracked (not in total)", untracked);
@@ -578,7 +577,8 @@ std::string Categories::str(bool bytes) const {
 
 std::string Categories::json() const {
   std::ostringstream out;
-  out << "{\"parameters\": " << parameters << ", \"gradients\": " << gradients
+  out << "{\"parameters\": " << parameters << ", \"buffers\": " << buffers
+      << ", \"gradients\": " << gradients
       << ", \"optimizer_state\": " << optimizer_state << ", \"activations\": " << activations
       << ", \"other\": " << other << ", \"allocator_rounding\": " << allocator_rounding
       << ", \"total\": " << total << ", \"untracked\": " << untracked << "}";

@@ -59,6 +59,7 @@ struct Mark {
 // The live bytes of a device split into parts that sum to `total`, to the byte.
 struct Categories {
   int64_t parameters = 0;
+  int64_t buffers = 0;  // module state that is not a parameter (BatchNorm running stats)
   int64_t gradients = 0;
   int64_t optimizer_state = 0;
   // Bytes allocated during the latest forward phase (see Tracker::categories) still alive
@@ -113,13 +114,13 @@ class Tracker {
   std::string json() const;
 
   // Splits the live bytes of this tracker's device into categories. Each storage is counted
-  // once (the first list that holds it wins: parameters, gradients, optimizer state);
+  // once (the first list that holds it wins: parameters, buffers, gradients, optimizer state);
   // undefined tensors and tensors on other devices are skipped. Activations come from the
   // latest mark named `forward_mark` ("" = the latest "forward" or "forw" mark; none: 0).
-  Categories categories(const std::vector<at::Tensor>& parameters,
-                        const std::vector<at::Tensor>& gradients,
-                        const std::vector<at::Tensor>& optimizer_state,
-                        const std::string& forward_mark = "") const;
+  struct Tensors {
+    std::vector<at::Tensor> parameters, buffers, gradients, optimizer_state;
+  };
+  Categories categories(const Tensors& tensors, const std::string& forward_mark = "") const;
 
   struct Impl;
 

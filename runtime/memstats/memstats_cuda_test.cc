@@ -66,11 +66,13 @@ TEST(MemstatsCuda, AllocatedBytesPeaksAndCategories) {
   }
   EXPECT_GE(max_memory_allocated(dev), base + 4096 + (4 << 20));
   at::Tensor p = at::empty({1000}, opts);
-  Categories c = outer.categories({p}, {}, {});
+  Tracker::Tensors tensors;
+  tensors.parameters = {p};
+  Categories c = outer.categories(tensors);
   EXPECT_EQ(c.parameters, 4000);
   EXPECT_EQ(c.total, outer.current());
   EXPECT_GE(c.allocator_rounding, 96 * 2);
-  EXPECT_EQ(c.parameters + c.gradients + c.optimizer_state + c.activations + c.other +
+  EXPECT_EQ(c.parameters + c.buffers + c.gradients + c.optimizer_state + c.activations + c.other +
                 c.allocator_rounding,
             c.total);
 }

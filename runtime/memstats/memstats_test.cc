@@ -193,6 +193,30 @@ TEST(Memstats, ManyThreadsAllocatingAndFreeingBalanceExactly) {
   EXPECT_EQ(t.current(), base);
 }
 
+TEST(Memstats, KeptBytesFollowAllocationsAcrossThreadsThatExit) {
+  Tracker t;
+  t.mark("start");
+  std::vector<at::Tensor> made(4);
+  std::vector<std::thread> threads;
+  for (int k = 0; k < 4; ++k) {
+    threads.emplace_back([k, &made] {
+      made[k] = at::empty({100 * (k + 1)}, at::kFloat);
+      at::Tensor tmp = at::empty({999});
+    });
+  }
+  for (auto& th : threads) th.join();  // their rings are merged as they exit
+  EXPECT_EQ(t.mark("made").kept, 4 * 100 * (1 + 2 + 3 + 4));
+  // Freed here, allocated there: the phase that made them keeps nothing of them.
+  made[0].reset();
+  made[3].reset();
+  const std::vector<at::Tensor> others = {at::empty({5})};
+  Mark m = t.mark("freed");
+  EXPECT_EQ(m.kept, 20);
+  // Freed by yet another thread.
+  std::thread([&made] { made[1].reset(); }).join();
+  EXPECT_EQ(t.categories({}, "made").activations, 4 * 100 * 3);
+}
+
 TEST(Memstats, BackwardAllocationsAreCounted) {
   constexpr int64_t n = 10000;
   at::Tensor x = at::randn({n}).set_requires_grad(true);
@@ -336,11 +360,15 @@ TEST(Memstats, CategoriesSumToTheTotal) {
   loss.backward();
   t.mark("back");
   at::Tensor exp_avg = at::zeros_like(w), step = at::zeros({}, at::kFloat);
-  const std::vector<at::Tensor> params = {w, b, w_view, untracked};
-  const std::vector<at::Tensor> grads = {w.grad(), b.grad(), at::Tensor()};
-  const std::vector<at::Tensor> state = {exp_avg, step, w};  // w again: counted once
-  Categories c = t.categories(params, grads, state);
+  at::Tensor running_mean = at::zeros({16}, at::kDouble);
+  Tracker::Tensors tensors;
+  tensors.parameters = {w, b, w_view, untracked};
+  tensors.buffers = {running_mean};
+  tensors.gradients = {w.grad(), b.grad(), at::Tensor()};
+  tensors.optimizer_state = {exp_avg, step, w};  // w again: counted once
+  Categories c = t.categories(tensors);
   EXPECT_EQ(c.parameters, (64 * 32 + 64) * 4);
+  EXPECT_EQ(c.buffers, 16 * 8);
   EXPECT_EQ(c.gradients, (64 * 32 + 64) * 4);
   EXPECT_EQ(c.optimizer_state, 64 * 32 * 4 + 4);
   EXPECT_EQ(c.untracked, 256);
@@ -349,16 +377,20 @@ TEST(Memstats, CategoriesSumToTheTotal) {
   EXPECT_EQ(c.activations, 128 * 64 * 4 + 4);
   EXPECT_EQ(c.allocator_rounding, 0);
   EXPECT_EQ(c.total, t.current());
-  EXPECT_EQ(c.parameters + c.gradients + c.optimizer_state + c.activations + c.other, c.total);
+  EXPECT_EQ(c.parameters + c.buffers + c.gradients + c.optimizer_state + c.activations + c.other,
+            c.total);
   // With an explicit forward mark, or the data phase.
-  EXPECT_EQ(t.categories(params, grads, state, "forward").activations, c.activations);
-  EXPECT_EQ(t.categories(params, grads, state, "data").activations, 128 * 32 * 4);
+  EXPECT_EQ(t.categories(tensors, "forward").activations, c.activations);
+  EXPECT_EQ(t.categories(tensors, "data").activations, 128 * 32 * 4);
+  // Nothing given: everything is "other" but the forward phase's survivors.
+  Categories bare = t.categories({});
+  EXPECT_EQ(bare.activations + bare.other, bare.total);
   const std::string s = c.str(/*bytes=*/true);
   EXPECT_NE(s.find("parameters"), std::string::npos);
   EXPECT_NE(s.find("untracked (not in total)"), std::string::npos);
   EXPECT_NE(s.find(std::to_string(c.total) + " B\n"), std::string::npos) << s;
   EXPECT_NE(c.json().find("\"parameters\": " + std::to_string(c.parameters)), std::string::npos);
-  expect_error([&] { t.categories(params, grads, state, "nope"); }, "no mark with that name");
+  expect_error([&] { t.categories(tensors, "nope"); }, "no mark with that name");
 }
 
 TEST(Memstats, Errors) {
