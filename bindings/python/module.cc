@@ -10,4 +10,5 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "memlean's C++ extension (operators are under torch.ops.memlean)";
   m.attr("TORCH_VERSION") = MEMLEAN_TORCH_VERSION;
   memlean::python::init_swish(m);
+  memlean::python::init_checkpoint(m);
 }

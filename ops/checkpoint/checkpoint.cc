@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <mutex>
@@ -174,38 +175,28 @@ std::string shape_of(const at::Tensor& t) {
 void check_no_unlisted_dependency(const variable_list& outputs, const variable_list& targets) {
   using torch::autograd::AccumulateGrad;
   using torch::autograd::Node;
-  std::unordered_set<const c10::TensorImpl*> target_leaves;
+  // Leaves are known by their gradient accumulator: a saved parameter unpacked through
+  // saved-tensor hooks is a new tensor that shares the parameter's accumulator.
   std::unordered_set<const Node*> target_nodes;
   for (const auto& t : targets) {
-    if (t.grad_fn()) {
-      target_nodes.insert(t.grad_fn().get());
-    } else {
-      target_leaves.insert(t.unsafeGetTensorImpl());
-    }
+    target_nodes.insert(torch::autograd::impl::gradient_edge(t).function.get());
   }
-  auto fail = [](const at::Tensor& leaf, const std::string& via) {
-    TORCH_CHECK(false, kName, ": the function uses a tensor that requires grad but is neither "
-                "one of its inputs nor one of the parameters given to the checkpoint (it reaches "
-                "a leaf of shape ", shape_of(leaf), via.empty() ? "" : " through " + via,
-                "); its gradient would be lost. Pass it among the parameters, after the ",
-                "n_inputs inputs (a module's parameters: module->parameters()).");
-  };
   std::vector<std::pair<Node*, std::string>> stack;
   std::unordered_set<const Node*> seen;
   for (const auto& out : outputs) {
-    if (const auto& fn = out.grad_fn()) {
-      if (seen.insert(fn.get()).second) stack.emplace_back(fn.get(), "");
-    } else if (out.requires_grad() && !target_leaves.count(out.unsafeGetTensorImpl())) {
-      fail(out, "");
-    }
+    Node* node = torch::autograd::impl::gradient_edge(out).function.get();
+    if (node != nullptr && seen.insert(node).second) stack.emplace_back(node, "");
   }
   while (!stack.empty()) {
     auto [node, via] = std::move(stack.back());
     stack.pop_back();
     if (target_nodes.count(node)) continue;
     if (auto* acc = dynamic_cast<AccumulateGrad*>(node)) {
-      if (!target_leaves.count(acc->variable.unsafeGetTensorImpl())) fail(acc->variable, via);
-      continue;
+      TORCH_CHECK(false, kName, ": the function uses a tensor that requires grad but is neither "
+                  "one of its inputs nor one of the parameters given to the checkpoint (it reaches "
+                  "a leaf of shape ", shape_of(acc->variable), via.empty() ? "" : " through " + via,
+                  "); its gradient would be lost. Pass it among the parameters, after the ",
+                  "n_inputs inputs (a module's parameters: module->parameters()).");
     }
     for (const auto& edge : node->next_edges()) {
       if (edge.is_valid() && seen.insert(edge.function.get()).second) {
@@ -228,6 +219,9 @@ struct SegmentState : torch::CustomClassHolder {
   // tensors were.
   std::vector<c10::IValue> outputs;
   std::vector<int64_t> output_tensor_slots;
+  // Per parameter: whether it was listed before (it then gets no gradient of its own: the
+  // engine would add both).
+  std::vector<bool> repeated;
   std::optional<detail::RngState> rng;
   AutocastState autocast;
   // Buffers of the module(s) the function runs: restored after the recompute.
@@ -328,10 +322,8 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
     }
     std::vector<size_t> target_index;
     variable_list targets;
-    std::unordered_set<const c10::TensorImpl*> params_seen;
     for (size_t i = 0; i < args.size(); ++i) {
-      // A parameter listed twice gets its gradient once (the engine would add both).
-      if (i >= n_in && !params_seen.insert(args[i].unsafeGetTensorImpl()).second) continue;
+      if (i >= n_in && state->repeated[i - n_in]) continue;
       if (args[i].requires_grad()) {
         target_index.push_back(i);
         targets.push_back(args[i]);
@@ -399,6 +391,7 @@ std::vector<c10::IValue> checkpoint_impl(const IValueFunction& function, int64_t
 
   auto state = c10::make_intrusive<SegmentState>();
   std::vector<at::Tensor> tensors;
+  std::unordered_set<const c10::TensorImpl*> params_seen;
   bool any_requires_grad = false;
   for (int64_t i = 0; i < n_args; ++i) {
     const c10::IValue& v = inputs_and_params[i];
@@ -412,6 +405,7 @@ std::vector<c10::IValue> checkpoint_impl(const IValueFunction& function, int64_t
       }
     } else {
       tensors.push_back(v.toTensor());
+      state->repeated.push_back(!params_seen.insert(v.toTensor().unsafeGetTensorImpl()).second);
     }
     if (is_defined_tensor(v) && v.toTensor().requires_grad()) any_requires_grad = true;
   }

@@ -30,5 +30,11 @@ _check_torch_version()
 
 from memlean import _C  # noqa: E402  (registers torch.ops.memlean.*)
 from memlean.swish import VARIANTS, Swish, swish, swish_  # noqa: E402
+from memlean.checkpoint import (  # noqa: E402
+    CheckpointFunction, LayerCost, SegmentPlan, checkpoint, checkpoint_sequential,
+    is_recomputing, measure_layer_costs, plan_segments)
+from memlean.batchnorm import BatchNorm2d  # noqa: E402
 
-__all__ = ["Swish", "VARIANTS", "swish", "swish_", "__version__"]
+__all__ = ["Swish", "VARIANTS", "swish", "swish_", "__version__",
+           "BatchNorm2d", "CheckpointFunction", "LayerCost", "SegmentPlan", "checkpoint",
+           "checkpoint_sequential", "is_recomputing", "measure_layer_costs", "plan_segments"]

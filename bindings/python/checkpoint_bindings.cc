@@ -1,0 +1,47 @@
+// memlean._C: the segment planner of //ops/checkpoint (memlean.plan_segments uses it; the
+// checkpoint itself is Python, memlean/checkpoint.py, since it runs Python callables).
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "bindings/python/bindings.h"
+#include "ops/checkpoint/sequential.h"
+
+namespace memlean::python {
+namespace {
+
+std::vector<LayerCost> to_costs(const std::vector<int64_t>& input_bytes,
+                                const std::vector<int64_t>& activation_bytes) {
+  TORCH_CHECK(input_bytes.size() == activation_bytes.size(), "memlean: input_bytes has ",
+              input_bytes.size(), " layers but activation_bytes has ", activation_bytes.size());
+  std::vector<LayerCost> costs(input_bytes.size());
+  for (size_t i = 0; i < costs.size(); ++i) costs[i] = {input_bytes[i], activation_bytes[i]};
+  return costs;
+}
+
+}  // namespace
+
+void init_checkpoint(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def(
+      "plan_segments",
+      [](const std::vector<int64_t>& input_bytes, const std::vector<int64_t>& activation_bytes,
+         std::optional<int64_t> budget_bytes) {
+        const SegmentPlan plan = plan_segments(to_costs(input_bytes, activation_bytes), budget_bytes);
+        return py::make_tuple(plan.starts, plan.estimated_peak_bytes, plan.fits_budget);
+      },
+      py::arg("input_bytes"), py::arg("activation_bytes"), py::arg("budget_bytes") = py::none(),
+      "memlean::plan_segments: (starts, estimated_peak_bytes, fits_budget).");
+  m.def(
+      "estimate_peak_bytes",
+      [](const std::vector<int64_t>& input_bytes, const std::vector<int64_t>& activation_bytes,
+         const std::vector<int64_t>& starts) {
+        return estimate_peak_bytes(to_costs(input_bytes, activation_bytes), starts);
+      },
+      py::arg("input_bytes"), py::arg("activation_bytes"), py::arg("starts"),
+      "memlean::estimate_peak_bytes: the modelled activation peak of a segmentation.");
+  m.def("sqrt_segment_starts", &sqrt_segment_starts, py::arg("n_layers"),
+        "round(sqrt(n)) (nearly) equal segments over n layers.");
+}
+
+}  // namespace memlean::python

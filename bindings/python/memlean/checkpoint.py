@@ -1,0 +1,597 @@
+"""Checkpointing: run a segment of a model without keeping its activations, and recompute
+them in backward (seed 003's CheckpointFunction, with RNG preservation, buffers, replicas).
+
+    import memlean
+    y = memlean.checkpoint(block, x)                           # an nn.Module: its parameters
+    y = memlean.checkpoint(fn, x, h, params=[w, b])            # any callable: list what it uses
+    y = memlean.CheckpointFunction.apply(fn, 2, x, h, w, b)    # seed 003's call form
+    y = memlean.checkpoint_sequential(model, 4, x)             # 4 segments (or a plan)
+    plan = memlean.plan_segments(memlean.measure_layer_costs(model, x), budget_bytes=2**30)
+
+Forward runs the function under no_grad, so none of the segment's activations are kept:
+only its inputs (and the parameters, which exist anyway) are saved. Backward recomputes
+the segment with grad mode on and asks autograd for the gradients of exactly its inputs and
+parameters, which it returns as this node's gradients. So backward never walks past the
+segment, and every parameter's gradient is accumulated once, by the outer backward: DDP's
+hooks fire once per parameter (find_unused_parameters=True works), and several GPUs stay
+fast. A function that uses a tensor requiring grad that is neither an input nor a parameter
+given is an error in backward (its gradient would otherwise be lost silently).
+
+The RNG state (CPU, and every CUDA device holding an input or a parameter) is saved before
+the forward and restored for the recompute (dropout drops the same units twice); the
+autocast state of the forward is restored for the recompute too. An nn.Module's buffers are
+copied before the recompute and put back after it, so that torch's BatchNorm2d inside it
+updates its statistics once; memlean.BatchNorm2d does so everywhere, also inside plain
+functions (it skips its update while memlean.is_recomputing()).
+
+This is the Python implementation of the same design as the C++ memlean::checkpoint
+(ops/checkpoint/checkpoint.h): Python callables are run from a Python autograd.Function.
+"""
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from memlean import _C
+
+__all__ = [
+    "CheckpointFunction",
+    "LayerCost",
+    "SegmentPlan",
+    "checkpoint",
+    "checkpoint_sequential",
+    "is_recomputing",
+    "measure_layer_costs",
+    "plan_segments",
+]
+
+_local = threading.local()
+
+
+def is_recomputing() -> bool:
+    """True while a memlean checkpoint recomputes its forward on this thread (in backward)."""
+    return getattr(_local, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _recomputing():
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+# ---- RNG, autocast, buffers --------------------------------------------------------------
+
+
+def _cuda_devices(tensors):
+    devices = []
+    for t in tensors:
+        if t.is_cuda:
+            index = t.get_device()
+            if index not in devices:
+                devices.append(index)
+    return devices
+
+
+def _get_rng_state(devices):
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+
+
+@contextlib.contextmanager
+def _rng_restored(devices, state):
+    """Runs the body with the RNG state of the forward; puts the current one back after."""
+    if state is None:
+        yield
+        return
+    cpu_state, cuda_states = state
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        torch.set_rng_state(cpu_state)
+        for d, s in zip(devices, cuda_states):
+            torch.cuda.set_rng_state(s, d)
+        yield
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _autocast_state():
+    return [(torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES]
+
+
+def _set_autocast_state(state):
+    for d, (enabled, dtype) in zip(_AUTOCAST_DEVICES, state):
+        torch.set_autocast_enabled(d, enabled)
+        torch.set_autocast_dtype(d, dtype)
+
+
+@contextlib.contextmanager
+def _autocast_restored(state):
+    previous = _autocast_state()
+    _set_autocast_state(state)
+    try:
+        yield
+    finally:
+        _set_autocast_state(previous)
+
+
+@contextlib.contextmanager
+def _buffers_restored(buffers):
+    """Copies the buffers, and puts the copies back without bumping their version counters
+    (as batch norm's in-kernel statistics updates do not), so saved graphs stay valid."""
+    if not buffers:
+        yield
+        return
+    with torch.no_grad():
+        copies = [b.clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, c in zip(buffers, copies):
+                b.data.copy_(c)
+
+
+def module_parameters(module: torch.nn.Module) -> List[torch.Tensor]:
+    """A module's parameters, also for DataParallel replicas (whose parameters are plain
+    attributes, kept in _former_parameters, so module.parameters() is empty)."""
+    params, seen = [], set()
+    for m in module.modules():
+        source = m._former_parameters if getattr(m, "_is_replica", False) else m._parameters
+        for p in source.values():
+            if isinstance(p, torch.Tensor) and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    return params
+
+
+# ---- checks ------------------------------------------------------------------------------
+
+
+def _describe(value):
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _check_arguments(name, function, length, args):
+    if not callable(function):
+        raise TypeError(f"{name}: function must be callable, got {_describe(function)}")
+    if isinstance(length, bool) or not isinstance(length, int):
+        raise TypeError(f"{name}: n (the number of inputs) must be an int, got {_describe(length)}")
+    if length < 0:
+        raise ValueError(f"{name}: n (the number of inputs) must be >= 0, got {length}")
+    if length > len(args):
+        raise ValueError(
+            f"{name}: n is {length} but only {len(args)} argument{'' if len(args) == 1 else 's'} "
+            f"{'was' if len(args) == 1 else 'were'} given (args holds the n inputs, then the "
+            f"parameters)"
+        )
+    for i, p in enumerate(args[length:]):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(
+                f"{name}: parameter {i} (argument {length + i}) is {_describe(p)}, not a tensor; "
+                f"everything after the first n={length} arguments must be a parameter tensor"
+            )
+
+
+def _check_outputs(name, leaves):
+    if not any(isinstance(x, torch.Tensor) for x in leaves):
+        got = ", ".join(_describe(x) for x in leaves) or "nothing"
+        raise TypeError(
+            f"{name}: the function returned no tensor (it returned {got}); a checkpointed "
+            f"function must return at least one tensor"
+        )
+
+
+def _check_no_unlisted_dependency(name, outputs, targets):
+    """Walks the recomputed graph from its outputs, stopping at the inputs and parameters:
+    any other tensor requiring grad it reaches would silently get no gradient."""
+    # Leaves are known by their gradient accumulator: a saved parameter unpacked through
+    # saved_tensors_hooks is a new tensor that shares the parameter's accumulator.
+    target_nodes = {torch.autograd.graph.get_gradient_edge(t).node for t in targets}
+
+    def fail(tensor, via):
+        through = f" through {via}" if via else ""
+        raise RuntimeError(
+            f"{name}: the function uses a tensor that requires grad but is neither one of its "
+            f"inputs nor one of the parameters given to the checkpoint (it reaches a leaf of "
+            f"shape {list(tensor.shape)}{through}); its gradient would be lost. Pass it in "
+            f"params= (memlean.checkpoint) or among the parameters after the n inputs "
+            f"(CheckpointFunction.apply)."
+        )
+
+    stack, seen = [], set()
+    for out in outputs:
+        node = torch.autograd.graph.get_gradient_edge(out).node
+        if node not in seen:
+            seen.add(node)
+            stack.append((node, ""))
+    while stack:
+        node, via = stack.pop()
+        if node in target_nodes:
+            continue
+        if type(node).__name__ == "AccumulateGrad":
+            fail(node.variable, via)
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                stack.append((nxt, node.name()))
+
+
+# ---- the autograd function ---------------------------------------------------------------
+
+
+class _Options:
+    __slots__ = ("name", "preserve_rng_state", "buffers", "spec")
+
+    def __init__(self, name, preserve_rng_state, buffers):
+        self.name = name
+        self.preserve_rng_state = preserve_rng_state
+        self.buffers = buffers
+        self.spec = None  # the structure of the outputs, set by forward
+
+
+class _Checkpoint(torch.autograd.Function):
+    """args: the `length` inputs of run_function, then the parameters it uses. Returns the
+    leaves of run_function's output (options.spec is its structure)."""
+
+    @staticmethod
+    def forward(ctx, run_function, length, options, *args):
+        name = options.name
+        ctx.set_materialize_grads(False)
+        inputs = args[:length]
+        params = args[length:]
+        slots = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
+        tensors = [inputs[i] for i in slots] + list(params)
+        # A parameter listed twice gets its gradient once (the engine would add both).
+        seen = set()
+        ctx.repeated = []
+        for p in params:
+            ctx.repeated.append(id(p) in seen)
+            seen.add(id(p))
+        devices = _cuda_devices(tensors)
+        ctx.run_function = run_function
+        ctx.options = options
+        ctx.length = length
+        ctx.template = [None if isinstance(a, torch.Tensor) else a for a in inputs]
+        ctx.slots = slots
+        ctx.devices = devices
+        ctx.rng = _get_rng_state(devices) if options.preserve_rng_state else None
+        ctx.autocast = _autocast_state()
+
+        versions = [inputs[i]._version for i in slots]
+        outputs = run_function(*inputs)
+        for i, v in zip(slots, versions):
+            if inputs[i]._version != v:
+                raise RuntimeError(
+                    f"{name}: the function modified its input {i} in place; a checkpointed "
+                    f"function must not modify its inputs (the recompute in backward would see "
+                    f"the modified values). Clone the input first, or start the segment after "
+                    f"the in-place op."
+                )
+        leaves, options.spec = tree_flatten(outputs)
+        _check_outputs(name, leaves)
+        ctx.is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+        ctx.save_for_backward(*tensors)
+        return tuple(leaves)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():
+            grads = _Checkpoint._backward(ctx, grad_outputs)
+        if not create_graph:
+            return grads
+        # create_graph=True: the gradients are returned, but differentiating them again is
+        # an error (the recomputed graph is not connected to the outer one). Unlike
+        # @once_differentiable, also when the incoming gradients do not require grad (a
+        # gradient penalty would otherwise silently lose this segment's part).
+        where = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor) and g.is_floating_point()]
+        if not where:
+            return grads
+        error = torch._C._functions.DelayedError(
+            f"{ctx.options.name}: double backward (create_graph=True) through a checkpoint is "
+            f"not supported".encode(), len(where))
+        wrapped = error(*[grads[i].detach().requires_grad_(True) for i in where])
+        if isinstance(wrapped, torch.Tensor):
+            wrapped = (wrapped,)
+        grads = list(grads)
+        for i, w in zip(where, wrapped):
+            grads[i] = w
+        return tuple(grads)
+
+    @staticmethod
+    def _backward(ctx, grad_outputs):
+        name = ctx.options.name
+        try:
+            saved = ctx.saved_tensors
+        except RuntimeError as e:
+            if "backward through the graph a second time" not in str(e):
+                raise  # e.g. an input modified in place since the forward
+            raise RuntimeError(
+                f"{name}: backward ran through this checkpoint a second time, but the first "
+                f"backward freed the inputs it saved. Pass retain_graph=True to the first "
+                f"backward to run backward twice."
+            ) from None
+        n_in = len(ctx.slots)
+        detached = []
+        for t in saved[:n_in]:
+            d = t.detach()
+            d.requires_grad_(t.requires_grad)
+            detached.append(d)
+        params = saved[n_in:]
+        inputs = list(ctx.template)
+        for slot, d in zip(ctx.slots, detached):
+            inputs[slot] = d
+
+        with _rng_restored(ctx.devices, ctx.rng), _autocast_restored(ctx.autocast), \
+                _buffers_restored(ctx.options.buffers), _recomputing(), torch.enable_grad():
+            outputs = ctx.run_function(*inputs)
+        leaves, _ = tree_flatten(outputs)
+        if len(leaves) != len(ctx.is_tensor):
+            raise RuntimeError(
+                f"{name}: the function returned {len(ctx.is_tensor)} values in forward but "
+                f"{len(leaves)} when recomputed in backward; it must do the same both times"
+            )
+        outs, grads = [], []
+        for leaf, was_tensor, g in zip(leaves, ctx.is_tensor, grad_outputs):
+            if not was_tensor:
+                continue
+            if not isinstance(leaf, torch.Tensor):
+                raise RuntimeError(
+                    f"{name}: an output that was a tensor in forward is {_describe(leaf)} when "
+                    f"recomputed in backward; the function must do the same both times"
+                )
+            if leaf.requires_grad and g is not None:
+                outs.append(leaf)
+                grads.append(g)
+
+        args = detached + list(params)
+        targets, where = [], []
+        for k, t in enumerate(args):
+            if k >= n_in and ctx.repeated[k - n_in]:
+                continue
+            if t.requires_grad:
+                targets.append(t)
+                where.append(k)
+        result = [None] * len(args)
+        if outs and targets:
+            _check_no_unlisted_dependency(name, outs, targets)
+            got = torch.autograd.grad(outs, targets, grads, allow_unused=True)
+            for k, g in zip(where, got):
+                result[k] = g
+
+        input_grads = [None] * ctx.length
+        for slot, g in zip(ctx.slots, result[:n_in]):
+            input_grads[slot] = g
+        return (None, None, None, *input_grads, *result[n_in:])
+
+
+def _run(name, function, length, args, preserve_rng_state, buffers):
+    _check_arguments(name, function, length, args)
+    if not isinstance(preserve_rng_state, bool):
+        raise TypeError(f"{name}: preserve_rng_state must be a bool, got {_describe(preserve_rng_state)}")
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        # Nothing to differentiate: an ordinary call.
+        outputs = function(*args[:length])
+        _check_outputs(name, tree_flatten(outputs)[0])
+        return outputs
+    options = _Options(name, preserve_rng_state, buffers)
+    leaves = _Checkpoint.apply(function, length, options, *args)
+    return tree_unflatten(list(leaves), options.spec)
+
+
+def checkpoint(function: Callable, *args, params: Optional[Sequence[torch.Tensor]] = None,
+               preserve_rng_state: bool = True):
+    """function(*args), keeping none of its activations: they are recomputed in backward.
+
+    function: an nn.Module (its parameters are collected, and its buffers are restored after
+        the recompute), or any callable.
+    args: its inputs; tensors that require grad get gradients, anything else is passed
+        through as it is. Its output may be any structure (tensor, tuple, list, dict ...)
+        holding at least one tensor.
+    params: the tensors requiring grad that the function uses besides its inputs (for a
+        Module: besides its parameters). Forgetting one is an error in backward.
+    preserve_rng_state: restore the RNG state of the forward for the recompute (default).
+    """
+    if isinstance(function, torch.nn.Module):
+        listed = module_parameters(function)
+        buffers = [b for b in function.buffers() if b is not None]
+    else:
+        listed, buffers = [], []
+    if params is not None:
+        extra = [params] if isinstance(params, torch.Tensor) else list(params)
+        ids = {id(p) for p in listed}
+        listed += [p for p in extra if id(p) not in ids]
+    return _run("memlean.checkpoint", function, len(args), tuple(args) + tuple(listed),
+                preserve_rng_state, buffers)
+
+
+class CheckpointFunction:
+    """Seed 003's call form: CheckpointFunction.apply(function, n, *args).
+
+    args holds the n inputs of function, then the parameters it uses (e.g.
+    prev_features + tuple(norm1.parameters()) + tuple(conv1.parameters())). Same behaviour
+    as memlean.checkpoint; the RNG state is preserved.
+    """
+
+    @staticmethod
+    def apply(function: Callable, n: int, *args):
+        return _run("memlean.CheckpointFunction", function, n, args, True, [])
+
+
+# ---- sequential and the planner ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """The memory one layer of a chain costs in training."""
+
+    input_bytes: int  # its input: what a checkpoint starting at this layer keeps
+    activation_bytes: int  # what its forward creates and keeps alive (saved tensors, output)
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """Segments of a chain: starts[j] is the first layer of segment j (starts[0] == 0).
+
+    estimated_peak_bytes: max over segments j of the inputs kept by the segments before j,
+    plus segment j's input and activations (gradients and temporaries are not counted).
+    fits_budget: whether that is within the budget asked for (True without a budget).
+    """
+
+    starts: List[int]
+    estimated_peak_bytes: int
+    fits_budget: bool = True
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.starts)
+
+
+def _check_costs(costs):
+    costs = list(costs)
+    for i, c in enumerate(costs):
+        if not isinstance(c, LayerCost):
+            raise TypeError(f"memlean.plan_segments: costs[{i}] is {_describe(c)}, not a LayerCost")
+    return costs
+
+
+def plan_segments(costs: Sequence[LayerCost], budget_bytes: Optional[int] = None) -> SegmentPlan:
+    """Segments for a chain with these layer costs (see memlean.measure_layer_costs).
+
+    Without a budget: round(sqrt(n)) segments of (nearly) equal numbers of layers (Chen et
+    al. 2016). With one: of the plans whose estimated peak fits, the one that recomputes the
+    fewest layers (the longest last segment, which is not recomputed), then keeps the fewest
+    bytes; if none fits, the plan with the lowest estimated peak, with fits_budget=False.
+    The same planner as the C++ memlean::plan_segments.
+    """
+    costs = _check_costs(costs)
+    if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)):
+        raise TypeError(f"memlean.plan_segments: budget_bytes must be an int or None, got {_describe(budget_bytes)}")
+    if budget_bytes is not None and budget_bytes < 0:
+        raise ValueError(f"memlean.plan_segments: budget_bytes must be >= 0, got {budget_bytes}")
+    for i, c in enumerate(costs):
+        if c.input_bytes < 0 or c.activation_bytes < 0:
+            raise ValueError(f"memlean.plan_segments: layer {i} has a negative cost ({c})")
+    starts, peak, fits = _C.plan_segments([c.input_bytes for c in costs],
+                                          [c.activation_bytes for c in costs], budget_bytes)
+    return SegmentPlan(list(starts), int(peak), bool(fits))
+
+
+def _storage_key(t):
+    s = t.untyped_storage()
+    return (t.device, s.data_ptr()), s.nbytes()
+
+
+def measure_layer_costs(functions, input: torch.Tensor) -> List[LayerCost]:
+    """Runs the chain once on `input` with grad mode on and measures each layer: its input's
+    bytes, and the bytes of the tensors it creates that its backward keeps (saved tensors,
+    found with saved_tensors_hooks) or that it returns. Parameters and buffers are not
+    counted. The chain's buffers (e.g. running statistics) and the RNG state are left as
+    they were."""
+    layers = list(functions)
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"memlean.measure_layer_costs: input must be a tensor, got {_describe(input)}")
+    modules = [m for m in layers if isinstance(m, torch.nn.Module)]
+    state = {_storage_key(t)[0] for m in modules for t in list(m.parameters()) + list(m.buffers())}
+    buffers = [b for m in modules for b in m.buffers()]
+    counted = set(state)
+    costs, keep = [], []
+    devices = _cuda_devices([input])
+    with torch.random.fork_rng(devices=devices, device_type="cuda"), _buffers_restored(buffers), \
+            torch.enable_grad():
+        h = input
+        counted.add(_storage_key(h)[0])
+        for layer in layers:
+            new = {}
+
+            def pack(t, new=new):
+                key, nbytes = _storage_key(t)
+                if key not in counted and nbytes > 0:
+                    new[key] = nbytes
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = layer(h)
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"memlean.measure_layer_costs: a layer returned {_describe(out)}, not a tensor")
+            pack(out)
+            costs.append(LayerCost(_storage_key(h)[1], sum(new.values())))
+            counted.update(new)
+            keep.append(out)
+            h = out
+    return costs
+
+
+def _segment_starts(segments, n):
+    name = "memlean.checkpoint_sequential"
+    if isinstance(segments, SegmentPlan):
+        segments = segments.starts
+    if isinstance(segments, bool):
+        raise TypeError(f"{name}: segments must be an int, a list of starts or a SegmentPlan, got a bool")
+    if isinstance(segments, int):
+        if n == 0:
+            return []
+        if not 1 <= segments <= n:
+            raise ValueError(f"{name}: segments must be between 1 and the number of layers ({n}), got {segments}")
+        return [j * n // segments for j in range(segments)]
+    if isinstance(segments, str):
+        if segments != "sqrt":
+            raise ValueError(f"{name}: segments must be an int, 'sqrt', a list of starts or a SegmentPlan, got {segments!r}")
+        return list(_C.sqrt_segment_starts(n))
+    starts = list(segments)
+    if n == 0:
+        if starts:
+            raise ValueError(f"{name}: there are no layers, so there can be no segments")
+        return []
+    if not starts or starts[0] != 0:
+        raise ValueError(f"{name}: the first segment must start at layer 0 (starts={starts})")
+    for a, b in zip(starts, starts[1:]):
+        if not (b > a and b < n):
+            raise ValueError(f"{name}: segment starts must increase and be < the number of layers ({n}), got {starts}")
+    return starts
+
+
+def checkpoint_sequential(functions, segments, input, *, preserve_rng_state: bool = True):
+    """Runs the chain `functions` (an nn.Sequential or a list of modules/callables, each
+    taking and returning one tensor) on `input` in segments, each but the last checkpointed.
+
+    segments: a number of (nearly) equal segments, 'sqrt' for round(sqrt(n)), a list of the
+    first layer of each segment, or a SegmentPlan (memlean.plan_segments). The last segment
+    runs as usual: its backward comes first, so keeping its activations costs no more at the
+    peak than recomputing them, and saves one recompute.
+    """
+    layers = list(functions)
+    starts = _segment_starts(segments, len(layers))
+    h = input
+    for j, s in enumerate(starts):
+        e = starts[j + 1] if j + 1 < len(starts) else len(layers)
+        segment = layers[s:e]
+        if j + 1 == len(starts):
+            for layer in segment:
+                h = layer(h)
+            return h
+        modules = [m for m in segment if isinstance(m, torch.nn.Module)]
+        params, seen = [], set()
+        for m in modules:
+            for p in module_parameters(m):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        buffers = [b for m in modules for b in m.buffers()]
+
+        def run(x, segment=segment):
+            for layer in segment:
+                x = layer(x)
+            return x
+
+        h = _run("memlean.checkpoint_sequential", run, 1, (h, *params), preserve_rng_state, buffers)
+    return h

@@ -1,0 +1,563 @@
+"""memlean.checkpoint, memlean.CheckpointFunction (seed 003's call form),
+memlean.checkpoint_sequential, the planner and memlean.BatchNorm2d through the Python package.
+The DDP test is checkpoint_ddp_test.py."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import memlean
+
+D = torch.float64
+
+
+def grads(tensors):
+    """The gradients of `tensors` (None where there is none), then cleared."""
+    out = []
+    for t in tensors:
+        out.append(None if t.grad is None else t.grad.clone())
+        t.grad = None
+    return out
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert (x is None) == (y is None), i
+        if x is not None:
+            assert torch.equal(x, y), f"tensor {i}: max diff {(x - y).abs().max()}"
+
+
+class Block(nn.Module):
+    def __init__(self, c=4):
+        super().__init__()
+        self.norm = memlean.BatchNorm2d(c)
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(F.relu(self.norm(x)))
+
+
+def make(seed=0, **kw):
+    torch.manual_seed(seed)
+    return Block(**kw).to(D)
+
+
+# ---- gradients ---------------------------------------------------------------------------
+
+
+def test_gradients_equal_the_plain_function_in_float64():
+    torch.manual_seed(0)
+    w, b = torch.randn(8, 8, dtype=D, requires_grad=True), torch.randn(8, dtype=D, requires_grad=True)
+    x = torch.randn(5, 8, dtype=D, requires_grad=True)
+
+    def f(t):
+        return torch.tanh(F.linear(t, w, b)) * t
+
+    f(x).pow(2).sum().backward()
+    plain = grads([x, w, b])
+    y = memlean.checkpoint(f, x, params=[w, b])
+    assert y.requires_grad
+    y.pow(2).sum().backward()
+    assert_same(grads([x, w, b]), plain)
+    memlean.CheckpointFunction.apply(f, 1, x, w, b).pow(2).sum().backward()
+    assert_same(grads([x, w, b]), plain)
+    assert torch.autograd.gradcheck(lambda t, w_, b_: memlean.CheckpointFunction.apply(
+        lambda u: torch.tanh(F.linear(u, w_, b_)) * u, 1, t, w_, b_), (x, w, b))
+
+
+def test_module_form_and_its_parameters():
+    plain, ckpt = make(), make()
+    x = torch.randn(3, 4, 6, 6, dtype=D, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    plain(x).pow(2).sum().backward()
+    memlean.checkpoint(ckpt, x2).pow(2).sum().backward()
+    assert_same([x2.grad] + [p.grad for p in ckpt.parameters()],
+                [x.grad] + [p.grad for p in plain.parameters()])
+    assert_same(list(ckpt.buffers()), list(plain.buffers()))
+
+
+def test_several_inputs_and_outputs_non_tensors_and_structures():
+    torch.manual_seed(1)
+    lin = nn.Linear(6, 6).to(D)
+    x = torch.randn(4, 6, dtype=D, requires_grad=True)
+    h = torch.randn(4, 6, dtype=D)  # does not require grad
+
+    def f(a, b, scale, mode, nothing):
+        assert mode == "sum" and nothing is None
+        y = lin(a) * scale + b
+        return {"y": y, "count": 3, "parts": [y.sum(1), y.argmax(1)], "name": mode}
+
+    out = f(x, h, 2.5, "sum", None)
+    (out["y"].sum() + out["parts"][0].pow(2).sum()).backward()
+    plain = grads([x, lin.weight, lin.bias])
+    out = memlean.checkpoint(f, x, h, 2.5, "sum", None, params=list(lin.parameters()))
+    assert out["count"] == 3 and out["name"] == "sum"
+    assert out["parts"][1].dtype == torch.int64 and not out["parts"][1].requires_grad
+    (out["y"].sum() + out["parts"][0].pow(2).sum()).backward()
+    assert_same(grads([x, lin.weight, lin.bias]), plain)
+    assert h.grad is None
+
+
+def test_inputs_that_do_not_require_grad():
+    plain, ckpt = make(), make()
+    x = torch.randn(3, 4, 5, 5, dtype=D)
+    plain(x).sum().backward()
+    memlean.checkpoint(ckpt, x).sum().backward()
+    assert_same([p.grad for p in ckpt.parameters()], [p.grad for p in plain.parameters()])
+
+
+def test_without_grad_it_is_a_plain_call():
+    calls = []
+    block = make()
+    x = torch.randn(2, 4, 5, 5, dtype=D, requires_grad=True)
+
+    def f(t):
+        calls.append(memlean.is_recomputing())
+        return block(t)
+
+    with torch.no_grad():
+        y = memlean.checkpoint(f, x, params=list(block.parameters()))
+    assert not y.requires_grad and calls == [False]
+    # A train-mode forward under no_grad updates the statistics.
+    assert block.norm.num_batches_tracked.item() == 1
+
+
+def test_recompute_flag_and_nested_checkpoints():
+    torch.manual_seed(2)
+    inner, outer = nn.Linear(5, 5).to(D), nn.Linear(5, 5).to(D)
+    x = torch.randn(3, 5, dtype=D, requires_grad=True)
+    seen = []
+
+    def f(t):
+        seen.append(memlean.is_recomputing())
+        return outer(torch.tanh(memlean.checkpoint(inner, t)))
+
+    outer(torch.tanh(inner(x))).sum().backward()
+    tensors = [x] + list(inner.parameters()) + list(outer.parameters())
+    plain = grads(tensors)
+    memlean.checkpoint(f, x, params=list(outer.parameters()) + list(inner.parameters())).sum().backward()
+    assert_same(grads(tensors), plain)
+    assert seen == [False, True] and not memlean.is_recomputing()
+
+
+def test_parameter_listed_twice_gets_its_gradient_once():
+    lin = nn.Linear(4, 4).to(D)
+    x = torch.randn(2, 4, dtype=D, requires_grad=True)
+    lin(x).sum().backward()
+    plain = grads([x, lin.weight, lin.bias])
+    memlean.CheckpointFunction.apply(lin, 1, x, lin.weight, lin.bias, lin.weight).sum().backward()
+    assert_same(grads([x, lin.weight, lin.bias]), plain)
+
+
+def test_under_saved_tensors_hooks():
+    # Saved parameters come back from the hooks as new tensors sharing the accumulator.
+    lin = nn.Linear(4, 4).to(D)
+    x = torch.randn(2, 4, dtype=D, requires_grad=True)
+    lin(x).sum().backward()
+    plain = grads([x, lin.weight, lin.bias])
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        y = memlean.CheckpointFunction.apply(lin, 1, x, lin.weight, lin.bias, lin.weight)
+    y.sum().backward()
+    assert_same(grads([x, lin.weight, lin.bias]), plain)
+
+
+def test_dataparallel_replica_parameters_are_collected():
+    # Under DataParallel a replica's parameters are non-leaf copies kept as attributes
+    # (module.parameters() is empty): seed 003 lost them. Build a replica as replicate() does.
+    lin = nn.Linear(4, 3).to(D)
+    replica = lin._replicate_for_data_parallel()
+    replica._former_parameters = {}
+    copies = {k: (p * 1) for k, p in lin._parameters.items()}  # non-leaf, like a broadcast
+    for k, p in copies.items():
+        replica._parameters.pop(k, None)
+        setattr(replica, k, p)
+        replica._former_parameters[k] = p
+    assert list(replica.parameters()) == []
+    x = torch.randn(5, 4, dtype=D, requires_grad=True)
+    lin(x).pow(2).sum().backward()
+    plain = grads([x, lin.weight, lin.bias])
+    memlean.checkpoint(replica, x).pow(2).sum().backward()
+    assert_same(grads([x, lin.weight, lin.bias]), plain)
+
+
+def test_backward_twice_with_retain_graph_recomputes():
+    lin = nn.Linear(4, 4).to(D)
+    x = torch.randn(2, 4, dtype=D, requires_grad=True)
+    lin(x).sum().backward()
+    once = grads([x, lin.weight])
+    y = memlean.checkpoint(lin, x)
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()
+    twice = grads([x, lin.weight])
+    for a, b in zip(twice, once):
+        torch.testing.assert_close(a, 2 * b, rtol=1e-14, atol=0)
+
+
+def test_create_graph_gives_first_order_gradients_only():
+    lin = nn.Linear(4, 4).to(D)
+    x = torch.randn(2, 4, dtype=D, requires_grad=True)
+    (g_plain,) = torch.autograd.grad(torch.tanh(lin(x)).sum(), x)
+    y = memlean.checkpoint(lambda t: torch.tanh(lin(t)), x, params=list(lin.parameters()))
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    assert torch.equal(g.detach(), g_plain)
+    assert g.requires_grad
+    with pytest.raises(RuntimeError, match=r"double backward \(create_graph=True\) through a checkpoint is not supported"):
+        g.sum().backward()
+
+
+# ---- RNG ---------------------------------------------------------------------------------
+
+
+def dropout_block(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.5), nn.Tanh(), nn.Linear(32, 16), nn.Dropout(0.3)).to(D)
+
+
+def test_dropout_gradients_equal_with_rng_preservation():
+    block = dropout_block()
+    x = torch.randn(64, 16, dtype=D, requires_grad=True)
+    tensors = [x] + list(block.parameters())
+    torch.manual_seed(123)
+    block(x).pow(2).sum().backward()
+    after_plain = torch.rand(3)
+    plain = grads(tensors)
+    torch.manual_seed(123)
+    memlean.checkpoint(block, x).pow(2).sum().backward()
+    # The recompute did not move the RNG stream either.
+    assert torch.equal(torch.rand(3), after_plain)
+    assert_same(grads(tensors), plain)
+    torch.manual_seed(123)
+    memlean.CheckpointFunction.apply(block, 1, x, *block.parameters()).pow(2).sum().backward()
+    assert_same(grads(tensors), plain)
+
+
+def test_dropout_differs_without_rng_preservation():
+    block = dropout_block()
+    x = torch.randn(64, 16, dtype=D, requires_grad=True)
+    torch.manual_seed(123)
+    block(x).pow(2).sum().backward()
+    plain = grads([x])
+    torch.manual_seed(123)
+    memlean.checkpoint(block, x, preserve_rng_state=False).pow(2).sum().backward()
+    assert not torch.equal(grads([x])[0], plain[0])
+
+
+def test_autocast_state_of_the_forward_is_used_by_the_recompute():
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    dtypes = []
+
+    def f(t):
+        y = lin(t)
+        dtypes.append(y.dtype)
+        return y.float()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = memlean.checkpoint(f, x, params=list(lin.parameters()))
+    y.sum().backward()  # outside autocast
+    assert dtypes == [torch.bfloat16, torch.bfloat16]
+    assert not torch.is_autocast_enabled("cpu")
+
+
+# ---- memory ------------------------------------------------------------------------------
+
+
+def saved_storages(fn):
+    """{storage data_ptr: nbytes} of what autograd saves for backward while fn() runs."""
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return saved, out
+
+
+class Chain(nn.Module):
+    """n blocks tanh(linear(h)), as a list of layers."""
+
+    def __init__(self, n, width=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n))
+
+
+@pytest.mark.parametrize("per", [1, 2, 3, 4, 6, 12])
+def test_a_chain_of_n_blocks_in_k_segments_keeps_only_the_segment_inputs(per):
+    chain = Chain(12).to(D)
+    x = torch.randn(32, 8, dtype=D, requires_grad=True)
+    params = {p.untyped_storage().data_ptr() for p in chain.parameters()}
+
+    def run():
+        h, inputs = x, []
+        for s in range(0, 12, per):
+            inputs.append(h.untyped_storage().data_ptr())
+            segment = nn.Sequential(*chain.layers[s:s + per])
+            h = memlean.checkpoint(segment, h)
+        return h, inputs
+
+    saved, (y, inputs) = saved_storages(run)
+    activations = {k: v for k, v in saved.items() if k not in params}
+    # Exactly the k segment inputs, each one activation of 32 x 8 float64.
+    assert sorted(activations) == sorted(inputs)
+    assert sum(activations.values()) == (12 // per) * 32 * 8 * 8
+    # The plain chain keeps x and every block's tanh output.
+    plain, _ = saved_storages(lambda: nn.Sequential(*chain.layers)(x))
+    assert sum(v for k, v in plain.items() if k not in params) == (12 + 1) * 32 * 8 * 8
+    y.sum().backward()
+
+
+@pytest.mark.parametrize("segments", [2, 3, 4, 6])
+def test_checkpoint_sequential_keeps_segment_inputs_and_the_last_segment(segments):
+    chain = Chain(12).to(D)
+    layers = [m for block in chain.layers for m in block]  # 24 layers
+    x = torch.randn(32, 8, dtype=D, requires_grad=True)
+    params = {p.untyped_storage().data_ptr() for p in chain.parameters()}
+    saved, y = saved_storages(lambda: memlean.checkpoint_sequential(layers, segments, x))
+    act = 32 * 8 * 8
+    # segments - 1 checkpointed segment inputs; the last segment as usual: its input and
+    # each block's tanh output (a block's linear saves the tanh output before it).
+    last = 12 // segments
+    assert sum(v for k, v in saved.items() if k not in params) == (segments - 1) * act + (last + 1) * act
+    y.sum().backward()
+
+
+# ---- checkpoint_sequential and the planner -------------------------------------------------
+
+
+def test_checkpoint_sequential_gradients_with_dropout_and_batchnorm():
+    torch.manual_seed(3)
+    layers = []
+    for _ in range(4):
+        layers += [nn.Conv2d(3, 3, 3, padding=1), memlean.BatchNorm2d(3), nn.ReLU(), nn.Dropout(0.2)]
+    plain = nn.Sequential(*layers).to(D)
+    ckpt = copy.deepcopy(plain)
+    x = torch.randn(4, 3, 6, 6, dtype=D, requires_grad=True)
+    torch.manual_seed(9)
+    plain(x).pow(2).sum().backward()
+    g_plain = grads([x] + list(plain.parameters()))
+    for segments in [1, 2, 3, "sqrt", [0, 5, 11], memlean.SegmentPlan([0, 8], 0)]:
+        model = copy.deepcopy(ckpt)
+        torch.manual_seed(9)
+        memlean.checkpoint_sequential(model, segments, x).pow(2).sum().backward()
+        g = grads([x] + list(model.parameters()))
+        for a, b in zip(g, g_plain):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        assert_same(list(model.buffers()), list(plain.buffers()))
+
+
+def test_torch_batchnorm_in_checkpoint_sequential_is_updated_once():
+    torch.manual_seed(4)
+    plain = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3), nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)).to(D)
+    ckpt = copy.deepcopy(plain)
+    x = torch.randn(4, 3, 5, 5, dtype=D)
+    plain(x).sum().backward()
+    memlean.checkpoint_sequential(ckpt, 2, x).sum().backward()
+    assert_same(list(ckpt.buffers()), list(plain.buffers()))
+
+
+def test_planner():
+    costs = [memlean.LayerCost(100, 100)] * 16
+    plan = memlean.plan_segments(costs)
+    assert plan.starts == [0, 4, 8, 12] and plan.fits_budget and plan.num_segments == 4
+    assert plan.estimated_peak_bytes == 300 + 100 + 400
+    assert memlean.plan_segments(costs, budget_bytes=10**9).starts == [0]
+    tight = memlean.plan_segments(costs, budget_bytes=500)
+    assert not tight.fits_budget and tight.estimated_peak_bytes > 500
+    mid = memlean.plan_segments(costs, budget_bytes=1200)
+    assert mid.fits_budget and mid.estimated_peak_bytes <= 1200
+    assert memlean._C.estimate_peak_bytes([c.input_bytes for c in costs],
+                                          [c.activation_bytes for c in costs], mid.starts) == mid.estimated_peak_bytes
+    with pytest.raises(ValueError, match="budget_bytes must be >= 0"):
+        memlean.plan_segments(costs, -1)
+    with pytest.raises(TypeError, match=r"costs\[0\] is a tuple, not a LayerCost"):
+        memlean.plan_segments([(1, 2)])
+
+
+def test_measure_layer_costs_is_exact_and_has_no_side_effects():
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.5), nn.Linear(16, 4),
+                          nn.ReLU(inplace=True)).to(D)
+    bn = nn.Sequential(nn.Conv2d(3, 3, 1), memlean.BatchNorm2d(3))
+    x = torch.randn(10, 8, dtype=D)
+    state = torch.get_rng_state()
+    costs = memlean.measure_layer_costs(model, x)
+    assert torch.equal(torch.get_rng_state(), state)
+    h = 10 * 16 * 8
+    assert [c.input_bytes for c in costs] == [10 * 8 * 8, h, h, h, 10 * 4 * 8]
+    # Linear: its output; Tanh: its output (saved); Dropout: output and mask; in-place ReLU: nothing new.
+    assert [c.activation_bytes for c in costs] == [h, h, 2 * h, 10 * 4 * 8, 0]
+    memlean.measure_layer_costs(bn, torch.randn(4, 3, 5, 5))
+    assert bn[1].num_batches_tracked.item() == 0
+    plan = memlean.plan_segments(costs)
+    assert plan.starts == [0, 2]
+
+
+# ---- BatchNorm2d -------------------------------------------------------------------------
+
+
+def test_batchnorm_is_a_drop_in():
+    ours, theirs = memlean.BatchNorm2d(5, momentum=0.2), nn.BatchNorm2d(5, momentum=0.2)
+    assert isinstance(ours, nn.BatchNorm2d)
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    ours.load_state_dict(theirs.state_dict())
+    assert repr(ours) == repr(theirs)
+    with pytest.raises(ValueError, match="expected 4D input"):
+        ours(torch.randn(2, 5))
+
+
+@pytest.mark.parametrize("kw", [{}, {"momentum": None}, {"affine": False}, {"track_running_stats": False}])
+def test_batchnorm_behaves_as_torchs_outside_checkpoints(kw):
+    torch.manual_seed(6)
+    ours, theirs = memlean.BatchNorm2d(4, **kw).to(D), nn.BatchNorm2d(4, **kw).to(D)
+    for _ in range(3):
+        x = torch.randn(6, 4, 3, 3, dtype=D)
+        assert torch.equal(ours(x), theirs(x))
+    with torch.no_grad():  # a train-mode forward under no_grad updates, as torch's does
+        x = torch.randn(6, 4, 3, 3, dtype=D)
+        assert torch.equal(ours(x), theirs(x))
+    assert_same(list(ours.buffers()), list(theirs.buffers()))
+    ours.eval(), theirs.eval()
+    x = torch.randn(2, 4, 3, 3, dtype=D)
+    assert torch.equal(ours(x), theirs(x))
+    assert_same(list(ours.buffers()), list(theirs.buffers()))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batchnorm_statistics_after_a_checkpointed_step_equal_the_plain_step(momentum):
+    plain, ckpt = make(), make()
+    plain.norm.momentum = ckpt.norm.momentum = momentum
+    x = torch.randn(8, 4, 5, 5, dtype=D)
+    plain(x).pow(2).sum().backward()
+    # Seed 003's DenseNet example: bn_function, its parameters listed.
+    def bn_function(t):
+        return ckpt.conv(F.relu(ckpt.norm(t)))
+
+    args = (x,) + tuple(ckpt.norm.parameters()) + tuple(ckpt.conv.parameters())
+    memlean.CheckpointFunction.apply(bn_function, 1, *args).pow(2).sum().backward()
+    assert ckpt.norm.num_batches_tracked.item() == 1
+    assert_same(list(ckpt.buffers()), list(plain.buffers()))
+    assert_same([p.grad for p in ckpt.parameters()], [p.grad for p in plain.parameters()])
+
+
+def test_torchs_batchnorm_in_a_function_checkpoint_counts_twice():
+    # Why memlean.BatchNorm2d exists (seed 003's note): torch's is updated by the recompute too.
+    bn = nn.BatchNorm2d(4).to(D)
+    x = torch.randn(8, 4, 5, 5, dtype=D, requires_grad=True)
+    memlean.CheckpointFunction.apply(bn, 1, x, *bn.parameters()).sum().backward()
+    assert bn.num_batches_tracked.item() == 2
+
+
+def test_batchnorm_eval_mode_inside_a_checkpoint_is_unaffected():
+    block = make()
+    block(torch.randn(8, 4, 5, 5, dtype=D))
+    block.eval()
+    before = copy.deepcopy(block.state_dict())
+    x = torch.randn(8, 4, 5, 5, dtype=D, requires_grad=True)
+    y = memlean.checkpoint(block, x)
+    y.sum().backward()
+    assert torch.equal(y, block(x))
+    assert_same(list(block.state_dict().values()), list(before.values()))
+
+
+def test_batchnorm_convert():
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, momentum=0.3), nn.Sequential(nn.BatchNorm2d(4)))
+    model(torch.randn(4, 3, 2, 2))
+    state = copy.deepcopy(model.state_dict())
+    model = memlean.BatchNorm2d.convert(model)
+    assert type(model[1]) is memlean.BatchNorm2d and type(model[2][0]) is memlean.BatchNorm2d
+    assert model[1].momentum == 0.3
+    assert_same(list(model.state_dict().values()), list(state.values()))
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+
+def test_n_larger_than_the_arguments():
+    x = torch.randn(2, requires_grad=True)
+    with pytest.raises(ValueError, match=r"memlean.CheckpointFunction: n is 3 but only 2 arguments were given"):
+        memlean.CheckpointFunction.apply(lambda a, b, c: a, 3, x, x)
+    with pytest.raises(ValueError, match="must be >= 0, got -1"):
+        memlean.CheckpointFunction.apply(lambda: x, -1, x)
+    with pytest.raises(TypeError, match="n \\(the number of inputs\\) must be an int, got a float"):
+        memlean.CheckpointFunction.apply(lambda a: a, 1.0, x)
+
+
+def test_a_parameter_that_is_not_a_tensor():
+    x = torch.randn(2, requires_grad=True)
+    with pytest.raises(TypeError, match=r"parameter 1 \(argument 2\) is a float, not a tensor"):
+        memlean.CheckpointFunction.apply(lambda a: a * 2, 1, x, x, 0.5)
+    with pytest.raises(TypeError, match=r"parameter 0 \(argument 1\) is None, not a tensor"):
+        memlean.checkpoint(lambda a: a * 2, x, params=[None])
+    with pytest.raises(TypeError, match="function must be callable, got a Tensor"):
+        memlean.checkpoint(x, x)
+
+
+def test_a_function_that_returns_no_tensor():
+    x = torch.randn(2, requires_grad=True)
+    with pytest.raises(TypeError, match=r"the function returned no tensor \(it returned None\)"):
+        memlean.checkpoint(lambda a: None, x)
+    with pytest.raises(TypeError, match=r"returned no tensor \(it returned an int, a str\)"):
+        memlean.CheckpointFunction.apply(lambda a: (1, "a"), 1, x)
+    with torch.no_grad():  # also on the plain-call path
+        with pytest.raises(TypeError, match="returned no tensor"):
+            memlean.checkpoint(lambda a: [], x)
+
+
+def test_backward_through_a_checkpoint_twice():
+    lin = nn.Linear(3, 3)
+    y = memlean.checkpoint(lin, torch.randn(2, 3, requires_grad=True))
+    y.sum().backward()
+    with pytest.raises(RuntimeError, match="memlean.checkpoint: backward ran through this checkpoint a second time"):
+        y.sum().backward()
+
+
+def test_a_parameter_that_was_not_listed():
+    lin = nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    y = memlean.CheckpointFunction.apply(lin, 1, x, lin.weight)  # bias forgotten
+    with pytest.raises(RuntimeError, match=r"neither one of its inputs nor one of the parameters given "
+                                           r"to the checkpoint \(it reaches a leaf of shape \[3\] through"):
+        y.sum().backward()
+    outside = torch.randn(2, 3, requires_grad=True) * 2
+    y = memlean.checkpoint(lambda t: lin(t) + outside, x, params=list(lin.parameters()))
+    with pytest.raises(RuntimeError, match="its gradient would be lost"):
+        y.sum().backward()
+
+
+def test_a_function_that_modifies_its_input_in_place():
+    x = torch.randn(2, 3, requires_grad=True) * 1
+    with pytest.raises(RuntimeError, match="the function modified its input 0 in place"):
+        memlean.checkpoint(lambda t: t.relu_(), x)
+
+
+def test_an_input_modified_before_backward():
+    lin = nn.Linear(3, 3)
+    h = torch.randn(2, 3, requires_grad=True) * 1
+    y = memlean.checkpoint(lin, h)
+    with torch.no_grad():
+        h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_bad_segments():
+    layers = [nn.Linear(2, 2), nn.Tanh()]
+    x = torch.randn(1, 2)
+    with pytest.raises(ValueError, match=r"segments must be between 1 and the number of layers \(2\), got 3"):
+        memlean.checkpoint_sequential(layers, 3, x)
+    with pytest.raises(ValueError, match="the first segment must start at layer 0"):
+        memlean.checkpoint_sequential(layers, [1], x)
+    with pytest.raises(ValueError, match="segment starts must increase"):
+        memlean.checkpoint_sequential(layers, [0, 0], x)
+    with pytest.raises(ValueError, match="'sqrt'"):
+        memlean.checkpoint_sequential(layers, "half", x)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
