@@ -1,6 +1,6 @@
-// Vectorized Swish-β kernels. This file is compiled twice: CPU_CAPABILITY=DEFAULT and
-// CPU_CAPABILITY=AVX2 (-mavx2 -mfma -mf16c); at::vec puts Vectorized<T> in an inline
-// namespace named after the capability, so the two copies never collide.
+// Vectorized Swish-β kernels. This file is compiled three times, as ATen compiles its own:
+// CPU_CAPABILITY=DEFAULT, AVX2 (-mavx2 -mfma -mf16c) and AVX512; at::vec puts Vectorized<T>
+// in an inline namespace named after the capability, so the copies never collide.
 #include "ops/swish/cpu/swish_kernel.h"
 
 #include <ATen/Dispatch.h>
@@ -20,7 +20,7 @@
 #include "ops/swish/swish_constants.h"
 
 #ifndef CPU_CAPABILITY
-#error "CPU_CAPABILITY must be defined (DEFAULT or AVX2)"
+#error "CPU_CAPABILITY must be defined (DEFAULT, AVX2 or AVX512)"
 #endif
 
 namespace memlean::swish_cpu::CPU_CAPABILITY {
@@ -96,9 +96,22 @@ void backward_typed(at::TensorIteratorBase& iter, double beta) {
 
 constexpr int64_t kBlock = 256;
 static_assert(kBlock % 64 == 0, "a block must fill whole mask bytes and whole vectors");
+constexpr int kInterleave = 4;  // vectors per step of the in-place backward
 
 template <typename scalar_t>
 using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+// Row b holds the 8 bits of the byte b as 0/1 values, for unpacking the mask 8 at a time.
+template <typename T>
+struct BitsToValues {
+  T rows[256][8];
+  constexpr BitsToValues() : rows() {
+    for (int b = 0; b < 256; ++b)
+      for (int j = 0; j < 8; ++j) rows[b][j] = (b >> j) & 1 ? T(1) : T(0);
+  }
+};
+template <typename T>
+constexpr BitsToValues<T> kBitsToValues{};
 
 template <typename scalar_t, typename acc_t>
 void load_block(const scalar_t* src, acc_t* buf, int64_t n) {
@@ -141,43 +154,130 @@ void store_block(const acc_t* buf, scalar_t* dst, int64_t n) {
 // h(t) = ±sqrt(g(t) - g*), whose step is (a - b) * 2a / g'(t) with a = sqrt(g(t) - g*) and
 // b = |s|, starting from the quadratic model near t*, u itself for large u (t ~ u), and
 // t ~ log(-u) - log(-log(-u)) in the left tail (u ~ t e^t); each step keeps t on its side.
-template <typename acc_t>
-Vectorized<acc_t> inverse_g(Vectorized<acc_t> u, Vectorized<acc_t> left) {
+//
+// K independent vectors go through each step together: the chain of exp, divisions and
+// square roots is long, and interleaving K chains keeps the core busy. Work no lane needs
+// (the tail guess, the series, Newton steps) is skipped.
+template <typename V>
+bool any_lane(const V& m) {
+  return m.zero_mask() != (1 << V::size()) - 1;
+}
+
+template <typename V, size_t N>
+V horner(const double (&c)[N], const V& x) {
+  using T = typename V::value_type;
+  V r(static_cast<T>(c[N - 1]));
+  for (int j = static_cast<int>(N) - 2; j >= 0; --j) r = V(static_cast<T>(c[j])) + x * r;
+  return r;
+}
+
+// The float path: polynomials in s cover u <= 2 on the right and u <= -0.2 on the left to
+// within float rounding, with no iteration; only lanes in the two tails (left, u > -0.2;
+// right, u > 2) take a Newton step on g itself, which is well-conditioned there.
+template <int K>
+void inverse_g_fast(const Vectorized<float> (&u)[K], const Vectorized<float> (&left)[K],
+                    Vectorized<float> (&t)[K]) {
+  namespace sc = swish_constants;
+  using V = Vectorized<float>;
+  const V zero(0.f), one(1.f), ts(float(sc::kTStar)), gs(float(sc::kGStar)), floor(-80.f);
+  V need[K];
+  bool any_need = false;
+  for (int k = 0; k < K; ++k) {
+    const V b = at::vec::maximum(u[k] - gs, zero).sqrt();
+    const V t_right = ts + b * horner(sc::kRightPoly, b);
+    const V s = b.neg();
+    const V t_left = ts + s * horner(sc::kLeftPoly, s);
+    t[k] = V::blendv(t_right, t_left, left[k]);
+    need[k] = V::blendv(u[k] > V(2.f), u[k] > V(-0.2f), left[k]);
+    any_need |= any_lane(need[k]);
+  }
+  if (!any_need) return;
+  for (int k = 0; k < K; ++k) {
+    if (!any_lane(need[k])) continue;
+    // Tail guesses for every lane (blended in only where needed); -u clamped so log is finite.
+    const V log_neg_u = at::vec::maximum(u[k].neg(), V(1e-37f)).log();
+    const V t_tail = at::vec::maximum(
+        log_neg_u - at::vec::maximum(log_neg_u.neg(), V(1.f)).log() +
+            horner(sc::kTailPoly, one / at::vec::minimum(log_neg_u, V(-1.f))),
+        floor);
+    const V t_large = u[k] * (one + u[k].neg().exp());
+    const V tt = V::blendv(t_large, t_tail, left[k]);
+    // One Newton step on g (t error < 2e-5 after it, where |g''| < 0.1): with e = exp(-t),
+    // (g(t) - u) / g'(t) = (t - u (1 + e)) (1 + e) / (1 + e + t e), a single division.
+    const V e = tt.neg().exp();
+    const V one_e = one + e;
+    const V stepped = tt - (tt - u[k] * one_e) * one_e / (one_e + tt * e);
+    const V next = V::blendv(at::vec::maximum(stepped, ts),
+                             at::vec::maximum(at::vec::minimum(stepped, ts), floor), left[k]);
+    t[k] = V::blendv(t[k], next, need[k]);
+  }
+}
+
+template <typename acc_t, int K>
+void inverse_g(const Vectorized<acc_t> (&u)[K], const Vectorized<acc_t> (&left)[K],
+               Vectorized<acc_t> (&t)[K]) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    inverse_g_fast<K>(u, left, t);
+    return;
+  }
   namespace sc = swish_constants;
   using V = Vectorized<acc_t>;
   const V zero(acc_t(0)), one(acc_t(1)), ts(acc_t(sc::kTStar)), gs(acc_t(sc::kGStar));
-  const V d = at::vec::maximum(u - gs, zero);
-  const V b = d.sqrt();
-  const V s = V::blendv(b, b.neg(), left);
-  const V near = b < V(acc_t(sc::kSeriesRadius));
-  V series(acc_t(sc::kInverseSeries[5]));
-  for (int k = 4; k >= 0; --k) series = V(acc_t(sc::kInverseSeries[k])) + s * series;
-  const V t_near = ts + s * series;
-
-  const V r = (d * V(acc_t(2 / sc::kG2Star))).sqrt();
-  const V t_right = V::blendv(ts + r, u, u > V(acc_t(2)));
-  const V log_neg_u = at::vec::maximum(u.neg(), V(std::numeric_limits<acc_t>::min())).log();
-  const V t_tail = log_neg_u - at::vec::maximum(log_neg_u.neg(), V(acc_t(1e-3))).log();
-  const V t_left = V::blendv(ts - r, t_tail, u > V(acc_t(-0.2)));
-  V t = V::blendv(V::blendv(t_right, t_left, left), t_near, near);
+  V d[K], b[K], s[K], near[K], t_near[K];
+  bool any_near = false, all_near = true, any_tail = false;
+  for (int k = 0; k < K; ++k) {
+    d[k] = at::vec::maximum(u[k] - gs, zero);
+    b[k] = d[k].sqrt();
+    s[k] = V::blendv(b[k], b[k].neg(), left[k]);
+    near[k] = b[k] < V(acc_t(sc::kSeriesRadius));
+    const bool n = any_lane(near[k]);
+    any_near |= n;
+    all_near &= n && near[k].zero_mask() == 0;
+    any_tail |= any_lane(left[k] & (u[k] > V(acc_t(-0.2))));
+  }
+  if (any_near) {
+    for (int k = 0; k < K; ++k) {
+      V series(acc_t(sc::kInverseSeries[5]));
+      for (int j = 4; j >= 0; --j) series = V(acc_t(sc::kInverseSeries[j])) + s[k] * series;
+      t_near[k] = ts + s[k] * series;
+    }
+  }
+  if (all_near) {
+    for (int k = 0; k < K; ++k) t[k] = t_near[k];
+    return;
+  }
+  for (int k = 0; k < K; ++k) {
+    const V r = (d[k] * V(acc_t(2 / sc::kG2Star))).sqrt();
+    const V t_right = V::blendv(ts + r, u[k], u[k] > V(acc_t(2)));
+    V t_left = ts - r;
+    if (any_tail) {
+      const V log_neg_u = at::vec::maximum(u[k].neg(), V(std::numeric_limits<acc_t>::min())).log();
+      const V t_tail = log_neg_u - at::vec::maximum(log_neg_u.neg(), V(acc_t(1e-3))).log();
+      t_left = V::blendv(t_left, t_tail, u[k] > V(acc_t(-0.2)));
+    }
+    t[k] = V::blendv(t_right, t_left, left[k]);
+  }
 
   const V inv_h1(acc_t(std::sqrt(2 / sc::kG2Star)));  // 1 / h'(t*)
   // float: 3 steps reach the rounding floor; double converges further.
   const int iterations = std::is_same_v<acc_t, double> ? 2 * sc::kInverseIterations
                                                        : sc::kInverseIterations;
-  for (int k = 0; k < iterations; ++k) {
-    const V sig = one / (one + t.neg().exp());
-    const V g = t * sig;
-    const V slope = sig * (one + t * (one - sig));
-    const V a = at::vec::maximum(g - gs, zero).sqrt();
-    // An iterate that strays close to t* gets 1 / h'(t*) instead of the noisy 2a / g'(t).
-    const V close = (t - ts).abs() < V(acc_t(0.02));
-    const V inv_slope = V::blendv(V(acc_t(2)) * a / slope, inv_h1, close);
-    const V stepped = t - (a - b) * inv_slope;
-    t = V::blendv(at::vec::maximum(stepped, ts), at::vec::minimum(stepped, ts), left);
-    t = V::blendv(t, t_near, near);
+  for (int it = 0; it < iterations; ++it) {
+    for (int k = 0; k < K; ++k) {
+      const V sig = one / (one + t[k].neg().exp());
+      const V g = t[k] * sig;
+      const V slope = sig * (one + t[k] * (one - sig));
+      const V a = at::vec::maximum(g - gs, zero).sqrt();
+      // An iterate that strays close to t* gets 1 / h'(t*) instead of the noisy 2a / g'(t).
+      const V close = (t[k] - ts).abs() < V(acc_t(0.02));
+      const V inv_slope = V::blendv(V(acc_t(2)) * a / slope, inv_h1, close);
+      const V stepped = t[k] - (a - b[k]) * inv_slope;
+      t[k] = V::blendv(at::vec::maximum(stepped, ts), at::vec::minimum(stepped, ts), left[k]);
+    }
   }
-  return t;
+  if (any_near) {
+    for (int k = 0; k < K; ++k) t[k] = V::blendv(t[k], t_near[k], near[k]);
+  }
 }
 
 template <typename scalar_t>
@@ -242,21 +342,33 @@ void inplace_backward_typed(const at::Tensor& grad, const at::Tensor& y, const a
         store_block(ybuf, out + start, len);
         continue;
       }
-      for (int64_t i = 0; i < len; ++i) {
-        const int64_t e = start + i;
-        lbuf[i] = (bits[e >> 3] >> (e & 7)) & 1 ? acc_t(1) : acc_t(0);
+      const uint8_t* block_bits = bits + start / 8;
+      for (int64_t byte = 0; byte * 8 < len; ++byte) {
+        std::copy_n(kBitsToValues<acc_t>.rows[block_bits[byte]], 8, lbuf + byte * 8);
+      }
+      if (len < kBlock) {  // the last block: defined values in the lanes past len
+        std::fill(ybuf + len, ybuf + kBlock, acc_t(0));
+        std::fill(gbuf + len, gbuf + kBlock, acc_t(0));
+        std::fill(lbuf + len, lbuf + kBlock, acc_t(0));
       }
       const V zero(acc_t(0)), one(acc_t(1)), half(acc_t(0.5));
-      for (int64_t i = 0; i < len; i += V::size()) {
-        const int64_t c = std::min<int64_t>(V::size(), len - i);
-        const V u = V(b) * V::loadu(ybuf + i, c);
-        const V left = V::loadu(lbuf + i, c) > half;
-        const V t = inverse_g<acc_t>(u, left);
-        const V s = one / (one + t.neg().exp());
-        V slope = s * (one + t * (one - s));
-        // Left of t* with y == 0: x was so negative that y underflowed; dy/dx ~ 0 there.
-        slope = V::blendv(slope, zero, left & (u == zero));
-        (V::loadu(gbuf + i, c) * slope).store(ybuf + i, c);
+      constexpr int K = kInterleave;
+      static_assert(kBlock % (K * V::size()) == 0, "whole steps per block");
+      // Lanes past len hold stale values; they are computed and never stored.
+      for (int64_t i = 0; i < len; i += K * V::size()) {
+        V u[K], left[K], t[K];
+        for (int k = 0; k < K; ++k) {
+          u[k] = V(b) * V::loadu(ybuf + i + k * V::size());
+          left[k] = V::loadu(lbuf + i + k * V::size()) > half;
+        }
+        inverse_g<acc_t, K>(u, left, t);
+        for (int k = 0; k < K; ++k) {
+          const V s = one / (one + t[k].neg().exp());
+          V slope = s * (one + t[k] * (one - s));
+          // Left of t* with y == 0: x was so negative that y underflowed; dy/dx ~ 0 there.
+          slope = V::blendv(slope, zero, left[k] & (u[k] == zero));
+          (V::loadu(gbuf + i + k * V::size()) * slope).store(ybuf + i + k * V::size());
+        }
       }
       store_block(ybuf, out + start, len);
     }

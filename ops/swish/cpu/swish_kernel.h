@@ -34,5 +34,12 @@ void inplace_forward_kernel(const at::Tensor& x, const at::Tensor& mask, double 
 void inplace_backward_kernel(const at::Tensor& grad, const at::Tensor& y, const at::Tensor& mask,
                              const at::Tensor& grad_x, double beta);
 }  // namespace AVX2
+namespace AVX512 {
+void forward_kernel(at::TensorIteratorBase& iter, double beta);
+void backward_kernel(at::TensorIteratorBase& iter, double beta);
+void inplace_forward_kernel(const at::Tensor& x, const at::Tensor& mask, double beta);
+void inplace_backward_kernel(const at::Tensor& grad, const at::Tensor& y, const at::Tensor& mask,
+                             const at::Tensor& grad_x, double beta);
+}  // namespace AVX512
 
 }  // namespace memlean::swish_cpu
