@@ -11,4 +11,5 @@ PYBIND11_MODULE(_C, m) {
   m.attr("TORCH_VERSION") = MEMLEAN_TORCH_VERSION;
   memlean::python::init_swish(m);
   memlean::python::init_checkpoint(m);
+  memlean::python::init_memstats(m);
 }

@@ -34,6 +34,7 @@ from memlean.checkpoint import (  # noqa: E402
     CheckpointFunction, LayerCost, SegmentPlan, checkpoint, checkpoint_sequential,
     is_recomputing, measure_layer_costs, plan_segments)
 from memlean.batchnorm import BatchNorm2d  # noqa: E402
+from memlean import memstats  # noqa: E402,F401  (memlean.memstats.track(), ...)
 
 __all__ = ["Swish", "VARIANTS", "swish", "swish_", "__version__",
            "BatchNorm2d", "CheckpointFunction", "LayerCost", "SegmentPlan", "checkpoint",

@@ -1,0 +1,278 @@
+"""memlean.memstats: exact tensor memory accounting, scoped peaks, phases and categories.
+
+    import memlean.memstats as memstats
+
+    memstats.enable()                       # before building the model: count its parameters
+    model, opt = ..., ...
+    with memstats.track(device="cpu") as t:
+        for x, y in batches:
+            t.mark("data")
+            loss = F.cross_entropy(model(x), y)
+            t.mark("forward")               # t.categories(model, opt) here: activations kept
+            loss.backward()
+            t.mark("backward")
+            opt.step()
+            t.mark("step")
+    print(t.table())                        # rows = marks, columns = steps, MiB
+    print(t.peak, t.categories(model, opt))
+
+CPU: a counting allocator wraps torch's CPU allocator (installed by enable() or the first
+tracker) and counts every storage it allocates, to the byte, on any thread; storages that
+existed before are not counted, nor their frees. CUDA: the caching allocator's figures
+(torch.cuda.memory_allocated and friends). Trackers nest: each has its own peak, and
+reset_peak() on one leaves the others alone. Names follow torch.cuda's where they overlap.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+
+from memlean import _C
+
+_M = _C.memstats
+
+Mark = _M.Mark
+Categories = _M.Categories
+
+__all__ = [
+    "Categories",
+    "Mark",
+    "Tracker",
+    "enable",
+    "enabled",
+    "mark",
+    "max_memory_allocated",
+    "memory_allocated",
+    "memory_reserved",
+    "track",
+]
+
+
+def _device(device) -> str:
+    """'cpu' / 'cuda' / 'cuda:1' / torch.device / a CUDA index → the string C++ parses."""
+    if isinstance(device, bool):
+        raise TypeError(f"memlean.memstats: device must be a str, torch.device or int, got bool")
+    if isinstance(device, int):
+        device = f"cuda:{device}"
+    if isinstance(device, torch.device):
+        device = str(device)
+    if not isinstance(device, str):
+        raise TypeError(
+            f"memlean.memstats: device must be a str, torch.device or int, got "
+            f"{type(device).__name__}"
+        )
+    return device
+
+
+def _name(name) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"memlean.memstats: mark name must be a str, got {type(name).__name__}")
+    return name
+
+
+def enable() -> None:
+    """Install the counting CPU allocator now (idempotent). Tensors allocated earlier are
+    not counted: call it before creating the model whose memory you want to see."""
+    _M.enable()
+
+
+def enabled() -> bool:
+    """Whether the counting CPU allocator is installed."""
+    return _M.enabled()
+
+
+def memory_allocated(device="cpu") -> int:
+    """Bytes of tensor storage alive on `device` (CPU: counted since enable())."""
+    return _M.memory_allocated(_device(device))
+
+
+def max_memory_allocated(device="cpu") -> int:
+    """The largest memory_allocated(device) so far; trackers never lower it."""
+    return _M.max_memory_allocated(_device(device))
+
+
+def memory_reserved(device="cpu") -> int:
+    """CUDA: bytes the caching allocator holds; CPU: memory_allocated (no cache)."""
+    return _M.memory_reserved(_device(device))
+
+
+def mark(name: str) -> Mark:
+    """Mark the innermost running tracker (for code that has no handle on it)."""
+    return _M.mark(_name(name))
+
+
+def _tensors(obj) -> Iterable[torch.Tensor]:
+    """The tensors inside an optimizer state value (tensors, lists, tuples, dicts)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+class Tracker:
+    """A scoped view of one device's memory; starts when created, stops at stop() or at the
+    end of a `with` block (its figures stay readable, frozen)."""
+
+    def __init__(self, device="cpu"):
+        self._t = _M.Tracker(_device(device))
+
+    def __enter__(self) -> "Tracker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return (
+            f"Tracker(device='{self._t.device}', {state}, current={self.current}, "
+            f"peak={self.peak}, marks={len(self.marks)})"
+        )
+
+    def __str__(self) -> str:
+        return self.table()
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self._t.device)
+
+    @property
+    def running(self) -> bool:
+        return self._t.running
+
+    @property
+    def current(self) -> int:
+        """Bytes alive on the device now (after stop(): when it stopped)."""
+        return self._t.current
+
+    @property
+    def peak(self) -> int:
+        """The largest `current` since the tracker started or since its reset_peak()."""
+        return self._t.peak
+
+    @property
+    def reserved(self) -> int:
+        return self._t.reserved
+
+    @property
+    def marks(self) -> list:
+        """The Mark of every mark() so far: name, step, current, peak (since the previous
+        mark), kept (bytes allocated since the previous mark still alive; None on CUDA),
+        reserved, seconds."""
+        return self._t.marks()
+
+    def reset_peak(self) -> None:
+        self._t.reset_peak()
+
+    def mark(self, name: str) -> Mark:
+        """End the phase that began at the previous mark and record it as `name`. A name
+        seen already in the current step starts a new step (column)."""
+        return self._t.mark(_name(name))
+
+    def stop(self) -> None:
+        self._t.stop()
+
+    def table(self, bytes: bool = False, value: str = "current") -> str:
+        """The seed 000 table: rows = marks, columns = steps, MiB with two decimals (bytes=True:
+        exact bytes). value: 'current' (bytes alive at the mark, with a (peak) row), 'peak'
+        (peak since the previous mark), 'kept' or 'reserved'."""
+        if not isinstance(bytes, bool):
+            raise TypeError(f"memlean.memstats: bytes must be a bool, got {type(bytes).__name__}")
+        if not isinstance(value, str):
+            raise TypeError(f"memlean.memstats: value must be a str, got {type(value).__name__}")
+        return self._t.table(bytes, value)
+
+    def to_csv(self, path=None) -> str:
+        """One row per mark (step,phase,current_bytes,peak_bytes,kept_bytes,reserved_bytes,
+        seconds); written to `path` when given. Returns the text."""
+        return _write(path, self._t.csv())
+
+    def to_json(self, path=None) -> str:
+        """The tracker and its marks as JSON; written to `path` when given."""
+        return _write(path, self._t.json())
+
+    def categories(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                   forward: str | None = None) -> Categories:
+        """Split the device's live bytes into parameters, buffers, gradients, optimizer state,
+        activations and other; they sum to `total` to the byte. Activations are the bytes
+        allocated during the latest mark named `forward` (default: "forward" or "forw") that
+        are still alive, other than the model's and optimizer's tensors. `untracked` counts
+        the model's and optimizer's bytes outside the total (allocated before enable())."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"memlean.memstats: model must be a torch.nn.Module, got {type(model).__name__}"
+            )
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"memlean.memstats: optimizer must be a torch.optim.Optimizer or None, got "
+                f"{type(optimizer).__name__}"
+            )
+        if forward is not None and not isinstance(forward, str):
+            raise TypeError(
+                f"memlean.memstats: forward must be a mark name or None, got "
+                f"{type(forward).__name__}"
+            )
+        params = list(model.parameters())
+        buffers = list(model.buffers())
+        grads = [p.grad for p in params if p.grad is not None]
+        state = []
+        if optimizer is not None:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        grads.append(p.grad)
+            for s in optimizer.state.values():
+                state.extend(_tensors(s))
+        return self._t.categories(params, buffers, grads, state, forward or "")
+
+    def plot(self, path, title: str | None = None) -> str:
+        """Draw bytes alive at each mark and the peak of each phase to a PNG at `path`
+        (needs matplotlib, an optional dependency). Returns the path."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            raise ImportError(
+                "memlean.memstats: Tracker.plot() needs matplotlib, an optional dependency "
+                "of memlean; install it (pip install matplotlib) or use to_csv()/to_json()"
+            ) from e
+        marks = self.marks
+        if not marks:
+            raise RuntimeError("memlean.memstats: plot(): the tracker has no marks")
+        mib = float(1 << 20)
+        xs = list(range(len(marks)))
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(marks)), 4.0))
+        ax.plot(xs, [m.current / mib for m in marks], "o-", label="alive at the mark")
+        ax.plot(xs, [m.peak / mib for m in marks], "v--", label="peak since the previous mark")
+        for i in range(1, len(marks)):
+            if marks[i].step != marks[i - 1].step:
+                ax.axvline(i - 0.5, color="0.8", linewidth=1)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([f"{m.name}\n{m.step}" for m in marks], fontsize=8)
+        ax.set_ylabel("MiB")
+        ax.set_title(title or f"memory on {self._t.device}")
+        ax.legend(loc="best")
+        fig.tight_layout()
+        fig.savefig(os.fspath(path), format="png")
+        plt.close(fig)
+        return os.fspath(path)
+
+
+def track(device="cpu") -> Tracker:
+    """Start a Tracker: `with memlean.memstats.track() as t: ...`."""
+    return Tracker(device)
+
+
+def _write(path, text: str) -> str:
+    if path is not None:
+        with open(os.fspath(path), "w", encoding="utf-8") as f:
+            f.write(text)
+    return text
