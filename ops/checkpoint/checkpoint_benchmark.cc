@@ -2,7 +2,7 @@
 // activations (LiveBytes, exact on CPU), and at the end each variant's ratios to the plain
 // step of its model.
 //
-//   ./bazelw run -c opt //ops/checkpoint:checkpoint_benchmark
+//   ./bazelw run //ops/checkpoint:checkpoint_benchmark -- --benchmark_repetitions=3
 //
 // Models (float32, CPU, one intra-op thread so that runs on a shared machine compare):
 //   chain: 16 blocks BN -> ReLU -> Conv3x3 (32 channels, 8 x 32 x 16 x 16 input).
@@ -20,6 +20,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -217,15 +218,19 @@ class RatioReporter : public benchmark::ConsoleReporter {
   void ReportRuns(const std::vector<Run>& runs) override {
     ConsoleReporter::ReportRuns(runs);
     for (const auto& run : runs) {
-      if (run.error_occurred || run.run_type != Run::RT_Iteration) continue;
-      std::string name = run.benchmark_name();
+      // One figure per variant: the run, or with --benchmark_repetitions the median.
+      if (run.error_occurred) continue;
+      const bool median = run.run_type == Run::RT_Aggregate && run.aggregate_name == "median";
+      if (run.run_type != Run::RT_Iteration && !median) continue;
+      std::string name = run.run_name.str();
       const std::string suffix = "/real_time";
       if (name.size() > suffix.size() && name.ends_with(suffix)) name.resize(name.size() - suffix.size());
+      if (results_.count(name) && !median) continue;
       const auto peak = run.counters.find("peak_bytes");
       const double to_ms = 1e3 / benchmark::GetTimeUnitMultiplier(run.time_unit);
       results_[name] = {run.GetAdjustedRealTime() * to_ms, run.GetAdjustedCPUTime() * to_ms,
                         peak == run.counters.end() ? 0.0 : peak->second.value};
-      order_.push_back(name);
+      if (std::find(order_.begin(), order_.end(), name) == order_.end()) order_.push_back(name);
     }
   }
 
