@@ -1,0 +1,82 @@
+// memstats categories of a C++-frontend model and optimizer (torch::nn::Module,
+// torch::optim::*). Header-only and in its own target (//runtime/memstats:nn), so the core
+// library never pulls in the C++ frontend's headers.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/lbfgs.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+#include <string>
+#include <typeinfo>
+#include <vector>
+
+#include "runtime/memstats/memstats.h"
+
+namespace memlean::memstats {
+
+// The tensors of one optimizer's state: Adam, AdamW, SGD, RMSprop, Adagrad and LBFGS;
+// an error naming the type for other states.
+inline std::vector<at::Tensor> optimizer_state_tensors(const torch::optim::Optimizer& optimizer) {
+  std::vector<at::Tensor> out;
+  for (const auto& [key, state] : optimizer.state()) {
+    const torch::optim::OptimizerParamState* s = state.get();
+    if (s == nullptr) continue;
+    if (const auto* a = dynamic_cast<const torch::optim::AdamParamState*>(s)) {
+      out.insert(out.end(), {a->exp_avg(), a->exp_avg_sq(), a->max_exp_avg_sq()});
+    } else if (const auto* w = dynamic_cast<const torch::optim::AdamWParamState*>(s)) {
+      out.insert(out.end(), {w->exp_avg(), w->exp_avg_sq(), w->max_exp_avg_sq()});
+    } else if (const auto* g = dynamic_cast<const torch::optim::SGDParamState*>(s)) {
+      out.push_back(g->momentum_buffer());
+    } else if (const auto* r = dynamic_cast<const torch::optim::RMSpropParamState*>(s)) {
+      out.insert(out.end(), {r->square_avg(), r->momentum_buffer(), r->grad_avg()});
+    } else if (const auto* d = dynamic_cast<const torch::optim::AdagradParamState*>(s)) {
+      out.push_back(d->sum());
+    } else if (const auto* l = dynamic_cast<const torch::optim::LBFGSParamState*>(s)) {
+      out.insert(out.end(), {l->d(), l->H_diag(), l->prev_flat_grad()});
+      for (const auto* q : {&l->old_dirs(), &l->old_stps(), &l->ro()}) {
+        out.insert(out.end(), q->begin(), q->end());
+      }
+      if (l->al()) out.insert(out.end(), l->al()->begin(), l->al()->end());
+    } else {
+      TORCH_CHECK_TYPE(false, "memstats: optimizer state of type ", typeid(*s).name(),
+                       " is not known; pass its tensors in Tracker::Tensors::optimizer_state");
+    }
+  }
+  return out;
+}
+
+// Parameters, buffers and gradients of `model`, gradients of the optimizer's parameters and
+// its state (optimizer may be null).
+inline Tracker::Tensors tensors_of(const torch::nn::Module& model,
+                                   const torch::optim::Optimizer* optimizer = nullptr) {
+  Tracker::Tensors t;
+  t.parameters = model.parameters();
+  t.buffers = model.buffers();
+  for (const auto& p : t.parameters) {
+    if (p.grad().defined()) t.gradients.push_back(p.grad());
+  }
+  if (optimizer != nullptr) {
+    for (const auto& group : optimizer->param_groups()) {
+      for (const auto& p : group.params()) {
+        if (p.grad().defined()) t.gradients.push_back(p.grad());
+      }
+    }
+    t.optimizer_state = optimizer_state_tensors(*optimizer);
+  }
+  return t;
+}
+
+// tracker.categories(tensors_of(model, optimizer), forward_mark).
+inline Categories categories(const Tracker& tracker, const torch::nn::Module& model,
+                             const torch::optim::Optimizer* optimizer = nullptr,
+                             const std::string& forward_mark = "") {
+  return tracker.categories(tensors_of(model, optimizer), forward_mark);
+}
+
+}  // namespace memlean::memstats
