@@ -1,0 +1,1 @@
+"""memlean's experiments: one module per table of the source documents."""

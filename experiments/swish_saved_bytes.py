@@ -1,0 +1,52 @@
+"""Bytes saved for backward per element by each Swish variant, float32, measured with
+autograd's saved_tensors_hooks (seed 000 states what each version keeps).
+
+    ./bazelw run //experiments:swish_saved_bytes
+"""
+import torch
+
+import memlean
+from experiments import common
+
+VARIANTS = {
+    "naive x*sigmoid(x)": (lambda t: t * torch.sigmoid(t), "x and sigmoid(x) (autograd)"),
+    "memlean memory_efficient": (memlean.swish, "x only (seed 000's custom op)"),
+    "memlean inplace": (memlean.swish_, "not described in the source"),
+}
+
+
+def saved(fn, x):
+    """(count, bytes) of the distinct storages saved while fn(x) runs, its output excluded
+    (the output is alive anyway: the next layer holds it)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fn(x)
+    storages.pop(y.untyped_storage().data_ptr(), None)
+    return len(storages), sum(storages.values())
+
+
+def run(args):
+    n = 1 << (16 if args.quick else 22)
+    leaf = torch.randn(n, requires_grad=True)
+    rows = []
+    for name, (fn, source) in VARIANTS.items():
+        count, nbytes = saved(fn, leaf * 1)
+        rows.append({"variant": name, "tensors kept": count,
+                     "bytes kept per element": nbytes / n, "source": source})
+    note = (f"Measured on a float32 tensor of {n} elements; the in-place variant's input is its "
+            "output, so it keeps only its 1-bit mask beyond it.")
+    return [common.Table("swish_saved_bytes", "Swish: bytes kept for backward per element (float32)",
+                         rows, note)]
+
+
+def main(argv=None):
+    return common.main_for(run, __doc__, argv)
+
+
+if __name__ == "__main__":
+    main()
