@@ -214,7 +214,6 @@ struct SegmentState : torch::CustomClassHolder {
   // The inputs with their tensors taken out (IValue() in those slots).
   std::vector<c10::IValue> inputs;
   std::vector<int64_t> input_tensor_slots;  // where the saved input tensors go
-  int64_t n_params = 0;
   // Outputs of the forward: the non-tensor ones (returned as they are), and where the
   // tensors were.
   std::vector<c10::IValue> outputs;
@@ -419,7 +418,6 @@ std::vector<c10::IValue> checkpoint_impl(const IValueFunction& function, int64_t
   }
 
   state->function = function;
-  state->n_params = n_args - n_inputs;
   state->autocast = AutocastState::capture();
   if (options.preserve_rng_state()) state->rng = detail::RngState::capture(detail::rng_devices(tensors));
 
