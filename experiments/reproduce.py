@@ -13,6 +13,7 @@ EXPERIMENTS = [
     "swish_saved_bytes",
     "swish_phases",
     "swish_peak_vs_batch",
+    "memory_tips",
 ]
 
 
