@@ -14,6 +14,7 @@ EXPERIMENTS = [
     "swish_phases",
     "swish_peak_vs_batch",
     "memory_tips",
+    "efficientnet_swish",
 ]
 
 

@@ -122,7 +122,7 @@ at::Tensor run_stages(const torch::nn::Sequential& stages, const Checkpointing& 
                       const at::Tensor& x) {
   switch (checkpointing.kind) {
     case Checkpointing::Kind::kNone:
-      return stages->forward(x);
+      return torch::nn::Sequential(stages)->forward(x);
     case Checkpointing::Kind::kSegments:
       return memlean::checkpoint_sequential(stages, checkpointing.segments, x);
     case Checkpointing::Kind::kMemlean:
