@@ -64,6 +64,7 @@ def step(act_layer, batch, size, seed=0):
 def run(args):
     batches, size, repeats = ([2, 4], 64, 1) if args.quick else ([8, 16, 32], 224, 3)
     acts = activations()
+    step(acts["naive"], batches[0], size)()  # first-use costs of the process (thread pools, ...)
     rows = []
     for b in batches:
         base = None
