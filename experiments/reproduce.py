@@ -15,6 +15,7 @@ EXPERIMENTS = [
     "swish_peak_vs_batch",
     "memory_tips",
     "efficientnet_swish",
+    "checkpoint_densenet",
 ]
 
 

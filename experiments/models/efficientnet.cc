@@ -2,6 +2,7 @@
 #include "experiments/models/efficientnet.h"
 
 #include <ATen/ATen.h>
+#include <torch/nn/modules/container/modulelist.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -138,12 +139,12 @@ EfficientNetB0Impl::EfficientNetB0Impl(const EfficientNetOptions& options)
     repeats.push_back(static_cast<int64_t>(std::ceil(static_cast<double>(s.repeats) * depth)));
     total += repeats.back();
   }
-  blocks = torch::nn::Sequential();
+  blocks = torch::nn::ModuleList();
   int64_t in = stem, index = 0;
   for (size_t i = 0; i < std::size(kB0); ++i) {
     const StageSpec& s = kB0[i];
     const int64_t out = round_channels(static_cast<double>(s.out), width);
-    torch::nn::Sequential stage;
+    torch::nn::ModuleList stage;
     for (int64_t r = 0; r < repeats[i]; ++r, ++index) {
       MBConv block(in, out, s.kernel, r == 0 ? s.stride : 1, s.expand,
                    options.drop_connect() * static_cast<double>(index) / static_cast<double>(total),

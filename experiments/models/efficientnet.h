@@ -5,6 +5,7 @@
 #pragma once
 
 #include <torch/arg.h>
+#include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
@@ -84,7 +85,7 @@ class EfficientNetB0Impl : public Model {
   EfficientNetOptions options;
   torch::nn::Conv2d conv_stem{nullptr}, conv_head{nullptr};
   BatchNorm2d bn1{nullptr}, bn2{nullptr};
-  torch::nn::Sequential blocks{nullptr};
+  torch::nn::ModuleList blocks{nullptr};  // of ModuleLists of MBConv, one per stage
   torch::nn::Linear classifier{nullptr};
 
  private:
