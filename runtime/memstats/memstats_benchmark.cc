@@ -51,6 +51,11 @@ void allocate_free(benchmark::State& state, c10::Allocator* a) {
 
 void BM_AllocatePlain(benchmark::State& state) { allocate_free(state, plain()); }
 void BM_AllocateCounting(benchmark::State& state) { allocate_free(state, counting()); }
+BENCHMARK(BM_AllocatePlain)->Arg(64)->Arg(4096)->Arg(256 << 10)->ThreadRange(1, 2)
+    ->ComputeStatistics("min", min_of);
+BENCHMARK(BM_AllocateCounting)->Arg(64)->Arg(4096)->Arg(256 << 10)->ThreadRange(1, 2)
+    ->ComputeStatistics("min", min_of);
+
 // Plain and counting allocations interleaved in batches, so that both see the same machine
 // load: counters plain_ns and counting_ns (the fastest batch of each) and added_ns (the
 // median over batches of counting - plain).
