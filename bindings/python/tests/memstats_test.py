@@ -271,6 +271,13 @@ def test_categories_untracked_storages():
         c = t.categories(m)
         assert c.untracked == arr.nbytes
         assert c.parameters == 4 * (16 + 4)
+        # torch.UntypedStorage(n) takes c10's default CPU allocator directly (a torch
+        # choice), not the installed one: not counted, reported as untracked.
+        before = t.current
+        s = torch.UntypedStorage(400)
+        assert t.current == before
+        m.extra2 = nn.Parameter(torch.empty(0).set_(s, 0, (100,), (1,)))
+        assert t.categories(m).untracked == arr.nbytes + 400
 
 
 def test_cross_check_with_torch_memtracker(no_gc):
