@@ -178,6 +178,8 @@ def verdict(name, before, after):
             "7 accumulate": "backward already freed each step's saved tensors",
             "10 gc.collect": "CPython frees tensors by reference counting; gc only breaks cycles",
             "15 del": "the tensor stays referenced by the autograd graph",
+            "16 SGD": "Adam's two state tensors per parameter are tiny beside this CNN's "
+                      "activations (it matters for parameter-heavy models)",
         }
         reason = next((r for k, r in why.items() if name.startswith(k)), "")
         return "does not save training memory" + (f": {reason}" if reason else "")
