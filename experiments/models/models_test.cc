@@ -9,6 +9,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "experiments/models/densenet.h"
@@ -189,7 +191,7 @@ TEST(DenseNetBC, Shapes) {
   // conv0: 8 channels; block: + 4; transition: 6; block: 10 -> 5; block: 9.
   EXPECT_EQ(m->classifier->options.in_features(), 9);
   EXPECT_EQ(m->forward(at::randn({3, 3, 32, 32})).sizes(), (std::vector<int64_t>{3, 7}));
-  EXPECT_EQ(m->forward(at::randn({1, 3, 4, 4})).sizes(), (std::vector<int64_t>{1, 7}));
+  EXPECT_EQ(m->forward(at::randn({2, 3, 4, 4})).sizes(), (std::vector<int64_t>{2, 7}));
 }
 
 TEST(DenseNetBC, Errors) {
@@ -288,13 +290,15 @@ TEST(EfficientNetB0, Shapes) {
                "segments:10 asks for more segments than the model has stages (9)");
 }
 
-Run run_efficientnet(Activation a, Checkpointing c, int steps = 4, double drop = 0.2) {
+Run run_efficientnet(Activation a, Checkpointing c, int steps = 4, double drop = 0.2,
+                     at::ScalarType dtype = at::kFloat, int64_t size = 16) {
   at::manual_seed(2);
   EfficientNetB0 m(tiny_efficientnet().activation(a).checkpoint(c).dropout(drop).drop_connect(drop));
-  const at::Tensor x = at::randn({8, 3, 16, 16});
+  m->to(dtype);
+  const at::Tensor x = at::randn({8, 3, size, size}, dtype);
   const at::Tensor y = at::arange(8) % 10;
   Run r;
-  r.losses = train(*m, x, y, steps, 0.05);
+  r.losses = train(*m, x, y, steps, 0.01);
   for (const auto& p : m->parameters()) r.params.push_back(p.detach().clone());
   for (const auto& b : m->buffers()) r.buffers.push_back(b.clone());
   return r;
@@ -305,9 +309,14 @@ TEST(EfficientNetB0, LossFalls) {
 }
 
 TEST(EfficientNetB0, EveryActivationGivesTheSameLossCurve) {
-  const auto ref = run_efficientnet(Activation::kNaive, {});
-  for (Activation a : kAllActivations) {
-    expect_same_curve(ref.losses, run_efficientnet(a, {}).losses, 1e-4, to_string(a));
+  // In float64 the five are the same function to rounding; in float32 batch norm over few
+  // values amplifies the last-bit differences of the naive composition a little.
+  for (auto [dtype, rtol, size] : {std::tuple{at::kDouble, 1e-6, 8}, std::tuple{at::kFloat, 3e-3, 16}}) {
+    const auto ref = run_efficientnet(Activation::kNaive, {}, 4, 0.2, dtype, size);
+    for (Activation a : kAllActivations) {
+      expect_same_curve(ref.losses, run_efficientnet(a, {}, 4, 0.2, dtype, size).losses, rtol,
+                        to_string(a) + " " + c10::toString(dtype));
+    }
   }
 }
 
