@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import memlean
+import memlean.memstats as memstats
 
 
 def peers():
@@ -31,17 +32,10 @@ def peers():
 
 
 def saved_bytes(fn, x):
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with memstats.saved_storages() as saved:
         y = fn(x)
     # The output is alive anyway (the next layer holds it): count what is kept beyond it.
-    storages.pop(y.untyped_storage().data_ptr(), None)
-    return sum(storages.values())
+    return saved.without(y).nbytes
 
 
 def step_seconds(fn, leaf, grad, repeats):

@@ -6,6 +6,7 @@ autograd's saved_tensors_hooks (seed 000 states what each version keeps).
 import torch
 
 import memlean
+import memlean.memstats as memstats
 from experiments import common
 
 VARIANTS = {
@@ -18,16 +19,10 @@ VARIANTS = {
 def saved(fn, x):
     """(count, bytes) of the distinct storages saved while fn(x) runs, its output excluded
     (the output is alive anyway: the next layer holds it)."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with memstats.saved_storages() as saved:
         y = fn(x)
-    storages.pop(y.untyped_storage().data_ptr(), None)
-    return len(storages), sum(storages.values())
+    kept = saved.without(y)
+    return len(kept), kept.nbytes
 
 
 def run(args):

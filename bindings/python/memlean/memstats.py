@@ -24,6 +24,7 @@ reset_peak() on one leaves the others alone. Names follow torch.cuda's where the
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Iterable
 
@@ -46,6 +47,7 @@ __all__ = [
     "max_memory_allocated",
     "memory_allocated",
     "memory_reserved",
+    "saved_storages",
     "track",
 ]
 
@@ -276,3 +278,35 @@ def _write(path, text: str) -> str:
         with open(os.fspath(path), "w", encoding="utf-8") as f:
             f.write(text)
     return text
+
+
+class SavedStorages(dict):
+    """{storage data_ptr: nbytes} of the distinct storages autograd saved for backward."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.values())
+
+    def without(self, *tensors: torch.Tensor) -> "SavedStorages":
+        """The same, less the storages of `tensors` (e.g. an op's output, alive anyway)."""
+        drop = {t.untyped_storage().data_ptr() for t in tensors}
+        return SavedStorages({k: v for k, v in self.items() if k not in drop})
+
+
+@contextlib.contextmanager
+def saved_storages():
+    """Record the storages autograd saves for backward inside the block (each counted once,
+    however many saved tensors view it):
+
+        with memlean.memstats.saved_storages() as saved:
+            y = model(x)
+        print(len(saved), saved.nbytes, saved.without(y).nbytes)
+    """
+    saved = SavedStorages()
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved

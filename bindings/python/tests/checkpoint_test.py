@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import memlean
+import memlean.memstats
 
 D = torch.float64
 
@@ -267,13 +268,7 @@ def test_autocast_state_of_the_forward_is_used_by_the_recompute():
 
 def saved_storages(fn):
     """{storage data_ptr: nbytes} of what autograd saves for backward while fn() runs."""
-    saved = {}
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with memlean.memstats.saved_storages() as saved:
         out = fn()
     return saved, out
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import memlean
+import memlean.memstats
 from memlean import memstats
 
 MiB = 1 << 20
@@ -417,6 +418,19 @@ def test_errors():
     with pytest.raises(RuntimeError, match="reset_peak\\(\\) on a stopped tracker"):
         t.reset_peak()
     t.stop()  # idempotent
+
+
+def test_saved_storages_counts_each_storage_once():
+    x = torch.randn(1000, requires_grad=True)
+    with memlean.memstats.saved_storages() as saved:
+        y = x * torch.sigmoid(x)  # mul saves x and sigmoid(x); sigmoid saves its output
+    assert len(saved) == 2 and saved.nbytes == 2 * x.nbytes
+    assert saved.without(x).nbytes == x.nbytes
+    with memlean.memstats.saved_storages() as none:
+        with torch.no_grad():
+            x * torch.sigmoid(x)
+    assert none == {} and none.nbytes == 0
+    y.sum().backward()
 
 
 if __name__ == "__main__":

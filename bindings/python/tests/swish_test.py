@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import memlean
+import memlean.memstats
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 BETAS = [0.0, 0.5, 1.0, 1.702, -2.0, 10.0]
@@ -72,14 +73,8 @@ def test_gradcheck_and_gradgradcheck_float64(beta):
 
 
 def saved_tensors(fn, x):
-    """The distinct storages autograd saves for backward while fn(x) runs."""
-    saved = {}
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    """Sizes of the distinct storages autograd saves for backward while fn(x) runs."""
+    with memlean.memstats.saved_storages() as saved:
         fn(x)
     return sorted(saved.values())
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import memlean
+import memlean.memstats
 
 T_STAR = -1.2784645427610738
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -100,13 +101,7 @@ def test_bad_variant_and_arguments():
 
 def saved_storages(fn):
     """{data_ptr: nbytes} of the distinct storages autograd saves while fn() runs."""
-    saved = {}
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with memlean.memstats.saved_storages() as saved:
         out = fn()
     return saved, out
 
