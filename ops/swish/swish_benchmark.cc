@@ -2,12 +2,14 @@
 // plain copy (x.clone(), the bandwidth reference), float32 at 1M, 16M and 64M elements.
 // Phases: fwd (kernels, no autograd), bwd (kernels; the naive one through autograd, as it
 // runs in training), both (forward + backward through autograd). After the runs, a table
-// of time ratios against at::silu and the naive composition, and bytes/s against clone.
+// of time ratios against at::silu and the naive composition, and bytes/s against clone
+// (medians when run with --benchmark_repetitions=N).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -151,23 +153,32 @@ BENCHMARK(BM_both_naive)->Apply(sizes);
 BENCHMARK(BM_both_memory_efficient)->Apply(sizes);
 BENCHMARK(BM_both_inplace)->Apply(sizes);
 
-// Keeps each run's time per iteration and bytes/s, keyed by its name.
+// Keeps the median (over --benchmark_repetitions) time per iteration and bytes/s of each
+// benchmark, keyed by its name.
 class Collector : public benchmark::ConsoleReporter {
  public:
   struct Result {
     double seconds;
     double bytes_per_second;
   };
-  std::map<std::string, Result> results;
+  std::map<std::string, std::vector<Result>> runs_by_name;
 
   void ReportRuns(const std::vector<Run>& runs) override {
     for (const Run& r : runs) {
       if (r.run_type != Run::RT_Iteration || r.error_occurred) continue;
       const auto bps = r.counters.find("bytes_per_second");
-      results[r.benchmark_name()] = {r.GetAdjustedRealTime(),
-                                     bps == r.counters.end() ? 0.0 : double(bps->second)};
+      runs_by_name[r.benchmark_name()].push_back(
+          {r.GetAdjustedRealTime(), bps == r.counters.end() ? 0.0 : double(bps->second)});
     }
     ConsoleReporter::ReportRuns(runs);
+  }
+
+  const Result* median(const std::string& name) {
+    auto it = runs_by_name.find(name);
+    if (it == runs_by_name.end() || it->second.empty()) return nullptr;
+    auto& v = it->second;
+    std::sort(v.begin(), v.end(), [](const Result& a, const Result& b) { return a.seconds < b.seconds; });
+    return &v[v.size() / 2];
   }
 };
 
@@ -178,10 +189,7 @@ int main(int argc, char** argv) {
   Collector collector;
   benchmark::RunSpecifiedBenchmarks(&collector);
 
-  const auto get = [&](const std::string& name) -> const Collector::Result* {
-    const auto it = collector.results.find(name);
-    return it == collector.results.end() ? nullptr : &it->second;
-  };
+  const auto get = [&](const std::string& name) { return collector.median(name); };
   std::printf("\nSpeed-up of each variant (time of the reference / time of the variant), at::"
               "get_num_threads()=%d\n",
               at::get_num_threads());
