@@ -19,7 +19,11 @@ import torch.nn.functional as F
 
 import memlean.memstats as memstats
 from experiments import common
-from experiments.densenet_bc import METHODS, DenseNetBC
+from experiments.models.densenet import DenseNetBC
+
+# The table's methods and the twin's checkpoint modes (seed 003's names on the left).
+METHODS = {"naive": "none", "official": "torch_reentrant", "official_nonreentrant": "torch",
+           "memlean": "memlean"}
 
 # Seed 003 (TITAN X Pascal, PyTorch 1.0): (method, GPUs, batch) -> (memory GB, seconds).
 SOURCE = {
@@ -44,8 +48,8 @@ def measure(method, batch, depth, repeats, rank=0, world=1):
     y_all = torch.randint(0, 10, (batch,), generator=g)
     share = batch // world
     x, y = x_all[rank * share:(rank + 1) * share], y_all[rank * share:(rank + 1) * share]
-    model = DenseNetBC(depth=depth, method=method)
-    first_bn = model.features[0].layers[0].norm1
+    model = DenseNetBC(depth=depth, checkpoint=METHODS[method])
+    first_bn = model.features.denseblock1.denselayer1.norm1
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 

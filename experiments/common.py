@@ -3,8 +3,10 @@ command-line options, exact CPU memory measurement with memlean.memstats, and pl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
+import gc
 import os
 import statistics
 import sys
@@ -107,12 +109,27 @@ def write_summary(tables: list, out_dir: str, name: str = "summary.md") -> str:
     return path
 
 
+@contextlib.contextmanager
+def quiet_gc():
+    """Collect garbage left by earlier runs (models in reference cycles are freed only by
+    the collector) and keep the collector off inside, so that no earlier tensor is freed in
+    the middle of a measurement."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def peak_of(fn: Callable[[], object]) -> tuple[int, int]:
     """(peak, kept) bytes of CPU storage while fn() runs, counted exactly by memstats from
     what is alive when fn starts: peak = highest bytes alive above the start, kept = bytes
     still alive above the start when fn returns (its result included)."""
     memstats.enable()
-    with memstats.track() as t:
+    with quiet_gc(), memstats.track() as t:
         base = t.current
         t.reset_peak()
         result = fn()

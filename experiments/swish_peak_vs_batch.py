@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 import memlean.memstats as memstats
 from experiments import common
-from experiments.mlp import ACTIVATIONS, Mlp
+from experiments.models.mlp import Mlp
+
+ACTIVATIONS = ("naive", "memory_efficient", "inplace", "silu")
 
 SOURCE_CLAIM = "almost 20% less (custom op vs naive) at batch 512"
 
@@ -22,10 +24,10 @@ def step_memory(act: str, hidden: int, batch: int, seed: int = 0) -> dict:
     memstats.enable()
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
-    with memstats.track() as t:
+    with common.quiet_gc(), memstats.track() as t:
         base = t.current
         t.reset_peak()
-        model = Mlp(128, hidden, 1, act=act)
+        model = Mlp(128, hidden, 1, activation=act)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         x, y = torch.randn(batch, 128, generator=g), torch.randn(batch, 1, generator=g)
         out = model(x)

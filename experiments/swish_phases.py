@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import memlean.memstats as memstats
 from experiments import common
-from experiments.mlp import Mlp
+from experiments.models.mlp import Mlp
 
 PHASES = ("data", "forw", "loss", "back", "step")
 # torch.cuda.memory_allocated() / 2^20 in the seed, batch 128, first and second step.
@@ -21,9 +21,9 @@ def measure(variant: str, hidden: int, batch: int, steps: int = 2, seed: int = 0
     """{(step, phase): bytes alive} for one variant, counting from an empty process state."""
     memstats.enable()
     torch.manual_seed(seed)
-    with memstats.track() as t:
+    with common.quiet_gc(), memstats.track() as t:
         base = t.current
-        model = Mlp(128, hidden, 1, act=variant)
+        model = Mlp(128, hidden, 1, activation=variant)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         g = torch.Generator().manual_seed(seed)
         out = {}

@@ -5,12 +5,13 @@ import pytest
 import torch
 
 from experiments import checkpoint_densenet
-from experiments.densenet_bc import METHODS, DenseNetBC
+from experiments.models.densenet import DenseNetBC
 
 
 def test_same_loss_less_memory_one_process():
-    r = {m: checkpoint_densenet.measure(m, 8, 40, repeats=1) for m in METHODS}
-    for m in METHODS:
+    methods = checkpoint_densenet.METHODS
+    r = {m: checkpoint_densenet.measure(m, 8, 40, repeats=1) for m in methods}
+    for m in methods:
         assert r[m]["loss"] == pytest.approx(r["naive"]["loss"], rel=1e-5), m
     for m in ("official", "official_nonreentrant", "memlean"):
         assert r[m]["peak"] < 0.8 * r["naive"]["peak"], (m, r[m]["peak"], r["naive"]["peak"])
@@ -27,13 +28,11 @@ def test_two_processes_memlean():
     assert r["loss"] > 0 and r["peak"] < one["peak"]  # each process holds half the batch
 
 
-def test_densenet_bc_100_shape_and_parameters():
+def test_densenet_bc_100_is_the_seed_model():
     model = DenseNetBC(depth=100)
     n = sum(p.numel() for p in model.parameters())
     assert 0.75e6 < n < 0.8e6, n  # DenseNet-BC-100 (k=12): 0.8M parameters (Huang et al.)
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
-    with pytest.raises(ValueError, match="unknown method"):
-        DenseNetBC(method="fast")
 
 
 if __name__ == "__main__":
