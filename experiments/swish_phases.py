@@ -17,8 +17,11 @@ SOURCE = {1: (524, 1552, 1552, 1044, 1044), 2: (1044, 2072, 2072, 1044, 1044)}
 VARIANTS = ("naive", "memory_efficient", "inplace")
 
 
-def measure(variant: str, hidden: int, batch: int, steps: int = 2, seed: int = 0):
-    """{(step, phase): bytes alive} for one variant, counting from an empty process state."""
+def measure(variant: str, hidden: int, batch: int, steps: int = 2, seed: int = 0,
+            grads_to_none: bool = False):
+    """{(step, phase): bytes alive} for one variant, counting from an empty process state.
+    grads_to_none: zero_grad(set_to_none=True) (today's default, and the C++ trainer's)
+    instead of 2019's in-place zeroing."""
     memstats.enable()
     torch.manual_seed(seed)
     with common.quiet_gc(), memstats.track() as t:
@@ -29,7 +32,7 @@ def measure(variant: str, hidden: int, batch: int, steps: int = 2, seed: int = 0
         out = {}
         for step in range(1, steps + 1):
             # Gradients persist between steps, zeroed in place, as in 2019's zero_grad().
-            opt.zero_grad(set_to_none=False)
+            opt.zero_grad(set_to_none=grads_to_none)
             x = torch.randn(batch, 128, generator=g)
             y = torch.randn(batch, 1, generator=g)
             out[step, "data"] = t.current - base
@@ -38,10 +41,11 @@ def measure(variant: str, hidden: int, batch: int, steps: int = 2, seed: int = 0
             loss = F.mse_loss(pred, y)
             out[step, "loss"] = t.current - base
             loss.backward()
+            del pred, loss  # as the C++ trainer does: only the batch outlives backward
             out[step, "back"] = t.current - base
             opt.step()
             out[step, "step"] = t.current - base
-            del x, y, pred, loss
+            del x, y
         params = sum(p.nbytes for p in model.parameters())
     return out, params
 
