@@ -30,6 +30,8 @@ struct Config {
   std::string device = "cpu";
   std::string data = "synthetic";  // the flag as given
   std::string cifar_dir;           // set for --data=cifar10:<dir>
+  // (Relative --report and cifar10 paths are taken from BUILD_WORKING_DIRECTORY when set,
+  // i.e. from the folder where `bazel run` was typed.)
   uint64_t seed = 0;
   std::string report;            // JSON report path, "" for none
   std::string progress = "auto";  // auto | bar | lines | none

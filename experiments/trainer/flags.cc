@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <sstream>
@@ -103,6 +104,14 @@ std::string type_name(const absl::CommandLineFlag& flag) {
   return "value";
 }
 
+// `bazel run` starts the binary in its runfiles: relative paths are the user's, from the
+// folder bazel was run in (BUILD_WORKING_DIRECTORY).
+std::string user_path(const std::string& path) {
+  if (path.empty() || std::filesystem::path(path).is_absolute()) return path;
+  const char* wd = std::getenv("BUILD_WORKING_DIRECTORY");
+  return wd && *wd ? (std::filesystem::path(wd) / path).string() : path;
+}
+
 std::string without_backtrace(const c10::Error& e) { return e.what_without_backtrace(); }
 
 }  // namespace
@@ -181,14 +190,14 @@ Config config_from_flags() {
   }
   c.data = absl::GetFlag(FLAGS_data);
   if (c.data.rfind("cifar10:", 0) == 0) {
-    c.cifar_dir = c.data.substr(8);
+    c.cifar_dir = user_path(c.data.substr(8));
     check(!c.cifar_dir.empty(), "data", "cifar10:<dir> needs a folder");
   } else {
     check(c.data == "synthetic", "data",
           "unknown data '" + c.data + "'; expected synthetic or cifar10:<dir>");
   }
   c.seed = absl::GetFlag(FLAGS_seed);
-  c.report = absl::GetFlag(FLAGS_report);
+  c.report = user_path(absl::GetFlag(FLAGS_report));
   if (!c.report.empty()) {
     const auto parent = std::filesystem::absolute(c.report).parent_path();
     check(std::filesystem::is_directory(parent), "report",

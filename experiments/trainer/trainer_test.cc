@@ -113,6 +113,16 @@ TEST_F(TrainerTest, ParsesEveryForm) {
   EXPECT_DOUBLE_EQ(parse({"--mlp_hidden=1024"}).lr, 0.05);  // capped
 }
 
+TEST_F(TrainerTest, RelativePathsAreFromWhereBazelRunWasTyped) {
+  const fs::path dir = temp("bazel_run");
+  ASSERT_EQ(setenv("BUILD_WORKING_DIRECTORY", dir.c_str(), 1), 0);
+  const Config c = parse({"--report=r.json", "--data=cifar10:cifar"});
+  unsetenv("BUILD_WORKING_DIRECTORY");
+  EXPECT_EQ(c.report, (dir / "r.json").string());
+  EXPECT_EQ(c.cifar_dir, (dir / "cifar").string());
+  EXPECT_EQ(parse({"--report=/tmp/x.json"}).report, "/tmp/x.json");
+}
+
 TEST_F(TrainerTest, HelpListsTheFlags) {
   EXPECT_FALSE(parse_flags({"--help"}));
   EXPECT_FALSE(parse_flags({"-h"}));
