@@ -52,22 +52,9 @@ def run_stages(stages, mode, k, x):
     return x
 
 
-class Stage(torch.nn.Module):
-    """A link of a model's chain over modules the model registers itself (a Stage is kept in
-    a plain list, so its modules are not registered twice)."""
-
-    def __init__(self, function, *modules):
-        super().__init__()
-        self.function = function
-        self.parts = torch.nn.ModuleList(modules)
-
-    def forward(self, x):
-        return self.function(x)
-
-
 def num_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["ACTIVATIONS", "Stage", "check_segments", "make_activation", "num_parameters",
+__all__ = ["ACTIVATIONS", "check_segments", "make_activation", "num_parameters",
            "parse_segments", "run_stages"]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import memlean
-from experiments.models.common import Stage, check_segments, make_activation, parse_segments, run_stages
+from experiments.models.common import check_segments, make_activation, parse_segments, run_stages
 
 # repeats, kernel, stride of the first block, expand ratio, out channels.
 B0 = ((1, 3, 1, 1, 16), (2, 3, 2, 6, 24), (2, 5, 2, 6, 40), (3, 3, 2, 6, 80),
@@ -125,9 +125,10 @@ class EfficientNetB0(torch.nn.Module):
         self.act2 = make_activation(activation)
         self.dropout = dropout
         self.classifier = torch.nn.Linear(head, num_classes)
-        self._stages = ([Stage(lambda x: self.act1(self.bn1(self.conv_stem(x))), self.conv_stem, self.bn1)]
+        # A plain list (not registered twice) of modules, no closure over self (see mlp.py).
+        self._stages = ([torch.nn.Sequential(self.conv_stem, self.bn1, self.act1)]
                         + [b for s in self.blocks for b in s]
-                        + [Stage(lambda x: self.act2(self.bn2(self.conv_head(x))), self.conv_head, self.bn2)])
+                        + [torch.nn.Sequential(self.conv_head, self.bn2, self.act2)])
         check_segments(k, len(self._stages), "EfficientNetB0")
         self.mode, self.k = mode, k
         self._init_goog()

@@ -2,7 +2,7 @@
 Linear(in -> hidden) -> Swish -> Linear(hidden -> out)); same parameter names."""
 import torch
 
-from experiments.models.common import Stage, check_segments, make_activation, parse_segments, run_stages
+from experiments.models.common import check_segments, make_activation, parse_segments, run_stages
 
 
 class Mlp(torch.nn.Module):
@@ -20,7 +20,9 @@ class Mlp(torch.nn.Module):
             mode, k = "segments", 2
         check_segments(k, 2, "Mlp")
         self.mode, self.k = mode, k
-        self._stages = [Stage(lambda x: self.act(self.fc1(x)), self.fc1), self.fc2]
+        # A plain list (not registered twice) of modules (no closure over self: a model in a
+        # reference cycle would keep its parameters until the garbage collector runs).
+        self._stages = [torch.nn.Sequential(self.fc1, self.act), self.fc2]
 
     def forward(self, x):
         if x.dim() != 2:

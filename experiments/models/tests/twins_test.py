@@ -119,6 +119,23 @@ def test_efficientnet_b0_is_timms():
         close(ours(x), theirs(x), "output against timm")
 
 
+@pytest.mark.parametrize("make", [lambda: Mlp(8, 16, 2), lambda: DenseNetBC(depth=10),
+                                  lambda: EfficientNetB0(width_multiplier=0.25, depth_multiplier=0.25)])
+def test_a_dropped_model_is_freed_without_the_garbage_collector(make):
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        model = make()
+        ref = weakref.ref(model)
+        del model
+        assert ref() is None  # no reference cycle keeps the parameters alive
+    finally:
+        gc.enable()
+
+
 def test_errors():
     with pytest.raises(ValueError, match="unknown activation 'relu'"):
         Mlp(2, 2, 1, activation="relu")
