@@ -22,6 +22,18 @@ x64 = x.detach().clone().requires_grad_(True)
 (x64 * torch.sigmoid(1.3 * x64)).sum().backward()
 torch.testing.assert_close(y, x64 * torch.sigmoid(1.3 * x64))
 torch.testing.assert_close(x.grad, x64.grad)
+# The rest of the package works from the wheel too: in-place Swish, checkpoint, memstats.
+import memlean.memstats as memstats
+h = (x.detach() * 1).requires_grad_(True)
+memlean.checkpoint(lambda v: memlean.swish_(v * 2), h).sum().backward()
+t = 2 * x.detach()
+s = torch.sigmoid(t)
+torch.testing.assert_close(h.grad, 2 * s * (1 + t * (1 - s)))
+memstats.enable()
+with memstats.track() as tracker:
+    before = tracker.current
+    z = torch.empty(1000, dtype=torch.float32)
+    assert tracker.current - before == 4000, tracker.current - before
 print("OK", memlean.__version__, memlean.__file__)
 """
 
