@@ -157,9 +157,9 @@ def run(args):
     note = (f"DenseNet-BC-{depth} (k=12), 32x32 inputs, SGD with momentum, on this machine's 2 CPU "
             "cores (2 processes: 1 thread each, DDP over gloo) instead of TITAN X GPUs; memory is "
             "exact CPU bytes (no cuDNN workspace or CUDA context). 'BN updates/step' is the first "
-            "bottleneck BatchNorm's num_batches_tracked after one step: the reentrant official "
-            "checkpoint recomputes torch's BatchNorm in train mode and counts twice; memlean's "
-            "BatchNorm2d counts once.")
+            "bottleneck BatchNorm's num_batches_tracked after one step: torch's checkpoint (both "
+            "forms) recomputes the BatchNorm in train mode and counts the step twice; memlean's "
+            "checkpoint with memlean.BatchNorm2d counts it once.")
     return [common.Table("checkpoint_densenet", "Seed 003: DenseNet-BC checkpointing, 1 and 2 processes",
                          rows, note)]
 
