@@ -13,7 +13,6 @@ import sys
 import time
 from typing import Callable
 
-import torch
 
 import memlean.memstats as memstats
 
@@ -178,8 +177,3 @@ def line_plot(path: str, title: str, xlabel: str, ylabel: str, series: dict, xs:
 
 def mib(nbytes: float) -> float:
     return nbytes / MIB
-
-
-def seeded(seed: int = 0) -> torch.Generator:
-    torch.manual_seed(seed)
-    return torch.Generator().manual_seed(seed)
