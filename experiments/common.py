@@ -13,7 +13,6 @@ import sys
 import time
 from typing import Callable
 
-
 import memlean.memstats as memstats
 
 MIB = float(1 << 20)
