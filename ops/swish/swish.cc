@@ -176,7 +176,14 @@ class SwishInplaceFunction : public torch::autograd::Function<SwishInplaceFuncti
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor x, double beta) {
     at::Tensor mask;
     {
-      at::AutoDispatchBelowAutograd guard;  // ADInplaceOrView still bumps x's version
+      // Function::apply runs forward with grad mode off. Functionalization (torch.compile,
+      // torch.export) records a mutation made with grad mode off as one autograd need not
+      // see, and AOTAutograd then copies a mutated graph input back under no_grad, cutting
+      // its gradient. The mutation is differentiable (mark_dirty below), so say so: grad
+      // mode on, autograd keys excluded (nothing is recorded twice); ADInplaceOrView still
+      // bumps x's version.
+      at::AutoGradMode grad_mode(true);
+      at::AutoDispatchBelowAutograd guard;
       mask = inplace_with_mask_op().call(x, beta);
     }
     ctx->mark_dirty({x});
