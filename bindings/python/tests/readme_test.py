@@ -1,0 +1,124 @@
+"""README.md's examples run: every ```python block runs, as a program of its own, in a fresh
+Python process in an empty folder, and every ```text block marked
+`<!-- readme-test: output -->` appears verbatim in what the python block before it printed.
+(The ```cpp blocks are compiled and run by //examples/readme.) The markers are described in
+examples/readme/readme_blocks.py."""
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from examples.readme import readme_blocks
+
+# The python blocks of the README today: the test fails if it finds fewer to run, so it
+# cannot pass by finding nothing (raise it when you add an example).
+MIN_PYTHON_BLOCKS_RUN = 4
+# Blocks that cannot run here (a GPU, several processes) are marked skip with a reason;
+# keep them few.
+MAX_SKIPPED = 2
+BLOCK_TIMEOUT_S = 120
+
+
+def _readme_path():
+    candidates = []
+    if "TEST_SRCDIR" in os.environ:
+        candidates.append(os.path.join(os.environ["TEST_SRCDIR"], "memlean", "README.md"))
+    here = os.path.dirname(os.path.abspath(__file__))
+    candidates.append(os.path.join(here, "..", "..", "..", "README.md"))
+    for path in candidates:
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"README.md not found; looked at {candidates}")
+
+
+README = _readme_path()
+with open(README, encoding="utf-8") as _f:
+    BLOCKS = readme_blocks.parse(_f.read())
+PYTHON = [b for b in BLOCKS if b.language == "python"]
+RUN = [b for b in PYTHON if not b.skip_reason]
+
+
+def _env():
+    env = dict(os.environ)
+    # The same imports as this test (memlean and its extension from the runfiles), also from
+    # the empty folder the block runs in.
+    paths = [os.path.abspath(p) for p in sys.path if p]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.setdefault("MPLBACKEND", "Agg")
+    return env
+
+
+_outputs = {}
+
+
+def _run(block):
+    if block.line not in _outputs:
+        with tempfile.TemporaryDirectory(prefix="readme_block_") as cwd:
+            script = os.path.join(cwd, f"readme_line_{block.line}.py")
+            with open(script, "w", encoding="utf-8") as f:
+                f.write(block.text)
+            p = subprocess.run([sys.executable, script], cwd=cwd, env=_env(), capture_output=True,
+                               text=True, timeout=BLOCK_TIMEOUT_S)
+        _outputs[block.line] = p
+    return _outputs[block.line]
+
+
+def test_blocks_are_found_and_skips_are_few_and_explained():
+    assert len(RUN) >= MIN_PYTHON_BLOCKS_RUN, (
+        f"{README}: found {len(RUN)} python blocks to run, expected at least "
+        f"{MIN_PYTHON_BLOCKS_RUN}: {[b.line for b in PYTHON]}")
+    skipped = [b for b in BLOCKS if b.skip_reason is not None]
+    assert len(skipped) <= MAX_SKIPPED, [(b.where(), b.skip_reason) for b in skipped]
+    for b in skipped:
+        assert b.language == "python", f"{b.where()}: only python blocks can be skipped"
+        assert len(b.skip_reason) >= 8, f"{b.where()}: say why it is skipped, got {b.skip_reason!r}"
+    assert sum(b.language == "cpp" for b in BLOCKS) >= 2
+    assert sum(b.is_output for b in BLOCKS) >= 1
+
+
+@pytest.mark.parametrize("block", RUN, ids=[f"line{b.line}" for b in RUN])
+def test_python_block_runs(block):
+    p = _run(block)
+    assert p.returncode == 0, (
+        f"{block.where()} failed (exit status {p.returncode}):\n{block.text}\n"
+        f"--- stderr ---\n{p.stderr}\n--- stdout ---\n{p.stdout}")
+
+
+OUTPUTS = [b for b in BLOCKS if b.is_output]
+
+
+@pytest.mark.parametrize("output", OUTPUTS, ids=[f"line{b.line}" for b in OUTPUTS])
+def test_output_block_is_what_the_python_block_before_it_prints(output):
+    before = [b for b in PYTHON if b.line < output.line]
+    assert before, f"{output.where()}: marked output, but no python block comes before it"
+    block = before[-1]
+    assert not block.skip_reason, f"{output.where()}: the python block before it is skipped"
+    p = _run(block)
+    assert p.returncode == 0, f"{block.where()} failed:\n{p.stderr}"
+    stdout = "\n".join(line.rstrip() for line in p.stdout.splitlines())
+    expected = output.text.rstrip("\n")
+    assert expected in stdout, (
+        f"{output.where()} is not in the output of {block.where()}:\n--- README ---\n"
+        f"{expected}\n--- printed ---\n{p.stdout}")
+
+
+def test_parser_rejects_unlabelled_fences_and_unknown_markers():
+    with pytest.raises(ValueError, match="must name one of the languages"):
+        readme_blocks.parse("text\n```\nls\n```\n")
+    with pytest.raises(ValueError, match="never closed"):
+        readme_blocks.parse("```python\nx = 1\n")
+    with pytest.raises(ValueError, match="readme-test marker"):
+        readme_blocks.parse("<!-- readme-test: skipp -->\n```python\nx = 1\n```\n")
+    blocks = readme_blocks.parse(
+        "a\n<!-- readme-test: skip (needs CUDA) -->\n```python\nx = 1\n```\n\n"
+        "<!-- readme-test: output -->\n```text\n1\n```\n")
+    assert [(b.language, b.line, b.text, b.skip_reason, b.is_output) for b in blocks] == [
+        ("python", 3, "x = 1\n", "needs CUDA", False), ("text", 8, "1\n", None, True)]
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
