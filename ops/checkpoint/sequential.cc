@@ -19,10 +19,18 @@ namespace {
 constexpr int64_t kInf = std::numeric_limits<int64_t>::max();
 
 void check_layers(const std::vector<LayerCost>& layers) {
+  // Every sum the planner forms (bytes kept + a segment's input and activations) is at most
+  // the sum of all costs: if that fits in int64, nothing overflows.
+  int64_t total = 0;
   for (size_t i = 0; i < layers.size(); ++i) {
     TORCH_CHECK(layers[i].input_bytes >= 0 && layers[i].activation_bytes >= 0,
                 "memlean::plan_segments: layer ", i, " has a negative cost (input_bytes=",
                 layers[i].input_bytes, ", activation_bytes=", layers[i].activation_bytes, ")");
+    TORCH_CHECK(!__builtin_add_overflow(total, layers[i].input_bytes, &total) &&
+                    !__builtin_add_overflow(total, layers[i].activation_bytes, &total),
+                "memlean::plan_segments: the layer costs add up to more than 2^63 - 1 bytes "
+                "(at layer ", i, ": input_bytes=", layers[i].input_bytes, ", activation_bytes=",
+                layers[i].activation_bytes, "); the estimates would overflow");
   }
 }
 

@@ -60,6 +60,19 @@ TEST(Segments, PeakModel) {
   expect_error([&] { estimate_peak_bytes({{-1, 0}}, {0}); }, "layer 0 has a negative cost");
 }
 
+TEST(Segments, CostsThatOverflowInt64AreAnError) {
+  // Each cost fits, their sum does not: the estimate used to wrap to 0 and "fit" any budget.
+  constexpr int64_t big = int64_t{1} << 61;  // four of them: 2^63
+  const std::vector<LayerCost> layers = {{big, big}, {big, big}};
+  expect_error([&] { plan_segments(layers, int64_t{1} << 20); }, "add up to more than 2^63 - 1");
+  expect_error([&] { plan_segments(layers, std::nullopt); }, "add up to more than 2^63 - 1");
+  expect_error([&] { estimate_peak_bytes(layers, {0}); }, "(at layer 1: input_bytes=");
+  // The largest costs that still add up: planned, peak exact.
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  const SegmentPlan plan = plan_segments({{max / 2, 0}, {0, max / 2}}, std::nullopt);
+  EXPECT_EQ(plan.estimated_peak_bytes, max / 2 + max / 2);
+}
+
 // Every segmentation of n layers (bit i set: a segment starts at layer i + 1).
 std::vector<Starts> all_plans(int64_t n) {
   std::vector<Starts> plans;

@@ -27,7 +27,7 @@ using swish_detail::check_input;
 
 at::Tensor forward_cpu(const at::Tensor& x, double beta) {
   check_input(x, "x", "memlean::swish");
-  check_beta(beta, "memlean::swish");
+  check_beta(beta, x, "memlean::swish");
   at::Tensor y = at::empty_like(x);
   auto iter = at::TensorIteratorConfig().add_output(y).add_const_input(x).build();
   swish_cpu::forward_kernel(iter, beta);
@@ -93,7 +93,7 @@ at::Tensor inplace_backward_meta(const at::Tensor& grad, const at::Tensor& y,
 
 at::Tensor forward_meta(const at::Tensor& x, double beta) {
   check_input(x, "x", "memlean::swish");
-  check_beta(beta, "memlean::swish");
+  check_beta(beta, x, "memlean::swish");
   return at::empty_like(x);
 }
 
@@ -260,7 +260,7 @@ at::Tensor swish(const at::Tensor& x, double beta, SwishVariant variant) {
   switch (variant) {
     case SwishVariant::kNaive:
       check_input(x, "x", "memlean::swish");
-      check_beta(beta, "memlean::swish");
+      check_beta(beta, x, "memlean::swish");
       return x * at::sigmoid(beta == 1.0 ? x : x * beta);
     case SwishVariant::kMemoryEfficient: return forward_op().call(x, beta);
     case SwishVariant::kInplace: return swish_(x, beta);

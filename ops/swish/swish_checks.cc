@@ -5,6 +5,7 @@
 #include <c10/core/SymInt.h>
 
 #include <cmath>
+#include <limits>
 
 namespace memlean::swish_detail {
 
@@ -15,15 +16,21 @@ void check_input(const at::Tensor& x, const char* name, const char* op) {
               ": ", name, " must be float32, float64, bfloat16 or float16, got ", t);
 }
 
-void check_beta(double beta, const char* op) {
+void check_beta(double beta, const at::Tensor& x, const char* op) {
   TORCH_CHECK(std::isfinite(beta), op, ": beta must be finite, got ", beta);
+  // Other dtypes are computed in float: a larger beta would become inf there, and inf * 0
+  // a NaN.
+  TORCH_CHECK(x.scalar_type() == at::kDouble ||
+                  std::abs(beta) <= static_cast<double>(std::numeric_limits<float>::max()),
+              op, ": beta=", beta, " is beyond float's range (", std::numeric_limits<float>::max(),
+              "), in which a ", x.scalar_type(), " x is computed");
 }
 
 void check_backward_args(const at::Tensor& grad, const at::Tensor& x, double beta) {
   constexpr const char* op = "memlean::swish_backward";
   check_input(x, "x", op);
   check_input(grad, "grad", op);
-  check_beta(beta, op);
+  check_beta(beta, x, op);
   TORCH_CHECK(grad.scalar_type() == x.scalar_type(), op, ": grad has dtype ", grad.scalar_type(),
               " but x has dtype ", x.scalar_type());
   TORCH_CHECK(grad.sym_sizes() == x.sym_sizes(), op, ": grad has shape ", grad.sym_sizes(),
@@ -49,7 +56,7 @@ void check_inplace_backward_args(const at::Tensor& grad, const at::Tensor& y,
 void check_inplace_input(const at::Tensor& x, double beta) {
   constexpr const char* op = "memlean::swish_";
   check_input(x, "x", op);
-  check_beta(beta, op);
+  check_beta(beta, x, op);
   at::assert_no_internal_overlap(x);
 }
 

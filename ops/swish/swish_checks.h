@@ -8,8 +8,8 @@ namespace memlean::swish_detail {
 
 // x: defined, float32/float64/bfloat16/float16.
 void check_input(const at::Tensor& x, const char* name, const char* op);
-// beta: finite.
-void check_beta(double beta, const char* op);
+// beta: finite, and for float32/bfloat16/float16 x (computed in float) within float's range.
+void check_beta(double beta, const at::Tensor& x, const char* op);
 // grad and x: valid inputs of the same dtype, shape and device.
 void check_backward_args(const at::Tensor& grad, const at::Tensor& x, double beta);
 // As above, and mask: uint8 with ceil(numel / 8) bytes, on y's device.

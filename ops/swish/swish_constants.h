@@ -9,6 +9,17 @@ namespace memlean::swish_constants {
 constexpr double kTStar = -1.2784645427610738;
 constexpr double kGStar = -0.27846454276107385;  // g(t*)
 constexpr double kG2Star = 0.2178117057198001;   // g''(t*)
+// |t| beyond which g'(t) = sigmoid(t) * (1 + t * (1 - sigmoid(t))) is 1 (right) or 0 (left)
+// to the last bit: the gradient kernels clamp t = beta * x there, so that a beta * x that
+// overflows to ±inf gives 1 or 0 rather than inf * 0 = NaN. float: exp(-128) underflows
+// to 0; double: exp(-800) does.
+constexpr double kSlopeClampFloat = 128.0;
+constexpr double kSlopeClampDouble = 800.0;
+template <typename T>
+constexpr T slope_clamp() {
+  return static_cast<T>(sizeof(T) == sizeof(double) ? kSlopeClampDouble : kSlopeClampFloat);
+}
+
 // Newton iterations of the in-place backward in float (twice as many in double).
 constexpr int kInverseIterations = 3;
 

@@ -2,6 +2,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <limits>
 #include <sstream>
 #include <vector>
@@ -173,6 +174,61 @@ TEST(SwishErrors, NonFiniteBeta) {
   for (double beta : {std::numeric_limits<double>::infinity(),
                       std::numeric_limits<double>::quiet_NaN()}) {
     expect_error([&] { swish(at::randn({3}), beta); }, "beta must be finite");
+  }
+}
+
+TEST(SwishErrors, BetaBeyondFloatRangeForFloatDtypes) {
+  // float32/bfloat16/float16 are computed in float, where 1e300 is inf (and inf * 0 NaN).
+  for (auto t : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const at::Tensor x = at::randn({3}).to(t);
+    for (auto variant : {SwishVariant::kNaive, SwishVariant::kMemoryEfficient,
+                         SwishVariant::kInplace}) {
+      expect_error([&] { swish(x.clone(), 1e300, variant); }, "beta=1e+300 is beyond float's range");
+      expect_error([&] { swish(x.clone(), -1e39, variant); }, "is beyond float's range");
+    }
+    expect_error([&] { swish_backward(x, x, 1e300); }, "memlean::swish_backward: beta=1e+300");
+  }
+  // float64 is computed in double: any finite beta.
+  const at::Tensor x = at::tensor({-1.0, 0.0, 1e-300}, at::kDouble);
+  EXPECT_TRUE(at::allclose(swish(x, 1e300), at::tensor({-0.0, 0.0, 1e-300 * (1 / (1 + std::exp(-1.0)))},
+                                                       at::kDouble)));
+}
+
+// beta * x overflows (beta = 2, x = 2e38 in float): the gradient is float32 autograd's 1 (or
+// 0 on the left), not inf * 0 = NaN; NaN still propagates. Every variant, every dtype.
+TEST(SwishBackward, BetaTimesXOverflowGivesTheSaturatedSlope) {
+  struct Case {
+    at::ScalarType t;
+    double big;
+  };
+  for (const Case& c : {Case{at::kFloat, 2e38}, Case{at::kBFloat16, 2e38}, Case{at::kHalf, 6e4},
+                        Case{at::kDouble, 1e308}}) {
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    // Repeated so that the values reach the vector body and the tail.
+    const at::Tensor x0 = at::tensor({c.big, -c.big, 1.0, nan}, at::kDouble).repeat({9}).to(c.t);
+    for (double beta : {2.0, 1.0, -3.0}) {
+      for (auto variant : {SwishVariant::kNaive, SwishVariant::kMemoryEfficient,
+                           SwishVariant::kInplace}) {
+        if (variant == SwishVariant::kNaive) continue;  // autograd's own formula; not ours
+        const at::Tensor leaf = x0.clone().set_requires_grad(true);
+        swish(leaf * 1, beta, variant).sum().backward();
+        const at::Tensor g = leaf.grad().to(at::kDouble);
+        // The exact slope: 1 where beta * x is huge and positive, 0 where huge and negative
+        // (beyond double too, so not from autograd in double), the formula at x = 1.
+        const double s1 = 1 / (1 + std::exp(-beta));
+        const std::vector<double> exact = {beta > 0 ? 1.0 : 0.0, beta > 0 ? 0.0 : 1.0,
+                                           s1 * (1 + beta * (1 - s1)), nan};
+        for (int64_t i = 0; i < 36; ++i) {
+          const double got = g[i].item<double>(), want = exact[i % 4];
+          if (std::isnan(want)) {
+            EXPECT_TRUE(std::isnan(got)) << c.t << " " << to_string(variant) << " beta=" << beta;
+          } else {
+            EXPECT_NEAR(got, want, 2e-2) << c.t << " " << to_string(variant) << " beta=" << beta
+                                         << " x=" << x0[i].item<double>();
+          }
+        }
+      }
+    }
   }
 }
 

@@ -14,6 +14,15 @@ CUDA_ARCHS = [
     "-gencode arch=compute_90,code=compute_90",
 ]
 
+def _include_roots():
+    """-I flags for the root of the repository the calling BUILD file is in, in the source
+    tree and among generated files: `.` in memlean's own workspace, `external/memlean` (or
+    whatever a consumer named it) in a workspace that depends on memlean."""
+    repo = native.repository_name()
+    root = "." if repo == "@" else "external/" + repo.lstrip("@")
+    gen = "$(GENDIR)" if repo == "@" else "$(GENDIR)/" + root
+    return "-I%s -I%s" % (root, gen)
+
 def cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], **kwargs):
     objs = []
     for src in srcs:
@@ -24,7 +33,8 @@ def cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], **kwargs):
             outs = [obj],
             cmd = " ".join([
                 NVCC,
-                "-std=c++17 -O3 -Xcompiler -fPIC -I. -I$(GENDIR)",
+                "-std=c++17 -O3 -Xcompiler -fPIC",
+                _include_roots(),
                 " ".join(CUDA_ARCHS),
                 " ".join(nvcc_flags),
                 "-c $(location %s) -o $@" % src,

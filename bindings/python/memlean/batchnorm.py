@@ -1,5 +1,10 @@
 """memlean.BatchNorm2d: torch.nn.BatchNorm2d whose running statistics are updated exactly
-once per training forward, also when a memlean checkpoint recomputes that forward."""
+once per training forward, also when a memlean checkpoint recomputes that forward.
+
+It is no longer needed: a memlean checkpoint's recompute now keeps the running statistics of
+every torch BatchNorm it calls (any torch.nn.modules.batchnorm._BatchNorm: BatchNorm1d, 2d,
+3d, SyncBatchNorm, and subclasses such as timm's BatchNormAct2d), so each is updated once per
+training step as it is. memlean.BatchNorm2d and its convert() stay for code that uses them."""
 import torch
 import torch.nn.functional as F
 
@@ -10,9 +15,10 @@ class BatchNorm2d(torch.nn.BatchNorm2d):
     """A drop-in for torch.nn.BatchNorm2d (same arguments, parameters, buffers and
     state-dict keys; an instance of it too).
 
-    While a memlean checkpoint recomputes a forward in backward (memlean.is_recomputing()),
-    it normalizes with the batch statistics as before but leaves running_mean, running_var
-    and num_batches_tracked alone: the forward being recomputed updated them already. In
+    (No longer needed, see the module docstring.) While a memlean checkpoint recomputes a
+    forward in backward (memlean.is_recomputing()), it normalizes with the batch statistics
+    as before but leaves running_mean, running_var and num_batches_tracked alone: the
+    forward being recomputed updated them already. In
     every other case it behaves as torch's, including a train-mode forward under no_grad
     (which updates the statistics). This is seed 003's cp_BatchNorm2d, done right: that one
     updated the statistics in the recompute instead, so never under no_grad.
@@ -48,7 +54,13 @@ class BatchNorm2d(torch.nn.BatchNorm2d):
     @classmethod
     def convert(cls, module: torch.nn.Module) -> torch.nn.Module:
         """Returns `module` with every torch.nn.BatchNorm2d in it (itself included) replaced
-        by a memlean.BatchNorm2d with the same options, parameters and buffers."""
+        by a memlean.BatchNorm2d with the same options, parameters and buffers.
+
+        Not needed any more (see the module docstring): under a memlean checkpoint every
+        torch BatchNorm is updated once per step as it is. Only exact torch.nn.BatchNorm2d
+        modules are replaced; every other BatchNorm (subclasses such as timm's
+        BatchNormAct2d, SyncBatchNorm, BatchNorm1d/3d) is left as it is, keeping what it adds
+        (an activation, dropout, synchronized statistics), and is updated once all the same."""
         if type(module) is torch.nn.BatchNorm2d:
             new = cls(module.num_features, module.eps, module.momentum, module.affine,
                       module.track_running_stats, device=_device_of(module), dtype=_dtype_of(module))

@@ -19,20 +19,32 @@ given is an error in backward (its gradient would otherwise be lost silently).
 
 The RNG state (CPU, and every CUDA device holding an input or a parameter) is saved before
 the forward and restored for the recompute (dropout drops the same units twice); the
-autocast state of the forward is restored for the recompute too. An nn.Module's buffers are
-copied before the recompute and put back after it, so that torch's BatchNorm2d inside it
-updates its statistics once; memlean.BatchNorm2d does so everywhere, also inside plain
-functions (it skips its update while memlean.is_recomputing()).
+autocast state of the forward is restored for the recompute too. BatchNorm is updated once
+per training step: every torch BatchNorm module the recompute calls (any _BatchNorm:
+BatchNorm1d/2d/3d, SyncBatchNorm, subclasses such as timm's BatchNormAct2d) has its
+running statistics put back as the forward left them after the recompute, whether the
+segment is an nn.Module, a plain function or a checkpoint_sequential chain of callables;
+an nn.Module's other buffers are restored after the recompute too. (Only modules are seen:
+a bare F.batch_norm call on tensors of your own is updated by the recompute too.)
+
+Under FSDP2 (torch.distributed.fsdp.fully_shard: e.g. fully_shard on each block and on the
+root, and memlean.checkpoint(block, h) in the model's forward), a segment that calls FSDP
+modules runs their hooks again in the recompute, which gathers the sharded parameters; its
+backward then runs the recomputed graph's backward itself, so that the gradients reach the
+unsharded parameters and FSDP reduce-scatters them into the sharded parameters' .grad (the
+check for unlisted tensors is not needed there: every leaf gets its gradient).
 
 This is the Python implementation of the same design as the C++ memlean::checkpoint
 (ops/checkpoint/checkpoint.h): Python callables are run from a Python autograd.Function.
 """
 import contextlib
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memlean import _C
@@ -60,9 +72,64 @@ def is_recomputing() -> bool:
 def _recomputing():
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
-        yield
+        with _batchnorm_statistics_kept():
+            yield
     finally:
         _local.depth -= 1
+
+
+@contextlib.contextmanager
+def _batchnorm_statistics_kept():
+    """Every torch BatchNorm module (any torch.nn.modules.batchnorm._BatchNorm: BatchNorm1d,
+    2d, 3d, SyncBatchNorm, and subclasses such as timm's BatchNormAct2d) called on this
+    thread while the body runs has its buffers (running_mean, running_var,
+    num_batches_tracked, and any a subclass adds) copied before its first call, and put back
+    when the body ends, without bumping their version counters. So a recompute leaves the
+    statistics as the forward left them, however the module is reached (a Module, a plain
+    function, checkpoint_sequential of callables), and the module's forward runs unchanged
+    (a subclass keeps what it adds, e.g. BatchNormAct2d's activation and dropout)."""
+    thread = threading.get_ident()
+    kept = {}  # id(module) -> (module, [(buffer, copy)])
+
+    def keep(module, args):
+        if not isinstance(module, _BatchNorm) or id(module) in kept or threading.get_ident() != thread:
+            return
+        buffers = [b for b in module._buffers.values()
+                   if isinstance(b, torch.Tensor) and not torch.nn.parameter.is_lazy(b)]
+        with torch.no_grad():
+            kept[id(module)] = (module, [(b, b.clone()) for b in buffers])
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(keep)
+    try:
+        yield
+    finally:
+        handle.remove()
+        with torch.no_grad():
+            for _, pairs in kept.values():
+                for b, c in pairs:
+                    b.data.copy_(c)
+
+
+@contextlib.contextmanager
+def _fsdp_calls_noted(found):
+    """Appends to `found` every FSDP2 module (torch.distributed.fsdp.fully_shard) called on
+    this thread while the body runs. Nothing to do (no hook) where FSDP was never imported."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    fsdp_module = getattr(fsdp, "FSDPModule", None)
+    if fsdp_module is None:
+        yield
+        return
+    thread = threading.get_ident()
+
+    def note(module, args):
+        if isinstance(module, fsdp_module) and threading.get_ident() == thread:
+            found.append(module)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(note)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 # ---- RNG, autocast, buffers --------------------------------------------------------------
@@ -266,7 +333,10 @@ class _Checkpoint(torch.autograd.Function):
         ctx.autocast = _autocast_state()
 
         versions = [inputs[i]._version for i in slots]
-        outputs = run_function(*inputs)
+        fsdp_modules = []
+        with _fsdp_calls_noted(fsdp_modules):
+            outputs = run_function(*inputs)
+        ctx.fsdp = bool(fsdp_modules)
         for i, v in zip(slots, versions):
             if inputs[i]._version != v:
                 raise RuntimeError(
@@ -352,6 +422,8 @@ class _Checkpoint(torch.autograd.Function):
                 outs.append(leaf)
                 grads.append(g)
 
+        if ctx.fsdp:
+            return _fsdp_backward(ctx, detached, params, outs, grads)
         args = detached + list(params)
         targets, where = [], []
         for k, t in enumerate(args):
@@ -371,6 +443,25 @@ class _Checkpoint(torch.autograd.Function):
         for slot, g in zip(ctx.slots, result[:n_in]):
             input_grads[slot] = g
         return (None, None, None, *input_grads, *result[n_in:])
+
+
+def _fsdp_backward(ctx, detached, params, outs, grads):
+    """Backward of a segment that called FSDP2 (fully_shard) modules.
+
+    Their forward hooks ran again in the recompute: they gathered the sharded parameters
+    into unsharded tensors, which the recomputed graph uses (not the sharded parameters
+    listed), and hooked that graph so that FSDP gathers them for its backward and
+    reduce-scatters the gradients they accumulate into the sharded parameters' .grad. So the
+    recomputed graph's backward is run here, accumulating as FSDP expects, and only the
+    inputs' gradients are returned. Every leaf of the recomputed graph gets its gradient
+    (none is lost), each once; the parameters get theirs here, not from the outer backward.
+    """
+    if outs:
+        torch.autograd.backward(outs, grads)
+    input_grads = [None] * ctx.length
+    for slot, d in zip(ctx.slots, detached):
+        input_grads[slot] = d.grad if d.requires_grad else None
+    return (None, None, None, *input_grads, *([None] * len(params)))
 
 
 def _run(name, function, length, args, preserve_rng_state, buffers):
@@ -532,12 +623,17 @@ def measure_layer_costs(functions, input: torch.Tensor) -> List[LayerCost]:
 
 
 def _segment_starts(segments, n):
+    import numbers
+
     name = "memlean.checkpoint_sequential"
+    accepted = ("an int (the number of segments), 'sqrt', a list of ints (the first layer of "
+                "each segment) or a memlean.SegmentPlan")
     if isinstance(segments, SegmentPlan):
         segments = segments.starts
-    if isinstance(segments, bool):
-        raise TypeError(f"{name}: segments must be an int, a list of starts or a SegmentPlan, got a bool")
-    if isinstance(segments, int):
+    if isinstance(segments, bool) or type(segments).__name__ == "bool_":
+        raise TypeError(f"{name}: segments must be {accepted}, got a bool")
+    if isinstance(segments, numbers.Integral):  # int, numpy's integers
+        segments = int(segments)
         if n == 0:
             return []
         if not 1 <= segments <= n:
@@ -545,9 +641,15 @@ def _segment_starts(segments, n):
         return [j * n // segments for j in range(segments)]
     if isinstance(segments, str):
         if segments != "sqrt":
-            raise ValueError(f"{name}: segments must be an int, 'sqrt', a list of starts or a SegmentPlan, got {segments!r}")
+            raise ValueError(f"{name}: segments must be {accepted}, got {segments!r}")
         return list(_C.sqrt_segment_starts(n))
+    if isinstance(segments, (bytes, dict, set, frozenset)) or not hasattr(segments, "__iter__"):
+        raise TypeError(f"{name}: segments must be {accepted}, got {_describe(segments)}")
     starts = list(segments)
+    for i, s in enumerate(starts):
+        if isinstance(s, bool) or not isinstance(s, numbers.Integral):
+            raise TypeError(f"{name}: segments must be {accepted}; segments[{i}] is {_describe(s)}, not an int")
+    starts = [int(s) for s in starts]
     if n == 0:
         if starts:
             raise ValueError(f"{name}: there are no layers, so there can be no segments")

@@ -25,6 +25,7 @@ reset_peak() on one leaves the others alone. Names follow torch.cuda's where the
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Iterable
 
@@ -125,6 +126,12 @@ class Tracker:
         self._t = _M.Tracker(_device(device))
 
     def __enter__(self) -> "Tracker":
+        if not self._t.running:
+            raise RuntimeError(
+                "memlean.memstats: `with` on a stopped Tracker: it stopped at stop() or at the "
+                "end of its `with` block and tracks nothing any more (its figures stay readable). "
+                "Start a new one: `with memlean.memstats.track(device) as t:`"
+            )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -235,7 +242,10 @@ class Tracker:
 
     def plot(self, path, title: str | None = None) -> str:
         """Draw bytes alive at each mark and the peak of each phase to a PNG at `path`
-        (needs matplotlib, an optional dependency). Returns the path."""
+        (needs matplotlib, an optional dependency). Returns the path. Many marks or long
+        names stay readable: the labels turn vertical ("step: name"), names over 24
+        characters are shortened in the middle, the figure widens with the number of marks
+        (up to 60 inches; beyond that only every k-th mark is labelled)."""
         try:
             import matplotlib
 
@@ -250,15 +260,35 @@ class Tracker:
         if not marks:
             raise RuntimeError("memlean.memstats: plot(): the tracker has no marks")
         mib = float(1 << 20)
-        xs = list(range(len(marks)))
-        fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(marks)), 4.0))
+        n = len(marks)
+        xs = list(range(n))
+        names = [_shorten(m.name, _PLOT_NAME_CHARS) for m in marks]
+        # Few short names: "name\nstep" under each mark. Otherwise vertical "step: name"
+        # labels, names of over _PLOT_NAME_CHARS characters shortened in the middle, the
+        # figure widened to give each its room, and (beyond what fits _PLOT_MAX_INCHES)
+        # only every k-th mark labelled.
+        vertical = n > 12 or max(len(name) for name in names) > 10
+        if vertical:
+            every = max(1, math.ceil(n * _PLOT_INCHES_PER_LABEL / (_PLOT_MAX_INCHES - 1.5)))
+            width = max(6.0, min(_PLOT_MAX_INCHES, math.ceil(n / every) * _PLOT_INCHES_PER_LABEL + 1.5))
+            height = 4.0 + 0.075 * max(len(name) for name in names)
+        else:
+            longest = max(max(len(name) for name in names), len(str(marks[-1].step)))
+            every, width, height = 1, max(6.0, n * (0.075 * longest + 0.2) + 1.5), 4.0
+        fig, ax = plt.subplots(figsize=(width, height))
         ax.plot(xs, [m.current / mib for m in marks], "o-", label="alive at the mark")
         ax.plot(xs, [m.peak / mib for m in marks], "v--", label="peak since the previous mark")
         for i in range(1, len(marks)):
             if marks[i].step != marks[i - 1].step:
                 ax.axvline(i - 0.5, color="0.8", linewidth=1)
-        ax.set_xticks(xs)
-        ax.set_xticklabels([f"{m.name}\n{m.step}" for m in marks], fontsize=8)
+        ticks = xs[::every]
+        ax.set_xticks(ticks)
+        if vertical:
+            ax.set_xticklabels([f"{marks[i].step}: {names[i]}" for i in ticks], fontsize=8, rotation=90)
+            ax.set_xlabel("step: mark")
+        else:
+            ax.set_xticklabels([f"{names[i]}\n{marks[i].step}" for i in ticks], fontsize=8)
+        ax.set_xlim(-0.5, n - 0.5)
         ax.set_ylabel("MiB")
         ax.set_title(title or f"memory on {self._t.device}")
         ax.legend(loc="best")
@@ -266,6 +296,19 @@ class Tracker:
         fig.savefig(os.fspath(path), format="png")
         plt.close(fig)
         return os.fspath(path)
+
+
+_PLOT_NAME_CHARS = 24  # longer mark names are shortened in the middle on the plot
+_PLOT_INCHES_PER_LABEL = 0.2  # vertical 8-point labels are ~0.12 inch wide
+_PLOT_MAX_INCHES = 60.0
+
+
+def _shorten(name: str, limit: int) -> str:
+    """`name`, or its start and end around an ellipsis (marks often differ at the end)."""
+    if len(name) <= limit:
+        return name
+    tail = (limit - 1) // 2
+    return name[:limit - 1 - tail] + "\u2026" + name[-tail:]
 
 
 def track(device="cpu") -> Tracker:

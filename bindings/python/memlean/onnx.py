@@ -7,8 +7,21 @@
 Importing this module also registers the symbolic functions of the TorchScript-based
 exporter (``torch.onnx.export(..., dynamo=False)``). Needs the ``onnx`` and ``onnxscript``
 packages (``pip install onnx onnxscript``).
+
+All three variants export as Sigmoid and Mul. The in-place one (memlean.Swish(inplace=True),
+memlean.swish_, memlean.swish(..., variant="inplace")) is exported as torch's in-place
+``x.mul_(torch.sigmoid(beta * x))``: the mutating operator memlean::swish_ returns nothing,
+which the TorchScript exporter would silently drop and the dynamo exporter cannot
+translate. A direct ``torch.ops.memlean.swish_`` call exports with ``memlean.onnx.export``
+and with ``torch.onnx.export(dynamo=False)``; plain ``torch.onnx.export(dynamo=True)``
+refuses it with a ConversionError naming memlean.swish_ (it is never dropped). Not
+covered: a torch.jit.script-ed model with the in-place variant through the TorchScript
+exporter (nothing of memlean runs during that export); export the eager model instead.
 """
 import torch
+from torch.overrides import TorchFunctionMode
+
+from memlean.swish import _swish_inplace_for_onnx
 
 _OPSET = 18
 
@@ -37,6 +50,19 @@ def _swish_symbolic(g, x, beta):
 torch.onnx.register_custom_op_symbolic("memlean::swish", _swish_symbolic, 9)
 
 
+class _OutOfPlaceSwish(TorchFunctionMode):
+    """Exports direct torch.ops.memlean.swish_(x, beta) calls as x.mul_(sigmoid(beta * x))."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.memlean.swish_ or func is torch.ops.memlean.swish_.default:
+            x = args[0] if args else kwargs["x"]
+            beta = args[1] if len(args) > 1 else kwargs.get("beta", 1.0)
+            _swish_inplace_for_onnx(x, float(beta))
+            return None
+        return func(*args, **kwargs)
+
+
 def export(model, args, f=None, **kwargs):
     """torch.onnx.export with memlean's translation table added (dynamo exporter)."""
     table = dict(kwargs.pop("custom_translation_table", None) or {})
@@ -45,4 +71,5 @@ def export(model, args, f=None, **kwargs):
     kwargs.setdefault("dynamo", True)
     if kwargs["dynamo"]:
         kwargs["custom_translation_table"] = table
-    return torch.onnx.export(model, args, f, **kwargs)
+    with _OutOfPlaceSwish():
+        return torch.onnx.export(model, args, f, **kwargs)

@@ -7,8 +7,16 @@
   minimum beta * x lies on); backward recovers x from y and the bit. As for any in-place
   op, a leaf that requires grad is refused, and a tensor saved earlier in the graph that is
   overwritten makes backward fail (version counter) instead of giving a wrong gradient.
+
+beta is a constant: any finite real scalar (int, float, numpy's integer and floating
+scalars such as np.float32(2.0) and 0-dim arrays, fractions.Fraction, or a 0-dim integer or
+floating tensor that does not require grad), used as a Python float. bool (also
+numpy.bool_), complex, strings, tensors of other shapes, and inf/nan are refused, as is a
+tensor that requires grad (no gradient flows to beta; it would be lost silently).
 """
 import math
+import numbers
+import sys
 
 import torch
 
@@ -16,11 +24,45 @@ VARIANTS = ("naive", "memory_efficient", "inplace")
 
 
 def _check_beta(beta):
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)):
-        raise TypeError(f"memlean.swish: beta must be a real number, got {type(beta).__name__}")
-    if not math.isfinite(beta):
-        raise ValueError(f"memlean.swish: beta must be finite, got {beta}")
-    return float(beta)
+    """beta as a Python float: any finite real scalar (see the module docstring)."""
+    if type(beta) is not float and type(beta) is not int:  # the usual case needs no more
+        beta = _real_scalar(beta)
+    try:
+        value = float(beta)
+    except OverflowError:  # an int beyond float's range
+        raise ValueError("memlean.swish: beta must be finite, got an int beyond float's range") from None
+    if not math.isfinite(value):
+        raise ValueError(f"memlean.swish: beta must be finite, got {value}")
+    return value
+
+
+def _real_scalar(beta):
+    if isinstance(beta, torch.Tensor):
+        if beta.dim() != 0:
+            raise TypeError(
+                f"memlean.swish: beta must be a real number or a 0-dim tensor, got a tensor of "
+                f"shape {list(beta.shape)}")
+        if beta.dtype == torch.bool or beta.is_complex():
+            raise TypeError(f"memlean.swish: beta must be a real number, got a {beta.dtype} tensor")
+        if beta.requires_grad:
+            raise ValueError(
+                "memlean.swish: beta is a constant (no gradient flows to it), but the tensor given "
+                "requires grad; pass beta.detach() or a float, or use the naive formula "
+                "x * torch.sigmoid(beta * x) to learn beta")
+        return beta.item()
+    if type(beta).__module__ == "numpy" and getattr(beta, "ndim", None) == 0 \
+            and getattr(getattr(beta, "dtype", None), "kind", "") in ("i", "u", "f"):
+        return beta.item()  # a 0-dim numpy array (what torch.compile makes of numpy scalars)
+    # numbers.Real: int, float, fractions.Fraction, numpy's integer and floating scalars;
+    # not complex, not numpy.bool_. bool is a Real (an int) too, but never meant as beta.
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
+        raise TypeError(f"memlean.swish: beta must be a real number, got {_type_name(beta)}")
+    return beta
+
+
+def _type_name(value):
+    t = type(value)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
 def _check_variant(variant):
@@ -34,36 +76,93 @@ def _check_x(x):
         raise TypeError(f"memlean.swish: x must be a torch.Tensor, got {type(x).__name__}")
 
 
+def _check_naive(x: torch.Tensor, beta: float) -> None:
+    # The same dtypes and beta range, and the same errors, as the operators behind the other
+    # variants: the composition alone would promote integers to float32, accept complex
+    # numbers, and turn a beta beyond float's range into inf (and inf * 0 into NaN).
+    if not (x.dtype == torch.float32 or x.dtype == torch.float64 or x.dtype == torch.bfloat16
+            or x.dtype == torch.float16):
+        raise RuntimeError("memlean::swish: x must be float32, float64, bfloat16 or float16, "
+                           "got " + str(x.dtype))
+    if x.dtype != torch.float64 and abs(beta) > 3.4028234663852886e38:  # float's largest
+        raise RuntimeError("memlean::swish: beta=" + str(beta) + " is beyond float's range, in "
+                           "which a " + str(x.dtype) + " x is computed")
+
+
+def _exporting_to_onnx() -> bool:
+    # torch.onnx is imported by every ONNX export; not importing it here keeps eager fast.
+    return "torch.onnx" in sys.modules and torch.onnx.is_in_onnx_export()
+
+
+def _swish_inplace(x: torch.Tensor, beta: float) -> torch.Tensor:
+    if _exporting_to_onnx():
+        return _swish_inplace_for_onnx(x, beta)
+    # Under torch.compile too: torch's own in-place silu_/mul_ fail there when x is a graph
+    # input (AOTAutograd saves x, then copies the new value into it); memlean::swish_ saves
+    # only y and its bits, and keeps its one-bit saving compiled.
+    torch.ops.memlean.swish_(x, beta)
+    return x
+
+
+def _compiled(x: torch.Tensor, beta: float) -> torch.Tensor:
+    """What torch.compile (and torch.export) trace for the memory-efficient variant: torch's
+    own ops.
+
+    A compiler's partitioner already keeps no more than x for backward and recomputes the
+    sigmoid, and it fuses Swish into its neighbours (BatchNorm, the next op's prologue); an
+    opaque custom op would stop both. So compiled, this variant is exactly F.silu (beta = 1)
+    or x * sigmoid(beta * x): never worse than torch's own activation. memlean's kernel is
+    for eager mode and LibTorch, where there is no compiler to do this.
+    """
+    return torch.nn.functional.silu(x) if beta == 1.0 else x * torch.sigmoid(x * beta)
+
+
+def _swish_inplace_for_onnx(x: torch.Tensor, beta: float) -> torch.Tensor:
+    # memlean::swish_ mutates x and returns nothing: the TorchScript exporter's dead-code
+    # elimination drops it, and the dynamo exporter cannot translate its functionalized form.
+    # Both export torch's in-place mul_ (as Sigmoid and Mul), also on a graph input.
+    return x.mul_(torch.sigmoid(x if beta == 1.0 else x * beta))
+
+
 def swish(x: torch.Tensor, beta: float = 1.0, variant: str = "memory_efficient") -> torch.Tensor:
     """Swish-beta of x with the given variant's backward (see the module docstring).
 
-    x: a float32, float64, bfloat16 or float16 tensor. beta: any finite number (1 is SiLU,
-    0 gives x / 2). With variant="inplace", x is overwritten and returned.
+    x: a float32, float64, bfloat16 or float16 tensor. beta: any finite real scalar (1 is
+    SiLU, 0 gives x / 2; see the module docstring for the types accepted). With
+    variant="inplace", x is overwritten and returned.
     """
     _check_x(x)
     beta = _check_beta(beta)
     variant = _check_variant(variant)
-    if variant == "naive":
-        return x * torch.sigmoid(x if beta == 1.0 else beta * x)
     if variant == "inplace":
-        torch.ops.memlean.swish_(x, beta)
-        return x
+        return _swish_inplace(x, beta)
+    if variant == "naive":
+        _check_naive(x, beta)
+        return x * torch.sigmoid(x if beta == 1.0 else beta * x)
+    if torch.compiler.is_compiling():
+        _check_naive(x, beta)
+        return _compiled(x, beta)
     return torch.ops.memlean.swish(x, beta)
 
 
 def swish_(x: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
     """In-place Swish-beta: overwrites x with y, saves one bit per element; returns x."""
     _check_x(x)
-    torch.ops.memlean.swish_(x, _check_beta(beta))
-    return x
+    return _swish_inplace(x, _check_beta(beta))
 
 
 class Swish(torch.nn.Module):
     """nn.Module for Swish-beta, y = x * sigmoid(beta * x).
 
     variant: "naive", "memory_efficient" (default) or "inplace" (see memlean.swish).
-    inplace: timm's activation convention (``act_layer(inplace=True)``); True selects the
-    "inplace" variant when no variant is given.
+    inplace: timm's activation convention (``act_layer(inplace=True)``): True selects the
+    "inplace" variant when no variant is given; a variant given explicitly always wins, so
+    ``functools.partial(memlean.Swish, variant="memory_efficient")`` works as timm's
+    act_layer (timm then calls it with inplace=True, and gets the memory-efficient variant).
+
+        timm.create_model("efficientnet_b0", act_layer=memlean.Swish)   # in-place variant
+        timm.create_model("efficientnet_b0",
+                          act_layer=functools.partial(memlean.Swish, variant="memory_efficient"))
     """
 
     beta: float
@@ -72,23 +171,58 @@ class Swish(torch.nn.Module):
     def __init__(self, beta: float = 1.0, variant: str = None, inplace: bool = False):
         super().__init__()
         self.beta = _check_beta(beta)
+        if not isinstance(inplace, bool):
+            raise TypeError(f"memlean.Swish: inplace must be a bool, got {type(inplace).__name__}")
         if variant is None:
             variant = "inplace" if inplace else "memory_efficient"
-        elif inplace and variant != "inplace":
-            raise ValueError(f"memlean.Swish: inplace=True contradicts variant={variant!r}")
-        self.variant = _check_variant(variant)
+        self.variant = _check_variant(variant)  # an explicit variant wins over inplace=
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.variant == "naive":
+            _check_naive(x, self.beta)
             if self.beta == 1.0:
                 return x * torch.sigmoid(x)
             return x * torch.sigmoid(x * self.beta)
         if self.variant == "inplace":
-            torch.ops.memlean.swish_(x, self.beta)
+            if torch.jit.is_scripting():
+                torch.ops.memlean.swish_(x, self.beta)
+            else:
+                x = _swish_inplace(x, self.beta)
             return x
+        if not torch.jit.is_scripting():
+            if torch.compiler.is_compiling():  # see _compiled: torch's ops, fused by the compiler
+                _check_naive(x, self.beta)
+                return _compiled(x, self.beta)
         return torch.ops.memlean.swish(x, self.beta)
 
     def extra_repr(self) -> str:
         if self.variant == "memory_efficient":
             return f"beta={self.beta}"
         return f"beta={self.beta}, variant={self.variant!r}"
+
+
+def _trace_swish_(x: torch.Tensor, beta: float = 1.0) -> None:
+    """memlean::swish_ under torch.jit.trace (the Tracer dispatch key; only while tracing).
+
+    The TorchScript ONNX exporter traces, then deletes nodes whose outputs are unused, side
+    effects or not: a direct torch.ops.memlean.swish_ call would vanish from the exported
+    model. During an ONNX export the trace records x.mul_(sigmoid(beta * x)) instead; any
+    other trace records memlean::swish_ itself, as torch's tracer does.
+    """
+    if _exporting_to_onnx():
+        _swish_inplace_for_onnx(x, beta)  # the tracer is still on here: recorded
+        return
+    state = torch._C._get_tracing_state()
+    graph = state.graph()
+    node = graph.create("memlean::swish_",
+                        [torch._C._get_value_trace(x), graph.insertConstant(beta)], 0)
+    graph.insertNode(node)
+    torch._C._set_tracing_state(None)  # run the op itself untraced
+    try:
+        torch.ops.memlean.swish_(x, beta)
+    finally:
+        torch._C._set_tracing_state(state)
+
+
+_TRACER_LIB = torch.library.Library("memlean", "IMPL")
+_TRACER_LIB.impl("swish_", _trace_swish_, "Tracer")

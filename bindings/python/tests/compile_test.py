@@ -1,15 +1,33 @@
 """memlean's Swish under torch.compile, on the paths users take: graph breaks right before or
 after the activation (so its input, or its output, is a graph input), dynamic shapes, both
-the aot_eager and inductor backends. Compiled values and gradients must equal eager ones.
+the aot_eager and inductor backends, through memlean.Swish and through the operators
+themselves. Compiled values and gradients must equal eager ones.
 
 Regression: the in-place variant's derivative was lost when its input was a graph input
 (AOTAutograd saw the mutation as made under no_grad and copied it back outside autograd).
+
+Compiled, memlean.Swish's memory-efficient variant is torch's own silu (memlean/swish.py,
+_compiled), so inductor treats it as it treats nn.SiLU.
 """
 import pytest
 import torch
 import torch.nn as nn
 
 import memlean
+
+
+class Op(nn.Module):
+    """The operators themselves, as a user calling torch.ops.memlean.* would."""
+
+    def __init__(self, beta, variant):
+        super().__init__()
+        self.beta, self.variant = beta, variant
+
+    def forward(self, x):
+        if self.variant == "inplace":
+            torch.ops.memlean.swish_(x, self.beta)
+            return x
+        return torch.ops.memlean.swish(x, self.beta)
 
 BREAKS = ("before", "after", "none")
 
@@ -60,10 +78,12 @@ def fresh_dynamo():
 @pytest.mark.parametrize("graph_break", BREAKS)
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("variant", memlean.VARIANTS)
-def test_compiled_gradients_equal_eager(variant, backend, dynamic, graph_break):
+@pytest.mark.parametrize("variant,path", [(v, "module") for v in memlean.VARIANTS] +
+                         [("memory_efficient", "op"), ("inplace", "op")])
+def test_compiled_gradients_equal_eager(variant, path, backend, dynamic, graph_break):
     torch.manual_seed(0)
-    model = Block(memlean.Swish(beta=1.3, variant=variant), graph_break)
+    act = memlean.Swish(beta=1.3, variant=variant) if path == "module" else Op(1.3, variant)
+    model = Block(act, graph_break)
     compiled = torch.compile(model, backend=backend, dynamic=dynamic)
     # Two batch sizes: the second reuses (dynamic) or recompiles (static) the graphs.
     for batch in (8, 5):
@@ -104,3 +124,31 @@ def test_compiled_swish_op_on_graph_input_directly(backend):
         grads.append(leaf.grad)
     torch.testing.assert_close(grads[1], grads[0])
     assert grads[0].abs().sum() > 0
+
+
+def traced_graph(act):
+    """The ops torch.compile captures for a conv-BN-act block (dynamo's graph)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([(n.op, str(n.target)) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm
+
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), act, nn.Conv2d(8, 4, 1), act)
+    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(2, 3, 8, 8))
+    assert len(graphs) == 1
+    return graphs[0]
+
+
+def test_compiled_memory_efficient_swish_is_torchs_silu():
+    # Compiled, the memory-efficient variant is what nn.SiLU is (F.silu; x * sigmoid(beta * x)
+    # for another beta), so inductor fuses it with BatchNorm and recomputes it in backward as
+    # it does torch's own: never worse than nn.SiLU. The operator itself would be opaque.
+    silu = traced_graph(nn.SiLU())
+    assert traced_graph(memlean.Swish()) == silu
+    assert traced_graph(memlean.Swish(variant="memory_efficient", inplace=True)) == silu
+    assert ("call_function", "memlean.swish") in traced_graph(Op(1.0, "memory_efficient"))
+    beta = traced_graph(memlean.Swish(beta=1.5))
+    assert not any("memlean" in t for _, t in beta), beta
+    assert any("sigmoid" in t for _, t in beta), beta

@@ -91,8 +91,11 @@ def test_inplace_double_backward_is_a_clear_error():
 def test_bad_variant_and_arguments():
     with pytest.raises(ValueError, match="unknown variant 'fast'"):
         memlean.swish(torch.ones(2), variant="fast")
-    with pytest.raises(ValueError, match="inplace=True contradicts variant='naive'"):
-        memlean.Swish(variant="naive", inplace=True)
+    # An explicit variant wins over timm's inplace=True (act_layer(inplace=True)).
+    assert memlean.Swish(variant="naive", inplace=True).variant == "naive"
+    assert memlean.Swish(variant="memory_efficient", inplace=True).variant == "memory_efficient"
+    with pytest.raises(TypeError, match="inplace must be a bool, got str"):
+        memlean.Swish(inplace="no")
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         memlean.swish_(3.0)
     assert memlean.Swish(inplace=True).variant == "inplace"

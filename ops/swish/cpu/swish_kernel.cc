@@ -34,16 +34,23 @@ struct SwishMath {
   T beta;
   T forward(T x) const { return x / (T(1) + std::exp(-beta * x)); }
   T backward(T g, T x) const {
-    const T s = T(1) / (T(1) + std::exp(-beta * x));
-    return g * s * (T(1) + beta * x * (T(1) - s));
+    constexpr T L = swish_constants::slope_clamp<T>();
+    T t = beta * x;
+    if (!std::isnan(t)) t = std::clamp(t, -L, L);  // overflowed to ±inf: slope 0 or 1
+    const T s = T(1) / (T(1) + std::exp(-t));
+    return g * s * (T(1) + t * (T(1) - s));
   }
   Vectorized<T> forward(Vectorized<T> x) const {
     return x / (Vectorized<T>(T(1)) + (x * Vectorized<T>(-beta)).exp());
   }
   Vectorized<T> backward(Vectorized<T> g, Vectorized<T> x) const {
     const Vectorized<T> one(T(1));
-    const Vectorized<T> s = one / (one + (x * Vectorized<T>(-beta)).exp());
-    return g * s * (one + Vectorized<T>(beta) * x * (one - s));
+    constexpr T L = swish_constants::slope_clamp<T>();
+    // maximum/minimum propagate NaN; ±inf (beta * x overflowed) becomes ±L.
+    const Vectorized<T> t = at::vec::minimum(
+        at::vec::maximum(x * Vectorized<T>(beta), Vectorized<T>(-L)), Vectorized<T>(L));
+    const Vectorized<T> s = one / (one + t.neg().exp());
+    return g * s * (one + t * (one - s));
   }
 };
 
@@ -358,7 +365,10 @@ void inplace_backward_typed(const at::Tensor& grad, const at::Tensor& y, const a
       for (int64_t i = 0; i < len; i += K * V::size()) {
         V u[K], left[K], t[K];
         for (int k = 0; k < K; ++k) {
-          u[k] = V(b) * V::loadu(ybuf + i + k * V::size());
+          // Right of t*, t = u once u > L (g(t) = t there): a u that overflowed to inf
+          // becomes L, whose slope is 1, instead of inf * 0 = NaN. NaN stays NaN.
+          u[k] = at::vec::minimum(V(b) * V::loadu(ybuf + i + k * V::size()),
+                                  V(swish_constants::slope_clamp<acc_t>()));
           left[k] = V::loadu(lbuf + i + k * V::size()) > half;
         }
         inverse_g<acc_t, K>(u, left, t);

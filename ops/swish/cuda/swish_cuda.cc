@@ -28,7 +28,7 @@ cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
 at::Tensor forward_cuda(const at::Tensor& x, double beta) {
   swish_detail::check_input(x, "x", "memlean::swish");
-  swish_detail::check_beta(beta, "memlean::swish");
+  swish_detail::check_beta(beta, x, "memlean::swish");
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty_like(xc);

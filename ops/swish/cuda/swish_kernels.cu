@@ -75,10 +75,19 @@ __device__ __forceinline__ A swish(A x, A beta) {
   return x / (A(1) + exp(-beta * x));
 }
 
+// sc::slope_clamp<A>() in device code (constexpr host functions are not callable there).
+template <typename A>
+__device__ __forceinline__ A slope_clamp() {
+  return sizeof(A) == sizeof(double) ? A(sc::kSlopeClampDouble) : A(sc::kSlopeClampFloat);
+}
+
 template <typename A>
 __device__ __forceinline__ A swish_grad(A x, A beta) {
-  const A s = sigmoid(beta * x);
-  return s * (A(1) + beta * x * (A(1) - s));
+  const A L = slope_clamp<A>();
+  A t = beta * x;
+  if (!isnan(t)) t = min(max(t, -L), L);  // overflowed to ±inf: slope 0 or 1, not NaN
+  const A s = sigmoid(t);
+  return s * (A(1) + t * (A(1) - s));
 }
 
 // t from u = t * sigmoid(t) and its side of t*: the same method as the CPU kernel
@@ -184,7 +193,8 @@ __global__ void inplace_backward_kernel(const T* grad, const T* y, const uint8_t
         continue;
       }
       const bool left = (bits >> j) & 1;
-      const A u = beta * a[j];
+      A u = beta * a[j];
+      if (u > slope_clamp<A>()) u = slope_clamp<A>();  // overflowed: t = u = L
       const A t = inverse_g(u, left);
       const A s = sigmoid(t);
       const A slope = (left && u == A(0)) ? A(0) : s * (A(1) + t * (A(1) - s));

@@ -1,0 +1,203 @@
+"""memlean checkpointing under FSDP2 (torch.distributed.fsdp.fully_shard) and DDP: two
+processes (gloo on 127.0.0.1) train a small residual CNN for two steps, with fully_shard on
+each block and on the root, and memlean's checkpoint used three ways:
+
+- "module": the model's forward calls memlean.checkpoint(block, h) on each FSDP block (the
+  FSDP hooks run inside the checkpoint; its recompute gathers the parameters again);
+- "sequential": memlean.checkpoint_sequential over the FSDP blocks (a segment of two);
+- "inside": each block's forward checkpoints its conv + BatchNorm in seed 003's call form
+  (CheckpointFunction.apply with the block's parameters, unsharded at that time);
+
+and "ddp": DistributedDataParallel with memlean.checkpoint(block, h). The blocks' BatchNorms
+are torch's nn.BatchNorm2d and memlean.BatchNorm2d. Each step's gradients (the full tensors
+of FSDP's sharded gradients) equal those of one process running the same model without
+checkpoints or sharding, and every BatchNorm counted each training forward once, with rank
+0's running statistics those of its half batch.
+
+Without SyncBatchNorm each rank normalizes with its own half batch's statistics, so the
+single-process reference averages the losses of the two halves, the gradient FSDP's
+reduce-scatter and DDP's all-reduce average across the ranks. The test ends in bounded time
+even if a rank fails or hangs (short timeouts, a deadline, and what is left is killed; see
+checkpoint_ddp_test.py, which tests that).
+"""
+import datetime
+import os
+import tempfile
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import memlean
+
+D = torch.float64
+WORLD = 2
+BATCH = 8  # global; each rank takes half
+STEPS = 2
+LR = 0.1
+DEADLINE_S = 150
+TIMEOUT = datetime.timedelta(seconds=60)
+CONFIGS = ["module", "sequential", "inside", "ddp"]
+N_BN = 3
+
+
+class Block(nn.Module):
+    def __init__(self, c, norm, inside):
+        super().__init__()
+        self.inside = inside
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+        self.norm = norm(c)
+
+    def forward(self, x):
+        def conv_norm(t):
+            return self.norm(self.conv(t))
+
+        if self.inside:
+            params = tuple(self.conv.parameters()) + tuple(self.norm.parameters())
+            h = memlean.CheckpointFunction.apply(conv_norm, 1, x, *params)
+        else:
+            h = conv_norm(x)
+        return x + F.relu(h)
+
+
+class Net(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        torch.manual_seed(0)
+        self.how = how
+        self.stem = nn.Conv2d(3, 6, 3, padding=1)
+        norms = [nn.BatchNorm2d, memlean.BatchNorm2d, nn.BatchNorm2d]
+        self.blocks = nn.ModuleList(Block(6, n, inside=how == "inside") for n in norms)
+        self.head = nn.Linear(6, 5)
+        self.to(D)
+
+    def forward(self, x):
+        h = self.stem(x)
+        if self.how == "sequential":
+            h = memlean.checkpoint_sequential(list(self.blocks), [0, 2], h)
+        else:
+            for block in self.blocks:
+                h = memlean.checkpoint(block, h) if self.how in ("module", "ddp") else block(h)
+        return self.head(h.mean((2, 3)))
+
+
+def halves():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, 3, 6, 6, generator=g, dtype=D)
+    y = torch.randint(0, 5, (BATCH,), generator=g)
+    n = BATCH // WORLD
+    return [(x[r * n:(r + 1) * n], y[r * n:(r + 1) * n]) for r in range(WORLD)]
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+def _train(how, mesh, x, y):
+    model = Net(how)
+    if how == "ddp":
+        wrapped = nn.parallel.DistributedDataParallel(model)
+    else:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    grads = []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(wrapped(x), y).backward()
+        grads.append({k: _full(p.grad) for k, p in model.named_parameters()})
+        opt.step()
+    return {"grads": grads, "buffers": {k: _full(b) for k, b in model.named_buffers()}}
+
+
+def _worker(rank, port, outdir):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only (the test sandbox has no network)
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=TIMEOUT)
+    try:
+        mesh = init_device_mesh("cpu", (WORLD,))
+        x, y = halves()[rank]
+        for how in CONFIGS:
+            try:
+                result = _train(how, mesh, x, y)
+            except Exception:  # both ranks fail alike; the test of this config reports it
+                result = {"error": traceback.format_exc()}
+            torch.save(result, os.path.join(outdir, f"{how}_rank{rank}.pt"))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(outdir):
+    """Starts the ranks and waits for them, at most DEADLINE_S; returns or raises."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+    ctx = mp.start_processes(_worker, args=(store.port, outdir), nprocs=WORLD, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the ranks did not finish within {DEADLINE_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def reference():
+    """One process, no checkpoint, no sharding: each step's gradients of the average of the
+    halves' losses, and rank 0's BatchNorm statistics (half 0 only)."""
+    model = Net("none")
+    tracker = Net("none")
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    parts = halves()
+    grads = []
+    for _ in range(STEPS):
+        tracker.load_state_dict({**tracker.state_dict(), **dict(model.named_parameters())})
+        with torch.no_grad():
+            tracker(parts[0][0])
+        opt.zero_grad(set_to_none=True)
+        (sum(F.cross_entropy(model(x), y) for x, y in parts) / WORLD).backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        opt.step()
+    return grads, dict(tracker.named_buffers())
+
+
+@pytest.fixture(scope="module")
+def results():
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TEST_TMPDIR")) as outdir:
+        run_ranks(outdir)
+        yield {how: [torch.load(os.path.join(outdir, f"{how}_rank{r}.pt")) for r in range(WORLD)]
+               for how in CONFIGS}
+
+
+@pytest.mark.parametrize("how", CONFIGS)
+def test_gradients_and_batchnorm_equal_an_unsharded_single_process(results, how):
+    grads, buffers = reference()
+    for rank, result in enumerate(results[how]):
+        assert "error" not in result, f"rank {rank}:\n{result.get('error')}"
+        for step, (got, expected) in enumerate(zip(result["grads"], grads)):
+            assert got.keys() == expected.keys()
+            for k, g in got.items():
+                torch.testing.assert_close(g, expected[k], rtol=1e-10, atol=1e-12,
+                                           msg=lambda m: f"rank {rank}, step {step}, {k}: {m}")
+    got = results[how][0]["buffers"]
+    counts = [v.item() for k, v in got.items() if k.endswith("num_batches_tracked")]
+    assert counts == [STEPS] * N_BN  # once per training forward, recomputed or not
+    assert got.keys() == buffers.keys()
+    for k, v in got.items():
+        torch.testing.assert_close(v, buffers[k], rtol=1e-9, atol=1e-12, msg=lambda m: f"{k}: {m}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
