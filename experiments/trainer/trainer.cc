@@ -310,7 +310,10 @@ std::string summary(const Config& c, const Result& r) {
     }
     out << "\n";
   }
-  out << "\nmemory by category after the last forward and loss (the peak):\n"
+  // Not the peak (it used to say so): the (peak) row above is usually reached later, in
+  // backward, when gradients are allocated while activations are still alive.
+  out << "\nmemory by category after the last forward and loss (alive at that moment; the "
+         "step's peak is the (peak) row above):\n"
       << r.categories.str() << "\nmemory by category at the end:\n"
       << r.categories_end.str();
   return out.str();

@@ -385,6 +385,8 @@ TEST_F(TrainerTest, MainWritesTheSummaryAndTheReport) {
                            "optimizer state", "report: "}) {
     EXPECT_NE(s.find(want), std::string::npos) << want << "\n" << s;
   }
+  // The categories after forward are not the peak, and the report must not call them so.
+  EXPECT_EQ(s.find("(the peak)"), std::string::npos) << s;
   EXPECT_NE(err.str().find("step 2/2"), std::string::npos);
   std::ifstream in(report);
   std::stringstream json;
