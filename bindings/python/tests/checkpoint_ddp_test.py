@@ -12,7 +12,6 @@ exactly the gradient DDP averages across the ranks.
 The test ends in bounded time even if a rank fails or hangs: the ranks use short
 collective/store timeouts, the parent joins them with a deadline and kills what is left.
 """
-import datetime
 import os
 import tempfile
 import time
@@ -25,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import memlean
+from ranks import TIMEOUT, run_ranks
 
 D = torch.float64
 WORLD = 2
@@ -32,7 +32,6 @@ BATCH = 8  # global; each rank takes half
 STEPS = 2
 LR = 0.1
 DEADLINE_S = 240
-TIMEOUT = datetime.timedelta(seconds=60)
 
 
 class DenseLayer(nn.Module):
@@ -125,23 +124,6 @@ def _worker(rank, port, outdir, mode):
         dist.destroy_process_group()
 
 
-def run_ranks(mode, outdir):
-    """Starts the ranks and waits for them, at most DEADLINE_S; returns or raises."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
-    ctx = mp.start_processes(_worker, args=(store.port, outdir, mode), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the DDP ranks did not finish within {DEADLINE_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-
-
 def reference(unused):
     """One process, the same model without checkpoints: the average of the halves' losses."""
     model = Net(efficient=False, unused=unused)
@@ -162,7 +144,7 @@ def reference(unused):
 @pytest.fixture(scope="module")
 def ddp_results():
     with tempfile.TemporaryDirectory(dir=os.environ.get("TEST_TMPDIR")) as outdir:
-        run_ranks("train", outdir)
+        run_ranks(_worker, (outdir, "train"), world=WORLD, deadline_s=DEADLINE_S, what="DDP ranks")
         yield {name: [torch.load(os.path.join(outdir, f"{name}_rank{r}.pt")) for r in range(WORLD)]
                for name in CONFIGS}
 
@@ -193,7 +175,7 @@ def test_a_failing_rank_ends_the_run_in_bounded_time():
     start = time.monotonic()
     with tempfile.TemporaryDirectory(dir=os.environ.get("TEST_TMPDIR")) as outdir:
         with pytest.raises(mp.ProcessRaisedException, match="rank 1 fails on purpose"):
-            run_ranks("fail", outdir)
+            run_ranks(_worker, (outdir, "fail"), world=WORLD, deadline_s=DEADLINE_S, what="DDP ranks")
     assert time.monotonic() - start < DEADLINE_S
 
 

@@ -20,22 +20,20 @@ reduce-scatter and DDP's all-reduce average across the ranks. The test ends in b
 even if a rank fails or hangs (short timeouts, a deadline, and what is left is killed; see
 checkpoint_ddp_test.py, which tests that).
 """
-import datetime
 import os
 import tempfile
-import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import memlean
+from ranks import TIMEOUT, run_ranks
 
 D = torch.float64
 WORLD = 2
@@ -43,7 +41,6 @@ BATCH = 8  # global; each rank takes half
 STEPS = 2
 LR = 0.1
 DEADLINE_S = 150
-TIMEOUT = datetime.timedelta(seconds=60)
 CONFIGS = ["module", "sequential", "inside", "ddp"]
 N_BN = 3
 
@@ -137,23 +134,6 @@ def _worker(rank, port, outdir):
         dist.destroy_process_group()
 
 
-def run_ranks(outdir):
-    """Starts the ranks and waits for them, at most DEADLINE_S; returns or raises."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
-    ctx = mp.start_processes(_worker, args=(store.port, outdir), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the ranks did not finish within {DEADLINE_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-
-
 def reference():
     """One process, no checkpoint, no sharding: each step's gradients of the average of the
     halves' losses, and rank 0's BatchNorm statistics (half 0 only)."""
@@ -176,7 +156,7 @@ def reference():
 @pytest.fixture(scope="module")
 def results():
     with tempfile.TemporaryDirectory(dir=os.environ.get("TEST_TMPDIR")) as outdir:
-        run_ranks(outdir)
+        run_ranks(_worker, (outdir,), world=WORLD, deadline_s=DEADLINE_S)
         yield {how: [torch.load(os.path.join(outdir, f"{how}_rank{r}.pt")) for r in range(WORLD)]
                for how in CONFIGS}
 
