@@ -152,3 +152,7 @@ def test_compiled_memory_efficient_swish_is_torchs_silu():
     beta = traced_graph(memlean.Swish(beta=1.5))
     assert not any("memlean" in t for _, t in beta), beta
     assert any("sigmoid" in t for _, t in beta), beta
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
