@@ -1,6 +1,7 @@
 """efficientnet_swish --quick: the direction of the claims on EfficientNet-B0."""
 import pytest
 
+import memlean
 from experiments import efficientnet_swish
 
 
@@ -25,7 +26,8 @@ def test_memlean_activation_plugs_into_timm():
     act = efficientnet_swish.memlean_act("inplace")
     model = efficientnet_swish.make_model(act, num_classes=10)
     n = sum(p.numel() for p in model.parameters())
-    assert any(type(m).__name__ == "MemleanSwish_inplace" for m in model.modules())
+    acts = [m for m in model.modules() if isinstance(m, memlean.Swish)]
+    assert acts and all(m.variant == "inplace" for m in acts)
     out = model(torch.randn(2, 3, 32, 32))
     out.sum().backward()
     assert out.shape == (2, 10) and n > 4_000_000
