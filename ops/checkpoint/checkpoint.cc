@@ -21,6 +21,7 @@
 #include <utility>
 
 #include "ops/checkpoint/checkpoint_internal.h"
+#include "third_party/torch/compat.h"
 
 namespace memlean {
 namespace {
@@ -353,7 +354,7 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
       }
     }
     if (inputs.empty()) return;
-    auto error = c10::make_intrusive<torch::autograd::DelayedError>(
+    auto error = torch_compat::make_node<torch::autograd::DelayedError>(
         std::string(kName) + ": double backward (create_graph=true) through a checkpoint is not "
         "supported",
         static_cast<int64_t>(inputs.size()));
