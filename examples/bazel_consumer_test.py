@@ -68,5 +68,29 @@ def test_consumer_workspace_builds_and_runs():
             assert not objects
 
 
+def test_readme_shows_the_consumer_workspace_lines():
+    # The README's WORKSPACE/BUILD block is what examples/bazel_consumer does (the block
+    # itself cannot run: its path is a placeholder).
+    root = source_root()
+    readme = (root / "README.md").read_text()
+    start = readme.index("## Use it from another Bazel workspace")
+    block = readme[readme.index("```starlark", start):]
+    block = block[:block.index("```", len("```starlark"))]
+    consumer = root / "examples" / "bazel_consumer"
+    workspace = (consumer / "WORKSPACE").read_text()
+    build = (consumer / "BUILD").read_text()
+    checked = 0
+    for line in block.splitlines():
+        code = line.split("#")[0].strip()
+        if code.startswith(("load(", "memlean_dependencies(", "register_toolchains(")):
+            assert code in workspace, f"README line {code!r} is not in {consumer}/WORKSPACE"
+            checked += 1
+        for dep in ("@memlean//ops/swish", "@memlean//ops/checkpoint", "@memlean//runtime/memstats"):
+            if dep in code:
+                assert f'"{dep}"' in build, f"{dep} (README) is not a dep in {consumer}/BUILD"
+                checked += 1
+    assert checked >= 6, block
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
