@@ -38,6 +38,7 @@ This is the Python implementation of the same design as the C++ memlean::checkpo
 (ops/checkpoint/checkpoint.h): Python callables are run from a Python autograd.Function.
 """
 import contextlib
+import numbers
 import sys
 import threading
 from dataclasses import dataclass
@@ -79,6 +80,23 @@ def _recomputing():
 
 
 @contextlib.contextmanager
+def _module_calls_seen(seen):
+    """Calls seen(module) before the forward of every nn.Module called on this thread while
+    the body runs (a global forward pre-hook, removed after)."""
+    thread = threading.get_ident()
+
+    def hook(module, args):
+        if threading.get_ident() == thread:
+            seen(module)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
 def _batchnorm_statistics_kept():
     """Every torch BatchNorm module (any torch.nn.modules.batchnorm._BatchNorm: BatchNorm1d,
     2d, 3d, SyncBatchNorm, and subclasses such as timm's BatchNormAct2d) called on this
@@ -88,22 +106,20 @@ def _batchnorm_statistics_kept():
     statistics as the forward left them, however the module is reached (a Module, a plain
     function, checkpoint_sequential of callables), and the module's forward runs unchanged
     (a subclass keeps what it adds, e.g. BatchNormAct2d's activation and dropout)."""
-    thread = threading.get_ident()
     kept = {}  # id(module) -> (module, [(buffer, copy)])
 
-    def keep(module, args):
-        if not isinstance(module, _BatchNorm) or id(module) in kept or threading.get_ident() != thread:
+    def keep(module):
+        if not isinstance(module, _BatchNorm) or id(module) in kept:
             return
         buffers = [b for b in module._buffers.values()
                    if isinstance(b, torch.Tensor) and not torch.nn.parameter.is_lazy(b)]
         with torch.no_grad():
             kept[id(module)] = (module, [(b, b.clone()) for b in buffers])
 
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(keep)
     try:
-        yield
+        with _module_calls_seen(keep):
+            yield
     finally:
-        handle.remove()
         with torch.no_grad():
             for _, pairs in kept.values():
                 for b, c in pairs:
@@ -119,17 +135,13 @@ def _fsdp_calls_noted(found):
     if fsdp_module is None:
         yield
         return
-    thread = threading.get_ident()
 
-    def note(module, args):
-        if isinstance(module, fsdp_module) and threading.get_ident() == thread:
+    def note(module):
+        if isinstance(module, fsdp_module):
             found.append(module)
 
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(note)
-    try:
+    with _module_calls_seen(note):
         yield
-    finally:
-        handle.remove()
 
 
 # ---- RNG, autocast, buffers --------------------------------------------------------------
@@ -623,8 +635,6 @@ def measure_layer_costs(functions, input: torch.Tensor) -> List[LayerCost]:
 
 
 def _segment_starts(segments, n):
-    import numbers
-
     name = "memlean.checkpoint_sequential"
     accepted = ("an int (the number of segments), 'sqrt', a list of ints (the first layer of "
                 "each segment) or a memlean.SegmentPlan")

@@ -267,13 +267,14 @@ class Tracker:
         # labels, names of over _PLOT_NAME_CHARS characters shortened in the middle, the
         # figure widened to give each its room, and (beyond what fits _PLOT_MAX_INCHES)
         # only every k-th mark labelled.
-        vertical = n > 12 or max(len(name) for name in names) > 10
+        longest = max(len(name) for name in names)
+        vertical = n > 12 or longest > 10
         if vertical:
             every = max(1, math.ceil(n * _PLOT_INCHES_PER_LABEL / (_PLOT_MAX_INCHES - 1.5)))
             width = max(6.0, min(_PLOT_MAX_INCHES, math.ceil(n / every) * _PLOT_INCHES_PER_LABEL + 1.5))
-            height = 4.0 + 0.075 * max(len(name) for name in names)
+            height = 4.0 + 0.075 * longest
         else:
-            longest = max(max(len(name) for name in names), len(str(marks[-1].step)))
+            longest = max(longest, len(str(marks[-1].step)))
             every, width, height = 1, max(6.0, n * (0.075 * longest + 0.2) + 1.5), 4.0
         fig, ax = plt.subplots(figsize=(width, height))
         ax.plot(xs, [m.current / mib for m in marks], "o-", label="alive at the mark")

@@ -132,14 +132,17 @@ def swish(x: torch.Tensor, beta: float = 1.0, variant: str = "memory_efficient")
     variant="inplace", x is overwritten and returned.
     """
     _check_x(x)
-    beta = _check_beta(beta)
-    variant = _check_variant(variant)
+    return _swish(x, _check_beta(beta), _check_variant(variant))
+
+
+def _swish(x: torch.Tensor, beta: float, variant: str) -> torch.Tensor:
+    """memlean.swish and memlean.Swish.forward in Python (beta and variant checked)."""
     if variant == "inplace":
         return _swish_inplace(x, beta)
     if variant == "naive":
         _check_naive(x, beta)
-        return x * torch.sigmoid(x if beta == 1.0 else beta * x)
-    if torch.compiler.is_compiling():
+        return x * torch.sigmoid(x if beta == 1.0 else x * beta)
+    if torch.compiler.is_compiling():  # see _compiled: torch's ops, fused by the compiler
         _check_naive(x, beta)
         return _compiled(x, beta)
     return torch.ops.memlean.swish(x, beta)
@@ -178,21 +181,17 @@ class Swish(torch.nn.Module):
         self.variant = _check_variant(variant)  # an explicit variant wins over inplace=
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.jit.is_scripting():
+            return _swish(x, self.beta, self.variant)
+        # TorchScript compiles this part only (it prunes the branch above).
         if self.variant == "naive":
             _check_naive(x, self.beta)
             if self.beta == 1.0:
                 return x * torch.sigmoid(x)
             return x * torch.sigmoid(x * self.beta)
         if self.variant == "inplace":
-            if torch.jit.is_scripting():
-                torch.ops.memlean.swish_(x, self.beta)
-            else:
-                x = _swish_inplace(x, self.beta)
+            torch.ops.memlean.swish_(x, self.beta)
             return x
-        if not torch.jit.is_scripting():
-            if torch.compiler.is_compiling():  # see _compiled: torch's ops, fused by the compiler
-                _check_naive(x, self.beta)
-                return _compiled(x, self.beta)
         return torch.ops.memlean.swish(x, self.beta)
 
     def extra_repr(self) -> str:
