@@ -1,8 +1,9 @@
 // Trackers, phases and categories on top of the per-device counters (cpu_accounting.cc for
-// the CPU, the caching allocator's statistics for CUDA).
+// the CPU, the caching allocator's statistics and cuda_peaks.cc for CUDA).
 //
 // Scoped peaks: every device has one "epoch peak", the largest current value since the last
-// epoch change (the CPU counter's own, or the CUDA allocator's peak, which memstats resets).
+// epoch change (the CPU counter's own, or the peak cuda_peaks.cc observes: torch's own peak
+// counters are never reset).
 // Each tracker holds watches; a watch's peak is max(folded, epoch peak, current). Starting a
 // watch (tracker start, reset_peak, mark) ends the device's epoch under the registry lock and
 // folds that epoch's peak into every other watch of the device, so nested trackers keep
@@ -25,8 +26,32 @@
 #include <unordered_set>
 
 #include "runtime/memstats/cpu_accounting.h"
+#include "runtime/memstats/cuda_peaks.h"
 
 namespace memlean::memstats {
+
+namespace detail {
+
+namespace {
+std::optional<CudaPeaks>& registered_cuda_peaks() {
+  static std::optional<CudaPeaks> peaks;
+  return peaks;
+}
+}  // namespace
+
+bool register_cuda_peaks(CudaPeaks peaks) {
+  registered_cuda_peaks() = peaks;
+  return true;
+}
+
+const CudaPeaks& cuda_peaks() {
+  const auto& peaks = registered_cuda_peaks();
+  TORCH_CHECK(peaks.has_value(),
+              "memstats: this memlean was built against a torch without CUDA: no CUDA peaks");
+  return *peaks;
+}
+
+}  // namespace detail
 
 namespace {
 
@@ -37,7 +62,7 @@ using detail::g_epoch_peak;
 constexpr size_t kAggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
 
 struct CudaFigures {
-  int64_t allocated = 0, peak = 0, reserved = 0, requested = 0;
+  int64_t allocated = 0, reserved = 0, requested = 0;
 };
 
 c10::DeviceAllocator* cuda_allocator() {
@@ -46,8 +71,8 @@ c10::DeviceAllocator* cuda_allocator() {
 
 CudaFigures cuda_figures(c10::DeviceIndex index) {
   const auto stats = cuda_allocator()->getDeviceStats(index);
-  return {stats.allocated_bytes[kAggregate].current, stats.allocated_bytes[kAggregate].peak,
-          stats.reserved_bytes[kAggregate].current, stats.requested_bytes[kAggregate].current};
+  return {stats.allocated_bytes[kAggregate].current, stats.reserved_bytes[kAggregate].current,
+          stats.requested_bytes[kAggregate].current};
 }
 
 // "cpu" (no index) or "cuda:<index>".
@@ -64,7 +89,8 @@ int64_t device_current(c10::Device d) {
 }
 
 int64_t device_epoch_peak(c10::Device d) {
-  return d.is_cpu() ? g_epoch_peak.load(std::memory_order_relaxed) : cuda_figures(d.index()).peak;
+  return d.is_cpu() ? g_epoch_peak.load(std::memory_order_relaxed)
+                    : detail::cuda_peaks().epoch_peak(d.index());
 }
 
 int64_t device_reserved(c10::Device d) {
@@ -106,8 +132,7 @@ void new_epoch(Registry& r, c10::Device d) {
   if (d.is_cpu()) {
     peak = detail::advance_epoch();
   } else {
-    peak = cuda_figures(d.index()).peak;
-    cuda_allocator()->resetPeakStats(d.index());
+    peak = detail::cuda_peaks().new_epoch(d.index());
   }
   for (Watch* w : r.watches) {
     if (w->device == d) w->folded = std::max(w->folded, peak);

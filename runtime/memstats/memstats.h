@@ -37,8 +37,9 @@ void check_device(c10::Device device);
 // Process-wide figures, named after torch.cuda's:
 // CPU: bytes alive that the counting allocator allocated (enables it); CUDA: allocated bytes.
 int64_t memory_allocated(c10::Device device = c10::kCPU);
-// The largest memory_allocated since accounting began (CPU) or since the last
-// torch.cuda.reset_peak_memory_stats (CUDA). Trackers never lower it.
+// The largest memory_allocated since accounting began (CPU) or since the process began
+// (CUDA: torch's own peak when memstats first observes the device, then what it observes; a
+// later torch.cuda.reset_peak_memory_stats does not lower it). Trackers never lower it.
 int64_t max_memory_allocated(c10::Device device = c10::kCPU);
 // CPU: the same as memory_allocated (no cache); CUDA: bytes reserved by the caching allocator.
 int64_t memory_reserved(c10::Device device = c10::kCPU);
@@ -82,9 +83,11 @@ struct TableOptions {
 };
 
 // A scoped view of one device's memory. Starting (construction) and reset_peak() begin its
-// own peak; trackers nest and never disturb each other's peaks, on any thread. On CUDA the
-// scoping resets the caching allocator's peak counter (as torch.cuda.reset_peak_memory_stats
-// does); max_memory_allocated() above keeps the process-wide peak.
+// own peak; trackers nest and never disturb each other's peaks, on any thread. Nor torch's:
+// on CUDA, memstats observes the caching allocator (a trace tracker, attached once per
+// process on first CUDA use) and never resets its counters, so
+// torch.cuda.max_memory_allocated() reads the same with or without trackers. The
+// cudaMallocAsync backend cannot be observed: CUDA trackers fail there with a clear error.
 class Tracker {
  public:
   explicit Tracker(c10::Device device = c10::kCPU);

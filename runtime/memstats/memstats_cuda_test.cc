@@ -77,5 +77,36 @@ TEST(MemstatsCuda, AllocatedBytesPeaksAndCategories) {
             c.total);
 }
 
+// torch.cuda.max_memory_allocated() is the allocator's own peak: users read it, so starting,
+// nesting, resetting, marking and stopping trackers must leave it as it is.
+TEST(MemstatsCuda, TorchPeakCounterIsLeftAlone) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  const c10::Device dev(c10::DeviceType::CUDA, 0);
+  const auto opts = at::TensorOptions().device(dev).dtype(at::kFloat);
+  c10::DeviceAllocator* allocator = c10::getDeviceAllocator(c10::DeviceType::CUDA);
+  constexpr size_t kAggregate =
+      static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  auto torch_peak = [&] { return allocator->getDeviceStats(0).allocated_bytes[kAggregate].peak; };
+  at::empty({16 << 20}, opts);  // 64 MiB, freed at once: torch's peak is at least that
+  const int64_t before = torch_peak();
+  {
+    Tracker outer(dev);
+    const int64_t base = outer.current();
+    at::Tensor a = at::empty({1 << 20}, opts);
+    {
+      Tracker inner(dev);
+      at::empty({1 << 18}, opts);
+      inner.reset_peak();
+      inner.mark("m");
+      EXPECT_EQ(inner.peak() - base, 4 << 20);
+    }
+    EXPECT_EQ(outer.peak() - base, (4 << 20) + (1 << 20));
+    // The process-wide figure starts from torch's peak when memstats first observes it.
+    EXPECT_GE(max_memory_allocated(dev), before);
+    EXPECT_EQ(torch_peak(), before);
+  }
+  EXPECT_EQ(torch_peak(), before);
+}
+
 }  // namespace
 }  // namespace memlean::memstats

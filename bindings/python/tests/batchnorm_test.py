@@ -11,15 +11,18 @@ import functools
 import threading
 
 import pytest
-import timm  # ./bazelw installs it
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import BatchNormAct2d
-from timm.layers.norm_act import SyncBatchNormAct, convert_sync_batchnorm
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import memlean
+from optional_deps import available, require
+
+if available("timm"):  # ./bazelw installs it; left out only with MEMLEAN_WITHOUT=timm
+    import timm
+    from timm.layers import BatchNormAct2d
+    from timm.layers.norm_act import SyncBatchNormAct, convert_sync_batchnorm
 
 D = torch.float64
 
@@ -40,15 +43,7 @@ class CountingBatchNorm1d(nn.BatchNorm1d):
 def chains():
     """name -> (make the chain, its input). Each ends in an Identity, so that
     checkpoint_sequential(segments=[0, n - 1]) checkpoints every BatchNorm in it."""
-    return {
-        "timm BatchNormAct2d (act, dropout, momentum None)": (
-            lambda: nn.Sequential(
-                nn.Conv2d(3, 6, 3, padding=1),
-                BatchNormAct2d(6, act_layer=nn.SiLU, drop_layer=functools.partial(nn.Dropout, 0.3)),
-                nn.Conv2d(6, 4, 1),
-                BatchNormAct2d(4, act_layer=memlean.Swish, momentum=None),
-                nn.Identity()),
-            (4, 3, 5, 5)),
+    cases = {
         "BatchNorm1d and a subclass with its own buffer": (
             lambda: nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8),
                                   CountingBatchNorm1d(8), nn.Identity()),
@@ -56,12 +51,26 @@ def chains():
         "BatchNorm3d": (
             lambda: nn.Sequential(nn.Conv3d(2, 3, 1), nn.BatchNorm3d(3, momentum=0.3), nn.Tanh(), nn.Identity()),
             (3, 2, 3, 3, 2)),
-        "SyncBatchNorm and timm's SyncBatchNormAct (no process group)": (
+        "SyncBatchNorm (no process group)": (
             lambda: nn.Sequential(nn.Conv2d(3, 4, 1), nn.SyncBatchNorm(4), nn.Conv2d(4, 4, 1),
-                                  convert_sync_batchnorm(BatchNormAct2d(4, act_layer=nn.ReLU)),
                                   nn.Identity()),
             (4, 3, 3, 3)),
     }
+    if available("timm"):
+        cases["timm BatchNormAct2d (act, dropout, momentum None)"] = (
+            lambda: nn.Sequential(
+                nn.Conv2d(3, 6, 3, padding=1),
+                BatchNormAct2d(6, act_layer=nn.SiLU, drop_layer=functools.partial(nn.Dropout, 0.3)),
+                nn.Conv2d(6, 4, 1),
+                BatchNormAct2d(4, act_layer=memlean.Swish, momentum=None),
+                nn.Identity()),
+            (4, 3, 5, 5))
+        cases["SyncBatchNorm and timm's SyncBatchNormAct (no process group)"] = (
+            lambda: nn.Sequential(nn.Conv2d(3, 4, 1), nn.SyncBatchNorm(4), nn.Conv2d(4, 4, 1),
+                                  convert_sync_batchnorm(BatchNormAct2d(4, act_layer=nn.ReLU)),
+                                  nn.Identity()),
+            (4, 3, 3, 3))
+    return cases
 
 
 def run_function(model, x):
@@ -118,7 +127,7 @@ def test_every_batchnorm_is_updated_once_with_the_plain_gradients(chain, mode):
     for bn in batchnorms(ckpt):
         if isinstance(bn, CountingBatchNorm1d):
             assert bn.calls.item() == 1
-        if isinstance(bn, SyncBatchNormAct):
+        if available("timm") and isinstance(bn, SyncBatchNormAct):
             assert isinstance(bn.act, nn.ReLU)
 
 
@@ -143,6 +152,7 @@ def test_statistics_of_another_thread_are_left_alone():
 
 
 def test_eval_mode_batchnorm_in_a_function_is_unaffected():
+    require("timm")
     torch.manual_seed(2)
     model = nn.Sequential(nn.Conv2d(2, 3, 1), BatchNormAct2d(3, act_layer=nn.ReLU)).to(D)
     model(torch.randn(4, 2, 3, 3, dtype=D))
@@ -159,6 +169,7 @@ def test_eval_mode_batchnorm_in_a_function_is_unaffected():
 
 
 def test_convert_keeps_subclasses_and_they_count_once():
+    require("timm")
     model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), BatchNormAct2d(4, act_layer=nn.SiLU),
                           nn.Flatten(), nn.Linear(4 * 9, 6), nn.BatchNorm1d(6), nn.SyncBatchNorm(6))
     converted = memlean.BatchNorm2d.convert(model)
@@ -190,6 +201,7 @@ def efficientnet_forward(model, x, mode):
 
 @pytest.fixture(scope="module")
 def efficientnet():
+    require("timm")
     torch.manual_seed(0)
     # float32: float64 convolutions take seconds per step on CPU; the comparison is still
     # exact, the checkpointed step computes what the plain one does.

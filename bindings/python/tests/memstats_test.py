@@ -433,5 +433,25 @@ def test_saved_storages_counts_each_storage_once():
     y.sum().backward()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_torch_cuda_peak_counter_is_left_alone():
+    # Users read torch.cuda.max_memory_allocated(): memstats' scoped peaks must not reset it.
+    torch.empty(16 << 20, device="cuda")  # 64 MiB, freed at once
+    before = torch.cuda.max_memory_allocated()
+    with memstats.track("cuda") as outer:
+        base = outer.current
+        a = torch.empty(1 << 20, device="cuda")
+        with memstats.track("cuda") as inner:
+            torch.empty(1 << 18, device="cuda")
+            inner.reset_peak()
+            inner.mark("m")
+            assert inner.peak - base == 4 << 20
+        assert outer.peak - base == (4 << 20) + (1 << 20)
+        assert torch.cuda.max_memory_allocated() == before
+    del a
+    assert torch.cuda.max_memory_allocated() == before
+    assert memstats.max_memory_allocated("cuda") >= before
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

@@ -7,12 +7,12 @@ swish_variants_test.py hold the variants to float64 references.)"""
 import functools
 
 import pytest
-import timm  # ./bazelw installs it
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import memlean
+from optional_deps import require
 
 D = torch.float32
 ACT_LAYERS = {
@@ -25,6 +25,7 @@ ACT_LAYERS = {
 
 def make(act_layer):
     torch.manual_seed(0)
+    timm = require("timm")  # ./bazelw installs it
     return timm.create_model("efficientnet_b0", pretrained=False, num_classes=3,
                              act_layer=act_layer).to(D).train()
 

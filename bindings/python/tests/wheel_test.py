@@ -47,6 +47,14 @@ def test_wheel_installs_and_runs_outside_the_repository():
     with zipfile.ZipFile(wheel) as z:
         files = set(z.namelist())
         meta = z.read(next(f for f in files if f.endswith(".dist-info/METADATA"))).decode()
+        build_info = {}
+        exec(z.read("memlean/_build_info.py").decode(), build_info)
+    # The name says which torch it runs with (the local label of its version), the torch the
+    # package itself was built against.
+    assert build_info["TORCH_VERSION"] == torch.__version__, build_info
+    label = "torch" + torch.__version__.replace("+", ".")
+    assert name.startswith(f"memlean-{build_info['VERSION']}+{label}-"), name
+    assert f"Version: {build_info['VERSION']}+{label}\n" in meta, meta
     assert {"memlean/__init__.py", "memlean/_C.so", "memlean/_build_info.py"} <= files, files
     assert f"Requires-Dist: torch=={torch.__version__.split('+')[0]}" in meta, meta
 

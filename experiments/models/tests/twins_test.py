@@ -15,6 +15,7 @@ from experiments.models.common import ACTIVATIONS, num_parameters
 from experiments.models.densenet import DenseNetBC
 from experiments.models.efficientnet import EfficientNetB0
 from experiments.models.mlp import Mlp
+from optional_deps import require
 
 _DUMPS = {}
 
@@ -108,7 +109,7 @@ def test_efficientnet_b0_full_size(tmp_path_factory):
 
 
 def test_efficientnet_b0_is_timms():
-    timm = pytest.importorskip("timm")
+    timm = require("timm")
     ours, theirs = EfficientNetB0(), timm.create_model("efficientnet_b0")
     assert num_parameters(ours) == num_parameters(theirs) == 5288548
     ours.load_state_dict(theirs.state_dict(), strict=True)
