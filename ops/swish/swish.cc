@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "ops/swish/cpu/swish_kernel.h"
+#include "ops/swish/layout.h"
 #include "ops/swish/swish_checks.h"
 
 namespace memlean {
@@ -46,15 +47,10 @@ at::Tensor backward_cpu(const at::Tensor& grad, const at::Tensor& x, double beta
   return grad_x;
 }
 
-// The in-place kernels run on contiguous memory; another layout goes through a copy.
+// The in-place kernels walk memory order (layout.h): no copy for any dense layout.
 void run_inplace_cpu(at::Tensor& x, const at::Tensor& mask, double beta) {
-  if (x.is_contiguous()) {
-    swish_cpu::inplace_forward_kernel(x, mask, beta);
-  } else {
-    at::Tensor tmp = x.contiguous();
-    swish_cpu::inplace_forward_kernel(tmp, mask, beta);
-    x.copy_(tmp);
-  }
+  swish_detail::inplace_in_memory_order(
+      x, [&](const at::Tensor& flat) { swish_cpu::inplace_forward_kernel(flat, mask, beta); });
 }
 
 void inplace_cpu(at::Tensor& x, double beta) {
@@ -72,23 +68,24 @@ at::Tensor inplace_with_mask_cpu(at::Tensor& x, double beta) {
 at::Tensor inplace_backward_cpu(const at::Tensor& grad, const at::Tensor& y, const at::Tensor& mask,
                                 double beta) {
   check_inplace_backward_args(grad, y, mask, beta);
-  at::Tensor grad_x = at::empty(y.sizes(), y.options());
-  swish_cpu::inplace_backward_kernel(grad.contiguous(), y.contiguous(), mask.contiguous(), grad_x,
-                                     beta);
-  return grad_x;
+  const at::Tensor m = mask.contiguous();
+  return swish_detail::backward_in_memory_order(
+      grad, y, [&](const at::Tensor& g, const at::Tensor& yf, const at::Tensor& out) {
+        swish_cpu::inplace_backward_kernel(g, yf, m, out, beta);
+      });
 }
 
 void inplace_meta(at::Tensor& x, double beta) { check_inplace_input(x, beta); }
 
 at::Tensor inplace_with_mask_meta(at::Tensor& x, double beta) {
   check_inplace_input(x, beta);
-  return at::empty_symint({(x.sym_numel() + 7) / 8}, x.options().dtype(at::kByte));
+  return at::empty_symint({swish_constants::mask_bytes(x.sym_numel())}, x.options().dtype(at::kByte));
 }
 
 at::Tensor inplace_backward_meta(const at::Tensor& grad, const at::Tensor& y,
                                  const at::Tensor& mask, double beta) {
   check_inplace_backward_args(grad, y, mask, beta);
-  return at::empty_symint(y.sym_sizes(), y.options());
+  return at::empty_like(y);
 }
 
 at::Tensor forward_meta(const at::Tensor& x, double beta) {

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <limits>
 
+#include "ops/swish/swish_constants.h"
+
 namespace memlean::swish_detail {
 
 void check_input(const at::Tensor& x, const char* name, const char* op) {
@@ -26,27 +28,36 @@ void check_beta(double beta, const at::Tensor& x, const char* op) {
               "), in which a ", x.scalar_type(), " x is computed");
 }
 
-void check_backward_args(const at::Tensor& grad, const at::Tensor& x, double beta) {
-  constexpr const char* op = "memlean::swish_backward";
-  check_input(x, "x", op);
+namespace {
+
+// grad and the saved tensor (named `name`: x, or the in-place variant's output y).
+void check_grad_and_saved(const at::Tensor& grad, const at::Tensor& x, double beta,
+                          const char* name, const char* op) {
+  check_input(x, name, op);
   check_input(grad, "grad", op);
   check_beta(beta, x, op);
   TORCH_CHECK(grad.scalar_type() == x.scalar_type(), op, ": grad has dtype ", grad.scalar_type(),
-              " but x has dtype ", x.scalar_type());
+              " but ", name, " has dtype ", x.scalar_type());
   TORCH_CHECK(grad.sym_sizes() == x.sym_sizes(), op, ": grad has shape ", grad.sym_sizes(),
-              " but x has shape ", x.sym_sizes());
-  TORCH_CHECK(grad.device() == x.device(), op, ": grad is on ", grad.device(), " but x is on ",
-              x.device());
+              " but ", name, " has shape ", x.sym_sizes());
+  TORCH_CHECK(grad.device() == x.device(), op, ": grad is on ", grad.device(), " but ", name,
+              " is on ", x.device());
+}
+
+}  // namespace
+
+void check_backward_args(const at::Tensor& grad, const at::Tensor& x, double beta) {
+  check_grad_and_saved(grad, x, beta, "x", "memlean::swish_backward");
 }
 
 void check_inplace_backward_args(const at::Tensor& grad, const at::Tensor& y,
                                  const at::Tensor& mask, double beta) {
   constexpr const char* op = "memlean::_swish_inplace_backward";
-  check_backward_args(grad, y, beta);
+  check_grad_and_saved(grad, y, beta, "y", op);
   TORCH_CHECK(mask.defined() && mask.scalar_type() == at::kByte, op,
               ": mask must be a uint8 tensor of packed bits");
   // Symbolic sizes (torch.compile with dynamic shapes) compare through guards.
-  const c10::SymInt expected = (y.sym_numel() + 7) / 8;
+  const c10::SymInt expected = swish_constants::mask_bytes(y.sym_numel());
   TORCH_CHECK(mask.sym_numel() == expected, op, ": mask has ", mask.sym_numel(),
               " bytes but y has ", y.sym_numel(), " elements (expected ", expected, " bytes)");
   TORCH_CHECK(mask.device() == y.device(), op, ": mask is on ", mask.device(), " but y is on ",

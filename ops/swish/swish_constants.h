@@ -4,6 +4,13 @@
 
 namespace memlean::swish_constants {
 
+// Bytes of the in-place variant's mask, one bit per element (Int: int64_t, or c10::SymInt
+// for the Meta kernels and checks under torch.compile).
+template <typename Int>
+Int mask_bytes(const Int& numel) {
+  return (numel + 7) / 8;
+}
+
 // g has one minimum, at t* (g'(t*) = 0); g is strictly decreasing left of it and strictly
 // increasing right of it, so g(t) and the side of t* determine t.
 constexpr double kTStar = -1.2784645427610738;

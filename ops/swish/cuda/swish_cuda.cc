@@ -7,7 +7,9 @@
 #include <torch/library.h>
 
 #include "ops/swish/cuda/swish_kernels.h"
+#include "ops/swish/layout.h"
 #include "ops/swish/swish_checks.h"
+#include "ops/swish/swish_constants.h"
 
 namespace memlean {
 namespace {
@@ -26,36 +28,38 @@ DType dtype_of(const at::Tensor& t) {
 
 cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
+// Every wrapper walks memory order (layout.h): a dense input of any layout (channels_last
+// included) is read and written in place, with outputs in its layout.
 at::Tensor forward_cuda(const at::Tensor& x, double beta) {
   swish_detail::check_input(x, "x", "memlean::swish");
   swish_detail::check_beta(beta, x, "memlean::swish");
   const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty_like(xc);
-  swish_cuda::forward(dtype_of(xc), xc.const_data_ptr(), y.data_ptr(), xc.numel(), beta, stream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return y;
+  return swish_detail::forward_in_memory_order(x, [&](const at::Tensor& xf, const at::Tensor& y) {
+    swish_cuda::forward(dtype_of(xf), xf.const_data_ptr(), y.data_ptr(), xf.numel(), beta,
+                        stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 at::Tensor backward_cuda(const at::Tensor& grad, const at::Tensor& x, double beta) {
   swish_detail::check_backward_args(grad, x, beta);
   const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor gc = grad.contiguous(), xc = x.contiguous();
-  at::Tensor grad_x = at::empty_like(xc);
-  swish_cuda::backward(dtype_of(xc), gc.const_data_ptr(), xc.const_data_ptr(), grad_x.data_ptr(),
-                       xc.numel(), beta, stream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return grad_x;
+  return swish_detail::backward_in_memory_order(
+      grad, x, [&](const at::Tensor& g, const at::Tensor& xf, const at::Tensor& grad_x) {
+        swish_cuda::backward(dtype_of(xf), g.const_data_ptr(), xf.const_data_ptr(),
+                             grad_x.data_ptr(), xf.numel(), beta, stream());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
 }
 
 void run_inplace_cuda(at::Tensor& x, const at::Tensor& mask, double beta) {
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
-  swish_cuda::inplace_forward(dtype_of(xc), xc.data_ptr(),
-                              mask.defined() ? mask.data_ptr<uint8_t>() : nullptr, xc.numel(), beta,
-                              stream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (!xc.is_same(x)) x.copy_(xc);
+  swish_detail::inplace_in_memory_order(x, [&](const at::Tensor& xf) {
+    swish_cuda::inplace_forward(dtype_of(xf), xf.data_ptr(),
+                                mask.defined() ? mask.data_ptr<uint8_t>() : nullptr, xf.numel(),
+                                beta, stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 void inplace_cuda(at::Tensor& x, double beta) {
@@ -65,7 +69,8 @@ void inplace_cuda(at::Tensor& x, double beta) {
 
 at::Tensor inplace_with_mask_cuda(at::Tensor& x, double beta) {
   swish_detail::check_inplace_input(x, beta);
-  at::Tensor mask = at::empty({(x.numel() + 7) / 8}, x.options().dtype(at::kByte));
+  at::Tensor mask =
+      at::empty({swish_constants::mask_bytes(x.numel())}, x.options().dtype(at::kByte));
   run_inplace_cuda(x, mask, beta);
   return mask;
 }
@@ -74,13 +79,14 @@ at::Tensor inplace_backward_cuda(const at::Tensor& grad, const at::Tensor& y,
                                  const at::Tensor& mask, double beta) {
   swish_detail::check_inplace_backward_args(grad, y, mask, beta);
   const c10::cuda::CUDAGuard guard(y.device());
-  const at::Tensor gc = grad.contiguous(), yc = y.contiguous(), mc = mask.contiguous();
-  at::Tensor grad_x = at::empty(y.sizes(), y.options());
-  swish_cuda::inplace_backward(dtype_of(yc), gc.const_data_ptr(), yc.const_data_ptr(),
-                               mc.const_data_ptr<uint8_t>(), grad_x.data_ptr(), yc.numel(), beta,
-                               stream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return grad_x;
+  const at::Tensor m = mask.contiguous();
+  return swish_detail::backward_in_memory_order(
+      grad, y, [&](const at::Tensor& g, const at::Tensor& yf, const at::Tensor& grad_x) {
+        swish_cuda::inplace_backward(dtype_of(yf), g.const_data_ptr(), yf.const_data_ptr(),
+                                     m.const_data_ptr<uint8_t>(), grad_x.data_ptr(), yf.numel(),
+                                     beta, stream());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
 }
 
 }  // namespace
