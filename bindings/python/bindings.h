@@ -6,7 +6,6 @@
 
 namespace memlean::python {
 
-void init_swish(pybind11::module_& m);  // swish_bindings.cc
 void init_checkpoint(pybind11::module_& m);  // checkpoint_bindings.cc
 void init_memstats(pybind11::module_& m);  // memstats_bindings.cc
 

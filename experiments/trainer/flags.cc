@@ -15,6 +15,7 @@
 
 #include "experiments/trainer/config.h"
 #include "runtime/memstats/memstats.h"
+#include "runtime/memstats/report.h"
 
 ABSL_FLAG(std::string, model, "mlp", "mlp | densenet_bc | efficientnet_b0");
 ABSL_FLAG(std::string, swish, "memory_efficient",
@@ -56,6 +57,8 @@ ABSL_FLAG(double, efficientnet_depth, 1.0, "EfficientNet depth multiplier (B0: 1
 namespace memlean::trainer {
 namespace {
 
+using memstats::json_string;
+
 bool is_trainer_flag(const absl::CommandLineFlag& flag) {
   return flag.Filename().find("experiments/trainer/") != std::string::npos;
 }
@@ -66,27 +69,6 @@ std::map<std::string, absl::CommandLineFlag*> trainer_flags() {
     if (is_trainer_flag(*flag)) flags.emplace(std::string(name), flag);
   }
   return flags;
-}
-
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (const char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-          out += buf;
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
 }
 
 [[noreturn]] void fail(const std::string& flag, const std::string& message) {

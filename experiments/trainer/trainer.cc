@@ -25,9 +25,12 @@
 #include "experiments/models/efficientnet.h"
 #include "experiments/models/mlp.h"
 #include "experiments/trainer/data.h"
+#include "runtime/memstats/report.h"
 
 namespace memlean::trainer {
 namespace {
+
+using memstats::json_string;
 
 using Clock = std::chrono::steady_clock;
 
@@ -114,23 +117,6 @@ std::string number(double v) {
   char buf[40];
   std::snprintf(buf, sizeof(buf), "%.10g", v);
   return buf;
-}
-
-std::string quoted(const std::string& s) {
-  std::string out = "\"";
-  for (const char ch : s) {
-    if (ch == '"' || ch == '\\') {
-      out += '\\';
-      out += ch;
-    } else if (static_cast<unsigned char>(ch) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", ch);
-      out += buf;
-    } else {
-      out += ch;
-    }
-  }
-  return out + "\"";
 }
 
 class Progress {
@@ -322,17 +308,17 @@ std::string summary(const Config& c, const Result& r) {
 std::string report_json(const Config& c, const Result& r) {
   std::ostringstream out;
   out << "{\n  \"flags\": " << flags_json() << ",\n";
-  out << "  \"config\": {\"model\": " << quoted(c.model) << ", \"activation\": "
-      << quoted(c.activation_name()) << ", \"checkpoint\": " << quoted(models::to_string(c.checkpoint))
+  out << "  \"config\": {\"model\": " << json_string(c.model) << ", \"activation\": "
+      << json_string(c.activation_name()) << ", \"checkpoint\": " << json_string(models::to_string(c.checkpoint))
       << ", \"batch\": " << c.batch << ", \"steps\": " << c.steps << ", \"optimizer\": "
-      << quoted(c.optimizer) << ", \"lr\": " << number(c.lr) << ", \"momentum\": "
-      << number(c.momentum) << ", \"threads\": " << r.threads << ", \"device\": " << quoted(c.device)
-      << ", \"data\": " << quoted(c.data) << ", \"seed\": " << c.seed << ", \"loss\": "
-      << quoted(c.loss_name()) << ", \"num_classes\": " << c.num_classes << ", \"image_size\": "
+      << json_string(c.optimizer) << ", \"lr\": " << number(c.lr) << ", \"momentum\": "
+      << number(c.momentum) << ", \"threads\": " << r.threads << ", \"device\": " << json_string(c.device)
+      << ", \"data\": " << json_string(c.data) << ", \"seed\": " << c.seed << ", \"loss\": "
+      << json_string(c.loss_name()) << ", \"num_classes\": " << c.num_classes << ", \"image_size\": "
       << c.image_size << "},\n";
-  out << "  \"model\": {\"description\": " << quoted(r.model_description)
+  out << "  \"model\": {\"description\": " << json_string(r.model_description)
       << ", \"parameters\": " << r.num_parameters << "},\n";
-  out << "  \"data\": " << quoted(r.data_description) << ",\n";
+  out << "  \"data\": " << json_string(r.data_description) << ",\n";
   out << "  \"loss\": [";
   for (size_t i = 0; i < r.losses.size(); ++i) out << (i ? ", " : "") << number(r.losses[i]);
   out << "],\n";
@@ -359,7 +345,7 @@ std::string report_json(const Config& c, const Result& r) {
       for (size_t i = 0; i < ms.size(); ++i) s += (i ? ", " : "") + get(*ms[i]);
       return s + "]";
     };
-    out << (first_phase ? "\n" : ",\n") << "    " << quoted(phase) << ": {\"current\": "
+    out << (first_phase ? "\n" : ",\n") << "    " << json_string(phase) << ": {\"current\": "
         << series([](const memstats::Mark& m) { return std::to_string(m.current); })
         << ", \"peak\": " << series([](const memstats::Mark& m) { return std::to_string(m.peak); })
         << ", \"kept\": "

@@ -217,8 +217,6 @@ c10::Allocator* install() {
 
 c10::Allocator* counting_allocator() { return g_allocator.load(); }
 
-c10::DeleterFnPtr counting_deleter() { return &counting_delete; }
-
 const Header* header_of(const c10::StorageImpl& storage) {
   const c10::DataPtr& dp = storage.data_ptr();
   if (dp.get_deleter() != &counting_delete || dp.get() == nullptr) return nullptr;

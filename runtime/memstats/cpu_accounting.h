@@ -42,8 +42,6 @@ constexpr uint32_t kRing = 1u << kRingBits;
 c10::Allocator* install();
 // The counting allocator if install() ran, else nullptr.
 c10::Allocator* counting_allocator();
-// Its deleter: a DataPtr with this deleter was counted.
-c10::DeleterFnPtr counting_deleter();
 
 // The header of a storage the counting allocator allocated, else nullptr.
 const Header* header_of(const c10::StorageImpl& storage);

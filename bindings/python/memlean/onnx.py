@@ -23,8 +23,6 @@ from torch.overrides import TorchFunctionMode
 
 from memlean.swish import _swish_inplace_for_onnx
 
-_OPSET = 18
-
 
 def _swish_onnx(x, beta: float = 1.0):
     from onnxscript import opset18 as op  # pylint: disable=import-outside-toplevel
