@@ -1,5 +1,7 @@
 """Shared pieces of the experiment targets: the result table (printed, markdown, CSV),
-command-line options, exact CPU memory measurement with memlean.memstats, and plots."""
+command-line options (--device among them), memory and time measurement with
+memlean.memstats on the CPU (exact bytes) or on CUDA (the caching allocator's bytes),
+progress lines, and plots."""
 from __future__ import annotations
 
 import argparse
@@ -7,15 +9,23 @@ import contextlib
 import csv
 import dataclasses
 import gc
+import math
 import os
 import statistics
 import sys
 import time
 from typing import Callable
 
+import torch
+
 import memlean.memstats as memstats
 
 MIB = float(1 << 20)
+CPU = torch.device("cpu")
+DEVICES = ("auto", "cpu", "cuda")
+# On CUDA a step takes milliseconds and its time varies with clocks and other work on the GPU:
+# the median of at least this many steps, and their min-max, say how much.
+CUDA_MIN_STEPS = 5
 
 
 @dataclasses.dataclass
@@ -78,7 +88,25 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--out", default=default_out, help="output folder (default: %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help="small sizes: seconds instead of minutes (what CI runs)")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where to measure: auto (cuda when torch.cuda.is_available(), else cpu),\n"
+                        "cpu (exact bytes of the counting allocator) or cuda (the caching\n"
+                        "allocator's bytes, synchronized step times) (default: %(default)s)")
     return p
+
+
+def parse_args(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """p.parse_args(argv) with args.device resolved to a torch.device. --device=cuda without
+    a usable GPU is p.error: one line naming the option, exit status 2."""
+    args = p.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    if args.device == "cuda" and not gpu:
+        p.error(f"--device=cuda: no usable CUDA GPU here (torch {torch.__version__}, built for "
+                f"CUDA {torch.version.cuda or 'none'}; torch.cuda.is_available() is False); "
+                "use --device=cpu or auto")
+    args.device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and gpu)
+                               else "cpu")
+    return args
 
 
 def emit(tables: list, out_dir: str) -> None:
@@ -90,7 +118,7 @@ def emit(tables: list, out_dir: str) -> None:
 
 def main_for(run: Callable, doc: str, argv=None) -> list:
     """The main() of one experiment target: parse options, run, print, write."""
-    args = parser(doc).parse_args(argv)
+    args = parse_args(parser(doc), argv)
     tables = run(args)
     emit(tables, args.out)
     write_summary(tables, args.out, "summary_" + tables[0].key.split("__")[0] + ".md")
@@ -122,12 +150,15 @@ def quiet_gc():
             gc.enable()
 
 
-def peak_of(fn: Callable[[], object]) -> tuple[int, int]:
-    """(peak, kept) bytes of CPU storage while fn() runs, counted exactly by memstats from
-    what is alive when fn starts: peak = highest bytes alive above the start, kept = bytes
-    still alive above the start when fn returns (its result included)."""
+def peak_of(fn: Callable[[], object], device: torch.device = CPU) -> tuple[int, int]:
+    """(peak, kept) bytes of `device` storage while fn() runs, from what is alive when fn
+    starts: peak = highest bytes alive above the start, kept = bytes still alive above the
+    start when fn returns (its result included). CPU: exact bytes of memstats' counting
+    allocator. CUDA: memstats' CUDA tracker, i.e. the caching allocator's allocated bytes,
+    so peak is what torch.cuda.max_memory_allocated() after reset_peak_memory_stats() at the
+    start would give, less the bytes alive at the start."""
     memstats.enable()
-    with quiet_gc(), memstats.track() as t:
+    with quiet_gc(), memstats.track(device) as t:
         base = t.current
         t.reset_peak()
         result = fn()
@@ -136,37 +167,164 @@ def peak_of(fn: Callable[[], object]) -> tuple[int, int]:
     return peak, kept
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+class Seconds(float):
+    """The median of measured step times, in seconds, carrying every time (`times`), so that
+    a table can give the min-max beside it."""
+
+    def __new__(cls, times: list):
+        value = super().__new__(cls, statistics.median(times))
+        value.times = list(times)
+        return value
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1,
+                   device: torch.device = CPU) -> Seconds:
+    """Median time of `repeats` calls of fn after `warmup` untimed ones. On CUDA, at least
+    CUDA_MIN_STEPS calls, each between torch.cuda.synchronize() calls: kernels run
+    asynchronously, and a step's time is the time until its last kernel has finished."""
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     for _ in range(warmup):
         fn()
     times = []
-    for _ in range(repeats):
+    for _ in range(max(repeats, CUDA_MIN_STEPS) if cuda else repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return Seconds(times)
 
 
-def line_plot(path: str, title: str, xlabel: str, ylabel: str, series: dict, xs: list) -> str | None:
-    """A PNG line plot (matplotlib, optional): series = {label: [y per x]}."""
+def time_cells(seconds: Seconds, device: torch.device) -> dict:
+    """A row's step-time cells: s/step on the CPU; on CUDA ms/step and the min-max of the
+    steps (milliseconds: seconds with two decimals would say nothing there)."""
+    if device.type != "cuda":
+        return {"s/step": seconds}
+    return {"ms/step": 1e3 * seconds,
+            "ms/step min-max": f"{1e3 * min(seconds.times):.2f}-{1e3 * max(seconds.times):.2f}"}
+
+
+def warm_up(step: Callable[[], object], device: torch.device) -> None:
+    """On CUDA, one untimed, unmeasured step before a table: cuBLAS and cuDNN allocate their
+    workspaces (through the caching allocator, kept from then on) at their first call, which
+    would otherwise land in the first configuration's figures. Nothing to do on the CPU."""
+    if device.type == "cuda":
+        step()
+        torch.cuda.synchronize(device)
+
+
+def device_note(device: torch.device, tracked: bool = True, timed: bool = False) -> str:
+    """What a table's note adds on CUDA: the GPU, torch and CUDA versions, and how memory
+    (when `tracked`: measured with a tracker) and time (when `timed`) were measured. Empty
+    on the CPU, where each note says exact CPU bytes already."""
+    if device.type != "cuda":
+        return ""
+    note = (f" Measured on {torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA "
+            f"{torch.version.cuda}.")
+    if tracked:
+        note += (" Memory: memlean.memstats' CUDA tracker, the caching allocator's allocated "
+                 "bytes above the start of each measured span (torch.cuda.max_memory_allocated's "
+                 "semantics); cuBLAS/cuDNN workspaces warmed up by one untimed, unmeasured step "
+                 "before the table.")
+    if timed:
+        note += (f" Times: median and min-max of at least {CUDA_MIN_STEPS} steps after a "
+                 "warm-up step, torch.cuda.synchronize() before and after each.")
+    return note
+
+
+def about(seconds: float) -> str:
+    """A duration as people estimate it: 'about 12 min' (seconds below 90 s)."""
+    return f"about {round(seconds / 60)} min" if seconds >= 90 else f"about {round(seconds)} s"
+
+
+class Progress:
+    """Progress lines on stderr for an experiment that runs for minutes: one per
+    configuration measured, with the time left; after the first configuration, an estimate
+    of the rest (its time x the work left). Work is in units the experiment picks
+    (e.g. samples x steps), so that a configuration of twice the batch counts twice."""
+
+    def __init__(self, name: str, works: list):
+        self.name, self.works, self.done = name, list(works), 0
+        self.t0 = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        """One configuration (the next in `works`) measured, or skipped."""
+        self.done += 1
+        elapsed = time.perf_counter() - self.t0
+        work_done = sum(self.works[:self.done])
+        left = elapsed / work_done * sum(self.works[self.done:]) if work_done else 0.0
+        n = len(self.works)
+        if self.done == n:
+            print(f"  {self.name} {n}/{n} {label}: {elapsed:.0f} s in all", file=sys.stderr,
+                  flush=True)
+            return
+        if self.done == 1:
+            print(f"{self.name}: the first configuration took {elapsed:.1f} s; the "
+                  f"{n - 1} others will take {about(left)}", file=sys.stderr, flush=True)
+        print(f"  {self.name} {self.done}/{n} {label}: {elapsed:.0f} s so far, {about(left)} left",
+              file=sys.stderr, flush=True)
+
+
+# One line style and marker per measure (or configuration); colours come from matplotlib's
+# default cycle, one per variant.
+STYLES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v"))
+
+
+def plot(path: str, title: str, panels: list, xticks: list | None = None,
+         log: bool = False) -> str | None:
+    """A PNG of one or more side-by-side panels (matplotlib, optional: without it, a line on
+    stderr and None). panels = [(xlabel, ylabel, series)], series = {(variant, measure):
+    (xs, ys)} or (xs, ys, point labels). A variant keeps one colour and a measure one line
+    style in every panel, and the legend lists colours and styles apart, so that each line
+    reads as 'variant, measure' however many there are. xticks: ticks at these x (batch
+    sizes); log: both axes logarithmic."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
+        from matplotlib.ticker import FuncFormatter
     except ImportError:
         print(f"matplotlib is not installed: {path} not drawn (pip install matplotlib)",
               file=sys.stderr)
         return None
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for label, ys in series.items():
-        ax.plot(xs, ys, "o-", label=label)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.set_xticks(xs)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    variants, measures = [], []
+    for _, _, series in panels:
+        for v, m in series:
+            variants += [v] if v not in variants else []
+            measures += [m] if m not in measures else []
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colour = {v: colours[i % len(colours)] for i, v in enumerate(variants)}
+    style = {m: STYLES[i % len(STYLES)] for i, m in enumerate(measures)}
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.6), squeeze=False)
+    for ax, (xlabel, ylabel, series) in zip(axes[0], panels):
+        for (v, m), (xs, ys, *labels) in series.items():
+            line, marker = style[m]
+            ax.plot(xs, ys, linestyle=line, marker=marker, color=colour[v])
+            for x, y, text in zip(xs, ys, labels[0] if labels else []):
+                ax.annotate(str(text), (x, y), textcoords="offset points", xytext=(4, 4),
+                            fontsize=7)
+        if log:  # plain numbers on the ticks, not powers of ten; minor ones at 2x and 5x only
+            for axis, scale in ((ax.xaxis, ax.set_xscale), (ax.yaxis, ax.set_yscale)):
+                scale("log")
+                axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+                axis.set_minor_formatter(FuncFormatter(
+                    lambda v, _: f"{v:g}" if round(v / 10 ** math.floor(math.log10(v))) in (2, 5)
+                    else ""))
+        if xticks:
+            ax.set_xticks(xticks)
+            ax.set_xticklabels([str(x) for x in xticks])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    handles = [Line2D([], [], color=colour[v], linewidth=2.5, label=v) for v in variants]
+    if len(measures) > 1:
+        handles += [Line2D([], [], color="0.3", linestyle=style[m][0], marker=style[m][1], label=m)
+                    for m in measures]
+    axes[0][-1].legend(handles=handles, fontsize=8, loc="best")
+    fig.suptitle(title)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, format="png", dpi=110)

@@ -1,9 +1,9 @@
 """Seed 002's memory-saving tips, each measured on one reference CNN: peak bytes of a
 training step (or of inference, where the tip is about inference) before and after the
-tip, exact on the CPU with memlean.memstats; the source's claim; and a verdict that says
-plainly when a tip does not save training memory.
+tip, with memlean.memstats (exact CPU bytes, or CUDA's allocated bytes); the source's claim;
+and a verdict that says plainly when a tip does not save training memory.
 
-    ./bazelw run //experiments:memory_tips [-- --quick] [--out=DIR]
+    ./bazelw run //experiments:memory_tips [-- --quick] [--out=DIR] [--device=auto|cpu|cuda]
 """
 import gc
 
@@ -17,10 +17,11 @@ from experiments import common
 
 
 class Config:
-    def __init__(self, quick):
+    def __init__(self, quick, device=common.CPU):
         self.batch = 8 if quick else 64
         self.size = 32 if quick else 64
         self.width = 16 if quick else 32
+        self.device = device
 
 
 def conv_bn_relu(cin, cout, stride=1, inplace=False):
@@ -75,18 +76,20 @@ class DelCNN(RefCNN):
 
 
 def data(cfg, batch=None, seed=0):
+    """A batch drawn on the CPU from the seed (the same numbers on every device), on cfg.device."""
     g = torch.Generator().manual_seed(seed)
     b = batch or cfg.batch
-    return torch.randn(b, 3, cfg.size, cfg.size, generator=g), torch.randint(0, 10, (b,), generator=g)
+    x = torch.randn(b, 3, cfg.size, cfg.size, generator=g)
+    return x.to(cfg.device), torch.randint(0, 10, (b,), generator=g).to(cfg.device)
 
 
 def train_step(make_model, cfg, opt="sgd", steps=1, batch=None, micro=1, split=1, autocast=False,
-               loss_item=True, collect=False):
+               loss_item=True, collect=False, empty_cache=False):
     """A closure running `steps` training steps from scratch (model and optimizer included)."""
 
     def run():
         torch.manual_seed(0)
-        model = make_model()
+        model = make_model().to(cfg.device)
         o = (torch.optim.Adam if opt == "adam" else torch.optim.SGD)(model.parameters(), lr=1e-3)
         total = 0.0
         for s in range(steps):
@@ -100,10 +103,12 @@ def train_step(make_model, cfg, opt="sgd", steps=1, batch=None, micro=1, split=1
                 loss.backward()
             else:
                 for xs, ys in zip(x.chunk(micro), y.chunk(micro)):  # tip 11: one backward each
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    with torch.autocast(cfg.device.type, dtype=torch.bfloat16, enabled=autocast):
                         loss = F.cross_entropy(model(xs), ys) / micro
                     loss.backward()
             o.step()
+            if empty_cache and cfg.device.type == "cuda":  # tip 13; the CPU has no cache
+                torch.cuda.empty_cache()
             total = total + (loss.item() if loss_item else loss)  # tip 7
         return total
 
@@ -113,7 +118,7 @@ def train_step(make_model, cfg, opt="sgd", steps=1, batch=None, micro=1, split=1
 def inference(make_model, cfg, no_grad):
     def run():
         torch.manual_seed(0)
-        model = make_model()
+        model = make_model().to(cfg.device)
         x, _ = data(cfg)
         if no_grad:
             model.eval()
@@ -154,7 +159,7 @@ def tips(cfg):
         ("12 no_grad + eval for inference", "saves the memory of gradients",
          inference(ref(), cfg, False), inference(ref(), cfg, True)),
         ("13 empty_cache()", "releases video memory (CUDA only)",
-         train_step(ref(), cfg), train_step(ref(), cfg)),
+         train_step(ref(), cfg), train_step(ref(), cfg, empty_cache=True)),
         ("14 downsampling (stride-2 stem)", "smaller feature maps save memory",
          train_step(ref(), cfg), train_step(ref(stride=2), cfg)),
         ("15 del of a variable", "deletes the variable",
@@ -187,17 +192,24 @@ def verdict(name, before, after):
 
 
 def run(args):
-    cfg = Config(args.quick)
+    cfg = Config(args.quick, args.device)
     rows = []
-    for name, claim, before, after in tips(cfg):
-        b, _ = common.peak_of(before)
-        a, _ = common.peak_of(after)
+    measured = tips(cfg)
+    common.warm_up(measured[0][2], cfg.device)
+    for name, claim, before, after in measured:
+        b, _ = common.peak_of(before, cfg.device)
+        a, _ = common.peak_of(after, cfg.device)
         rows.append({"tip": name, "source claim": claim, "before MiB": common.mib(b),
                      "after MiB": common.mib(a), "verdict": verdict(name, b, a)})
     note = (f"One reference CNN (conv-BN-ReLU stem, 5 residual conv-BN-ReLU blocks, width "
             f"{cfg.width}, {cfg.size}x{cfg.size} inputs, batch {cfg.batch}), peak of a training "
-            "step from scratch (model, optimizer, data) unless the tip is about inference; "
-            "exact CPU bytes. On a GPU the same tensors are allocated; only tip 13 is CUDA-only.")
+            "step from scratch (model, optimizer, data) unless the tip is about inference; ")
+    if cfg.device.type == "cpu":
+        note += ("exact CPU bytes. On a GPU the same tensors are allocated; only tip 13 is "
+                 "CUDA-only.")
+    else:
+        note += ("CUDA allocated bytes; tip 13 calls torch.cuda.empty_cache() after the step."
+                 + common.device_note(cfg.device))
     return [common.Table("memory_tips", "Seed 002: memory-saving tips, measured", rows, note)]
 
 

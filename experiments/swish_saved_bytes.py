@@ -1,7 +1,7 @@
 """Bytes saved for backward per element by each Swish variant, float32, measured with
 autograd's saved_tensors_hooks (seed 000 states what each version keeps).
 
-    ./bazelw run //experiments:swish_saved_bytes
+    ./bazelw run //experiments:swish_saved_bytes [-- --device=auto|cpu|cuda]
 """
 import torch
 
@@ -27,14 +27,15 @@ def saved(fn, x):
 
 def run(args):
     n = 1 << (16 if args.quick else 22)
-    leaf = torch.randn(n, requires_grad=True)
+    leaf = torch.randn(n, device=args.device, requires_grad=True)
     rows = []
     for name, (fn, source) in VARIANTS.items():
         count, nbytes = saved(fn, leaf * 1)
         rows.append({"variant": name, "tensors kept": count,
                      "bytes kept per element": nbytes / n, "source": source})
     note = (f"Measured on a float32 tensor of {n} elements; the in-place variant's input is its "
-            "output, so it keeps only its 1-bit mask beyond it.")
+            "output, so it keeps only its 1-bit mask beyond it."
+            + common.device_note(args.device, tracked=False))
     return [common.Table("swish_saved_bytes", "Swish: bytes kept for backward per element (float32)",
                          rows, note)]
 

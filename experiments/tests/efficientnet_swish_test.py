@@ -1,13 +1,25 @@
-"""efficientnet_swish --quick: the direction of the claims on EfficientNet-B0."""
+"""efficientnet_swish --quick: the direction of the claims on EfficientNet-B0, its plot, and
+the CUDA table's bf16 autocast / channels_last steps as far as the CPU runs them."""
+import argparse
+import os
+
 import pytest
+import torch
 
 import memlean
-from experiments import efficientnet_swish
+from experiments import common, efficientnet_swish
 
 
 @pytest.fixture(scope="module")
-def rows():
-    (table,) = efficientnet_swish.run(type("A", (), {"quick": True})())
+def table(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("out"))
+    (table,) = efficientnet_swish.run(argparse.Namespace(quick=True, out=out,
+                                                         device=torch.device("cpu")))
+    return table
+
+
+@pytest.fixture(scope="module")
+def rows(table):
     return {(r["batch"], r["activation"]): r["step peak MiB"] for r in table.rows}
 
 
@@ -18,6 +30,28 @@ def test_memory_efficient_variants_peak_below_naive(rows):
         assert rows[b, "memlean inplace"] < rows[b, "memlean memory_efficient"]
         # timm's SwishMe keeps what memlean's memory-efficient variant keeps.
         assert rows[b, "timm SwishMe"] == pytest.approx(rows[b, "memlean memory_efficient"], rel=0.01)
+
+
+def test_plot_of_peak_and_time_beside_the_table(table):
+    pytest.importorskip("matplotlib")
+    (plot,) = table.plots
+    assert os.path.getsize(plot) > 0 and os.path.basename(plot) in table.markdown()
+
+
+@pytest.mark.parametrize("config", efficientnet_swish.CONFIGS[1:])
+def test_cuda_configs_run_a_step_on_the_cpu(config):
+    # The CUDA table's precisions and memory formats: one step each, measured as on CUDA
+    # (bf16 autocast keeps half-size activations: less memory than fp32).
+    act = efficientnet_swish.memlean_act("inplace")
+    fn = efficientnet_swish.step(act, 2, 64, config=config)
+    fn()
+    peak, _ = common.peak_of(fn)
+    fn = efficientnet_swish.step(act, 2, 64)
+    fn()
+    fp32, _ = common.peak_of(fn)
+    assert 0 < peak
+    if config[0].startswith("bf16"):
+        assert peak < fp32
 
 
 def test_memlean_activation_plugs_into_timm():

@@ -1,12 +1,15 @@
 """memory_tips --quick: each tip's direction, and the tips that save nothing in training."""
+import argparse
+
 import pytest
+import torch
 
 from experiments import memory_tips
 
 
 @pytest.fixture(scope="module")
 def rows():
-    (table,) = memory_tips.run(type("A", (), {"quick": True})())
+    (table,) = memory_tips.run(argparse.Namespace(quick=True, device=torch.device("cpu")))
     return {r["tip"].split(" ")[0] + ":" + r["tip"]: r for r in table.rows}
 
 

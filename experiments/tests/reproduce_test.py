@@ -1,9 +1,12 @@
-"""//experiments:reproduce --quick runs every experiment and writes the summary and CSVs."""
+"""//experiments:reproduce --quick runs every experiment and writes the summary and CSVs;
+every experiment takes --device, and --device=cuda without a GPU is a clear error."""
 import csv
+import importlib
 import os
 import tempfile
 
 import pytest
+import torch
 
 from experiments import reproduce
 
@@ -27,6 +30,18 @@ def test_every_experiment_is_listed_with_a_target():
     build = open(os.path.join(here, "BUILD")).read()
     for name in reproduce.EXPERIMENTS:
         assert f'"{name}"' in build, name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: --device=cuda is valid")
+@pytest.mark.parametrize("name", reproduce.EXPERIMENTS + ["reproduce"])
+def test_device_cuda_without_a_gpu_is_a_clear_error(name, capsys):
+    module = importlib.import_module("experiments." + name)
+    with pytest.raises(SystemExit) as e:
+        module.main(["--device=cuda", "--quick"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --device=cuda: no usable CUDA GPU here" in err, err
+    assert "torch.cuda.is_available() is False" in err, err
 
 
 if __name__ == "__main__":

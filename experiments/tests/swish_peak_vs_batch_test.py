@@ -30,8 +30,15 @@ def test_direction_and_size_of_the_claim():
 
 def test_quick_run_writes_csv_and_plot():
     with tempfile.TemporaryDirectory(dir=os.environ.get("TEST_TMPDIR")) as out:
-        swish_peak_vs_batch.main(["--quick", "--out", out])
+        (table,) = swish_peak_vs_batch.main(["--quick", "--out", out, "--device=cpu"])
         assert os.path.exists(os.path.join(out, "swish_peak_vs_batch.csv"))
+        try:
+            import matplotlib  # noqa: F401  (optional: without it, no plot and no error)
+        except ImportError:
+            assert table.plots == []
+        else:
+            assert table.plots == [os.path.join(out, "swish_peak_vs_batch.png")]
+            assert os.path.getsize(table.plots[0]) > 0
 
 
 if __name__ == "__main__":

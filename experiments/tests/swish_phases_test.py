@@ -1,5 +1,8 @@
 """swish_phases --quick: the seed's table, byte for byte from the shapes."""
+import argparse
+
 import pytest
+import torch
 
 from experiments import swish_phases
 
@@ -23,7 +26,8 @@ def test_phases_follow_the_shapes(variant, kept):
 
 
 def test_table_rows():
-    (table,) = swish_phases.run(type("A", (), {"quick": True, "out": None})())
+    args = argparse.Namespace(quick=True, out=None, device=torch.device("cpu"))
+    (table,) = swish_phases.run(args)
     assert [(r["step"], r["phase"]) for r in table.rows] == [
         (s, p) for s in (1, 2) for p in swish_phases.PHASES]
 
