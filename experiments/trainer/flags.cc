@@ -2,6 +2,7 @@
 #include <absl/flags/commandlineflag.h>
 #include <absl/flags/flag.h>
 #include <absl/flags/reflection.h>
+#include <ATen/Context.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -33,7 +34,8 @@ ABSL_FLAG(double, lr, 0,
           "densenet_bc 0.1, efficientnet_b0 0.01; adam: 1e-3)");
 ABSL_FLAG(double, momentum, 0.9, "SGD momentum");
 ABSL_FLAG(int32_t, threads, 0, "CPU threads (at::set_num_threads); 0 = torch's default");
-ABSL_FLAG(std::string, device, "cpu", "cpu | cuda | cuda:N");
+ABSL_FLAG(std::string, device, "auto",
+          "auto (cuda when torch sees a GPU, else cpu) | cpu | cuda | cuda:N");
 ABSL_FLAG(std::string, data, "synthetic",
           "synthetic (generated from --seed) | cifar10:<dir> (the CIFAR-10 binary version: "
           "<dir>/data_batch_*.bin)");
@@ -165,6 +167,7 @@ Config config_from_flags() {
   c.threads = absl::GetFlag(FLAGS_threads);
   check(c.threads >= 0, "threads", "must be >= 0 (0 = torch's default)");
   c.device = absl::GetFlag(FLAGS_device);
+  if (c.device == "auto") c.device = at::hasCUDA() && at::getNumGPUs() > 0 ? "cuda" : "cpu";
   try {
     memstats::parse_device(c.device);
   } catch (const c10::Error& e) {

@@ -82,7 +82,8 @@ TEST_F(TrainerTest, Defaults) {
   EXPECT_EQ(c.steps, 20);
   EXPECT_EQ(c.optimizer, "sgd");
   EXPECT_DOUBLE_EQ(c.lr, 1e-4);
-  EXPECT_EQ(c.device, "cpu");
+  // --device=auto: CUDA when torch sees a GPU.
+  EXPECT_EQ(c.device, at::hasCUDA() && at::getNumGPUs() > 0 ? "cuda" : "cpu");
   EXPECT_FALSE(c.cifar10());
   EXPECT_EQ(c.mlp_in, 128);
   EXPECT_EQ(c.mlp_hidden, 1 << 20);
