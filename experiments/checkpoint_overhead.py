@@ -1,0 +1,72 @@
+"""Per-call overhead of a checkpoint, side by side in one process: a chain of small Linear
+layers, each its own segment, trained a step at a time (forward + backward) with no
+checkpoint, memlean.checkpoint, and torch.utils.checkpoint in both forms. The overhead per
+call is (step time - plain step time) / layers: with layers this small, it is what the
+checkpoint itself costs (autograd Function, RNG state, argument checks, bookkeeping, the
+nested backward), not the recompute.
+
+    ./bazelw run //experiments:checkpoint_overhead [-- --layers 48 --repeats 50 --threads 1]
+"""
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as torch_checkpoint
+
+import memlean
+
+METHODS = {
+    "plain call": lambda layer, h: layer(h),
+    "memlean.checkpoint": lambda layer, h: memlean.checkpoint(layer, h),
+    "torch non-reentrant": lambda layer, h: torch_checkpoint.checkpoint(layer, h,
+                                                                       use_reentrant=False),
+    "torch reentrant": lambda layer, h: torch_checkpoint.checkpoint(layer, h, use_reentrant=True),
+}
+
+
+def step_seconds(call, layers, x, repeats):
+    """Median time of a forward + backward through `layers`, each run through `call`, after
+    5 warm-up steps; the methods are interleaved by the caller, not here."""
+    def step():
+        h = x
+        for layer in layers:
+            h = call(layer, h)
+        h.sum().backward()
+
+    for _ in range(5):
+        step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--layers", type=int, default=48, help="segments in the chain (default: %(default)s)")
+    p.add_argument("--width", type=int, default=16, help="features per layer (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=50, help="timed steps per method (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(args.width, args.width) for _ in range(args.layers))
+    x = torch.randn(4, args.width, requires_grad=True)
+    seconds = {name: step_seconds(call, layers, x, args.repeats) for name, call in METHODS.items()}
+    plain = seconds["plain call"]
+    reference = seconds["torch non-reentrant"] - plain
+    print(f"{args.layers} Linear({args.width}, {args.width}) segments, batch 4, "
+          f"{args.threads} thread(s), median of {args.repeats} steps (torch {torch.__version__})")
+    print(f"{'method':22s} {'ms/step':>9s} {'us/call overhead':>17s} {'vs torch non-reentrant':>23s}")
+    for name, s in seconds.items():
+        over = (s - plain) / args.layers * 1e6
+        ratio = "" if name == "plain call" else f"{(s - plain) / reference:.2f}x"
+        print(f"{name:22s} {s * 1e3:9.3f} {over:17.1f} {ratio:>23s}")
+
+
+if __name__ == "__main__":
+    main()
