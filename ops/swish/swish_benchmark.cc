@@ -1,13 +1,17 @@
 // google-benchmark of the Swish variants against ATen's silu, the naive composition and a
-// plain copy (x.clone(), the bandwidth reference), float32 at 1M, 16M and 64M elements.
-// Phases: fwd (kernels, no autograd), bwd (kernels; the naive one through autograd, as it
-// runs in training), both (forward + backward through autograd). After the runs, a table
-// of time ratios against at::silu and the naive composition, and bytes/s against clone
-// (medians when run with --benchmark_repetitions=N).
+// plain copy (x.clone(), the bandwidth reference), float32 at 1M, 16M and 64M elements, as
+// [N, 64, 32, 32] tensors in the contiguous and the channels_last layout, on the CPU and on
+// CUDA (the CUDA cases are skipped without a GPU; each iteration there ends with a device
+// synchronize, so real time is the kernels' time). Phases: fwd (kernels, no autograd), bwd
+// (kernels; the naive one through autograd, as it runs in training), both (forward +
+// backward through autograd). After the runs, a table of time ratios against at::silu and
+// the naive composition, and bytes/s against clone (medians when run with
+// --benchmark_repetitions=N).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <benchmark/benchmark.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -20,6 +24,26 @@
 namespace {
 
 constexpr int64_t kSizes[] = {1 << 20, 16 << 20, 64 << 20};
+constexpr int64_t kImage = 64 * 32 * 32;  // C x H x W of every input; N = elements / kImage
+constexpr const char* kLayouts[] = {"contiguous", "channels_last"};
+constexpr const char* kDevices[] = {"cpu", "cuda"};
+
+// The benchmark's case: state.range(0) elements, range(1) the layout, range(2) the device.
+bool on_cuda(const benchmark::State& state) { return state.range(2) == 1; }
+
+// Waits for the device's queued kernels (nothing to wait for on the CPU).
+void sync(const benchmark::State& state) {
+  if (on_cuda(state)) c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->synchronizeDevice(0);
+}
+
+// False (and the case marked skipped) when it is a CUDA case and there is no GPU.
+bool runnable(benchmark::State& state) {
+  if (on_cuda(state) && !(at::hasCUDA() && at::getNumGPUs() > 0)) {
+    state.SkipWithError("no GPU: CUDA case skipped");
+    return false;
+  }
+  return true;
+}
 
 at::Tensor with_mask(at::Tensor& x) {
   static const auto op = c10::Dispatcher::singleton()
@@ -36,9 +60,11 @@ at::Tensor inplace_backward(const at::Tensor& g, const at::Tensor& y, const at::
   return op.call(g, y, mask, 1.0);
 }
 
-at::Tensor input(int64_t n) {
+at::Tensor input(const benchmark::State& state) {
   at::manual_seed(0);
-  return at::randn({n}) * 3;
+  at::Tensor x = at::randn({state.range(0) / kImage, 64, 32, 32}) * 3;
+  if (state.range(1) == 1) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+  return on_cuda(state) ? x.to(at::kCUDA) : x;
 }
 
 void set_bytes(benchmark::State& state, int64_t bytes_per_element) {
@@ -47,79 +73,116 @@ void set_bytes(benchmark::State& state, int64_t bytes_per_element) {
 
 // ---- forward kernels: read x, write y (8 bytes per element) ----
 void BM_fwd_silu(benchmark::State& state) {
-  const at::Tensor x = input(state.range(0));
-  for (auto _ : state) benchmark::DoNotOptimize(at::silu(x));
+  if (!runnable(state)) return;
+  const at::Tensor x = input(state);
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(at::silu(x));
+    sync(state);
+  }
   set_bytes(state, 8);
 }
 void BM_fwd_naive(benchmark::State& state) {
-  const at::Tensor x = input(state.range(0));
-  for (auto _ : state) benchmark::DoNotOptimize(x * at::sigmoid(x));
+  if (!runnable(state)) return;
+  const at::Tensor x = input(state);
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(x * at::sigmoid(x));
+    sync(state);
+  }
   set_bytes(state, 8);
 }
 void BM_fwd_memory_efficient(benchmark::State& state) {
-  const at::Tensor x = input(state.range(0));
-  for (auto _ : state) benchmark::DoNotOptimize(memlean::swish_forward(x));
+  if (!runnable(state)) return;
+  const at::Tensor x = input(state);
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(memlean::swish_forward(x));
+    sync(state);
+  }
   set_bytes(state, 8);
 }
 void BM_fwd_inplace(benchmark::State& state) {
-  const at::Tensor src = input(state.range(0));
+  if (!runnable(state)) return;
+  const at::Tensor src = input(state);
   at::Tensor x = src.clone();
   for (auto _ : state) {
     state.PauseTiming();
     x.copy_(src);  // repeated in-place application would drift towards denormals
+    sync(state);
     state.ResumeTiming();
     benchmark::DoNotOptimize(with_mask(x));
+    sync(state);
   }
   set_bytes(state, 8);
 }
 void BM_clone(benchmark::State& state) {
-  const at::Tensor x = input(state.range(0));
-  for (auto _ : state) benchmark::DoNotOptimize(x.clone());
+  if (!runnable(state)) return;
+  const at::Tensor x = input(state);
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(x.clone());
+    sync(state);
+  }
   set_bytes(state, 8);
 }
 
 // ---- backward: read grad and x (or y), write grad_x (12 bytes per element) ----
 void BM_bwd_silu(benchmark::State& state) {
-  const at::Tensor x = input(state.range(0)), g = at::randn_like(x);
-  for (auto _ : state) benchmark::DoNotOptimize(at::silu_backward(g, x));
+  if (!runnable(state)) return;
+  const at::Tensor x = input(state), g = at::randn_like(x);
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(at::silu_backward(g, x));
+    sync(state);
+  }
   set_bytes(state, 12);
 }
 void BM_bwd_naive(benchmark::State& state) {
-  const at::Tensor x0 = input(state.range(0)), g = at::randn_like(x0);
+  if (!runnable(state)) return;
+  const at::Tensor x0 = input(state), g = at::randn_like(x0);
   const at::Tensor x = x0.clone().set_requires_grad(true);
   for (auto _ : state) {
     state.PauseTiming();
     x.mutable_grad() = at::Tensor();
     at::Tensor y = x * at::sigmoid(x);
+    sync(state);
     state.ResumeTiming();
     y.backward(g);
+    sync(state);
   }
   set_bytes(state, 12);
 }
 void BM_bwd_memory_efficient(benchmark::State& state) {
-  const at::Tensor x = input(state.range(0)), g = at::randn_like(x);
-  for (auto _ : state) benchmark::DoNotOptimize(memlean::swish_backward(g, x));
+  if (!runnable(state)) return;
+  const at::Tensor x = input(state), g = at::randn_like(x);
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(memlean::swish_backward(g, x));
+    sync(state);
+  }
   set_bytes(state, 12);
 }
 void BM_bwd_inplace(benchmark::State& state) {
-  at::Tensor y = input(state.range(0));
+  if (!runnable(state)) return;
+  at::Tensor y = input(state);
   const at::Tensor g = at::randn_like(y);
   const at::Tensor mask = with_mask(y);
-  for (auto _ : state) benchmark::DoNotOptimize(inplace_backward(g, y, mask));
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(inplace_backward(g, y, mask));
+    sync(state);
+  }
   set_bytes(state, 12);
 }
 
 // ---- forward + backward through autograd (20 bytes per element) ----
 template <typename F>
 void both(benchmark::State& state, F f, bool needs_non_leaf) {
-  const at::Tensor x0 = input(state.range(0)), g = at::randn_like(x0);
+  if (!runnable(state)) return;
+  const at::Tensor x0 = input(state), g = at::randn_like(x0);
   const at::Tensor leaf = x0.clone().set_requires_grad(true);
   for (auto _ : state) {
     state.PauseTiming();
     leaf.mutable_grad() = at::Tensor();
     at::Tensor x = needs_non_leaf ? leaf.clone() : leaf;
+    sync(state);
     state.ResumeTiming();
     f(x).backward(g);
+    sync(state);
   }
   set_bytes(state, 20);
 }
@@ -135,7 +198,11 @@ void BM_both_inplace(benchmark::State& s) {
 }
 
 void sizes(benchmark::internal::Benchmark* b) {
-  for (int64_t n : kSizes) b->Arg(n);
+  for (int64_t device : {0, 1}) {
+    for (int64_t layout : {0, 1}) {
+      for (int64_t n : kSizes) b->Args({n, layout, device});
+    }
+  }
   b->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.3);
 }
 
@@ -193,21 +260,26 @@ int main(int argc, char** argv) {
   std::printf("\nSpeed-up of each variant (time of the reference / time of the variant), at::"
               "get_num_threads()=%d\n",
               at::get_num_threads());
-  std::printf("%-6s %-10s %-18s %10s %10s %14s\n", "phase", "elements", "variant", "vs silu",
-              "vs naive", "GB/s (clone)");
-  for (const char* phase : {"fwd", "bwd", "both"}) {
-    for (int64_t n : kSizes) {
-      const std::string suffix = "/" + std::to_string(n) + "/min_time:0.300/real_time";
-      const auto* silu = get(std::string("BM_") + phase + "_silu" + suffix);
-      const auto* naive = get(std::string("BM_") + phase + "_naive" + suffix);
-      const auto* clone = get("BM_clone" + suffix);
-      for (const char* v : {"memory_efficient", "inplace"}) {
-        const auto* r = get(std::string("BM_") + phase + "_" + v + suffix);
-        if (!r || !silu || !naive || !clone) continue;
-        std::printf("%-6s %-10lld %-18s %9.2fx %9.2fx %7.1f (%.1f)\n", phase,
-                    static_cast<long long>(n), v, silu->seconds / r->seconds,
-                    naive->seconds / r->seconds, r->bytes_per_second / 1e9,
-                    clone->bytes_per_second / 1e9);
+  std::printf("%-5s %-14s %-6s %-10s %-18s %10s %10s %14s\n", "dev", "layout", "phase",
+              "elements", "variant", "vs silu", "vs naive", "GB/s (clone)");
+  for (int device : {0, 1}) {
+    for (int layout : {0, 1}) {
+      for (const char* phase : {"fwd", "bwd", "both"}) {
+        for (int64_t n : kSizes) {
+          const std::string suffix = "/" + std::to_string(n) + "/" + std::to_string(layout) + "/" +
+                                     std::to_string(device) + "/min_time:0.300/real_time";
+          const auto* silu = get(std::string("BM_") + phase + "_silu" + suffix);
+          const auto* naive = get(std::string("BM_") + phase + "_naive" + suffix);
+          const auto* clone = get("BM_clone" + suffix);
+          for (const char* v : {"memory_efficient", "inplace"}) {
+            const auto* r = get(std::string("BM_") + phase + "_" + v + suffix);
+            if (!r || !silu || !naive || !clone) continue;
+            std::printf("%-5s %-14s %-6s %-10lld %-18s %9.2fx %9.2fx %7.1f (%.1f)\n",
+                        kDevices[device], kLayouts[layout], phase, static_cast<long long>(n), v,
+                        silu->seconds / r->seconds, naive->seconds / r->seconds,
+                        r->bytes_per_second / 1e9, clone->bytes_per_second / 1e9);
+          }
+        }
       }
     }
   }
