@@ -1,10 +1,13 @@
-// memlean._C: the segment planner of //ops/checkpoint (memlean.plan_segments uses it; the
-// checkpoint itself is Python, memlean/checkpoint.py, since it runs Python callables).
+// memlean._C: the segment planner of //ops/checkpoint (memlean.plan_segments uses it) and
+// the recompute flag (memlean.is_recomputing). The checkpoint itself is Python,
+// memlean/checkpoint.py, since it runs Python callables; it marks its recomputes with the
+// C++ flag, so that C++ modules (memlean::BatchNorm2d) and Python ones see one flag.
 #include <cstdint>
 #include <optional>
 #include <vector>
 
 #include "bindings/python/bindings.h"
+#include "ops/checkpoint/checkpoint.h"
 #include "ops/checkpoint/sequential.h"
 
 namespace memlean::python {
@@ -18,6 +21,12 @@ std::vector<LayerCost> to_costs(const std::vector<int64_t>& input_bytes,
   for (size_t i = 0; i < costs.size(); ++i) costs[i] = {input_bytes[i], activation_bytes[i]};
   return costs;
 }
+
+// A memlean::RecomputeGuard held from __enter__ to __exit__ (on one thread: the flag is
+// thread-local, and a `with` block enters and exits on its thread).
+struct RecomputingScope {
+  std::optional<RecomputeGuard> guard;
+};
 
 }  // namespace
 
@@ -42,6 +51,17 @@ void init_checkpoint(pybind11::module_& m) {
       "memlean::estimate_peak_bytes: the modelled activation peak of a segmentation.");
   m.def("sqrt_segment_starts", &sqrt_segment_starts, py::arg("n_layers"),
         "round(sqrt(n)) (nearly) equal segments over n layers.");
+  m.def("is_recomputing", &is_recomputing,
+        "memlean::is_recomputing: a checkpoint (C++ or Python) recomputes on this thread.");
+  // `with _C.Recomputing():` holds a memlean::RecomputeGuard on this thread.
+  py::class_<RecomputingScope>(m, "Recomputing")
+      .def(py::init<>())
+      .def("__enter__",
+           [](RecomputingScope& self) {
+             TORCH_CHECK(!self.guard, "memlean: a Recomputing scope is entered once");
+             self.guard.emplace();
+           })
+      .def("__exit__", [](RecomputingScope& self, const py::args&) { self.guard.reset(); });
 }
 
 }  // namespace memlean::python

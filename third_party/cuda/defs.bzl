@@ -1,12 +1,30 @@
-"""cuda_library: .cu files compiled by the toolkit's nvcc into a cc_library.
+"""CUDA in memlean's BUILD files: if_cuda / if_torch_cuda, and cuda_library.
 
-nvcc runs in a genrule per source and writes a position-independent object; the objects
-become the srcs of a cc_library, so C++ targets depend on it like on any other library.
-Code is generated for sm_80 and sm_90 with PTX for sm_90 (newer GPUs JIT it). Sources must
-not include torch headers (keep nvcc fast): pass raw pointers and a cudaStream_t.
+if_cuda(x, y = []): x where memlean builds its CUDA kernels (the found torch has CUDA, nvcc
+exists, and not --config=cpu, i.e. --define=memlean_cuda=off), else y.
+if_torch_cuda(x, y = []): x where the found torch has CUDA (libtorch_cuda to link against),
+whether or not nvcc exists.
+cuda_library: .cu files compiled by the toolkit's nvcc into a cc_library. nvcc runs in a
+genrule per source and writes a position-independent object; the objects become the srcs of
+a cc_library, so C++ targets depend on it like on any other library. Code is generated for
+sm_80 and sm_90 with PTX for sm_90 (newer GPUs JIT it). Sources must not include torch
+headers (keep nvcc fast): pass raw pointers and a cudaStream_t.
 """
 
-load("@cuda//:defs.bzl", "NVCC")
+load("@cuda//:defs.bzl", "HAS_NVCC", "NVCC")
+load("@torch//:defs.bzl", "HAS_CUDA")
+
+def if_cuda(if_true, if_false = []):
+    if not (HAS_CUDA and HAS_NVCC):
+        return if_false
+    return select({
+        # A label of memlean's own repository, also from a workspace that depends on it.
+        str(Label("//third_party/cuda:cuda_off")): if_false,
+        "//conditions:default": if_true,
+    })
+
+def if_torch_cuda(if_true, if_false = []):
+    return if_true if HAS_CUDA else if_false
 
 CUDA_ARCHS = [
     "-gencode arch=compute_80,code=sm_80",
@@ -40,6 +58,7 @@ def cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], **kwargs):
                 "-c $(location %s) -o $@" % src,
             ]),
             message = "nvcc " + src,
+            tags = kwargs.get("tags", []),  # manual: built only when a target needs it
         )
         objs.append(obj)
     native.cc_library(

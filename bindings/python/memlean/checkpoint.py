@@ -34,8 +34,16 @@ backward then runs the recomputed graph's backward itself, so that the gradients
 unsharded parameters and FSDP reduce-scatters them into the sharded parameters' .grad (the
 check for unlisted tensors is not needed there: every leaf gets its gradient).
 
+Under torch.compile, dynamo does not trace into the checkpoint: the checkpointed call runs
+as in eager mode (its segment is neither compiled nor fused, and it still saves only its
+inputs and the parameters), while the code around it is compiled; values and gradients are
+eager's (tested with aot_eager and inductor). To compile the segment itself, compile the
+function you pass in; to let the compiler decide what to recompute across the whole model,
+use torch.compile's own activation memory budget instead of a checkpoint.
+
 This is the Python implementation of the same design as the C++ memlean::checkpoint
 (ops/checkpoint/checkpoint.h): Python callables are run from a Python autograd.Function.
+is_recomputing() is one flag, kept in C++, shared with the C++ checkpoint.
 """
 import contextlib
 import numbers
@@ -61,22 +69,17 @@ __all__ = [
     "plan_segments",
 ]
 
-_local = threading.local()
-
-
 def is_recomputing() -> bool:
-    """True while a memlean checkpoint recomputes its forward on this thread (in backward)."""
-    return getattr(_local, "depth", 0) > 0
+    """True while a memlean checkpoint (this Python one, or the C++ memlean::checkpoint)
+    recomputes its forward on this thread (in backward). One flag, kept in C++: C++ modules
+    such as memlean::BatchNorm2d inside a Python checkpoint see it too."""
+    return _C.is_recomputing()
 
 
 @contextlib.contextmanager
 def _recomputing():
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        with _batchnorm_statistics_kept():
-            yield
-    finally:
-        _local.depth -= 1
+    with _C.Recomputing(), _batchnorm_statistics_kept():
+        yield
 
 
 @contextlib.contextmanager

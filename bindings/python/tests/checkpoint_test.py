@@ -133,7 +133,9 @@ def test_recompute_flag_and_nested_checkpoints():
     seen = []
 
     def f(t):
-        seen.append(memlean.is_recomputing())
+        # One flag for C++ and Python: the C++ memlean::is_recomputing() (which the C++
+        # memlean::BatchNorm2d reads) says the same as memlean.is_recomputing().
+        seen.append((memlean.is_recomputing(), memlean._C.is_recomputing()))
         return outer(torch.tanh(memlean.checkpoint(inner, t)))
 
     outer(torch.tanh(inner(x))).sum().backward()
@@ -141,7 +143,24 @@ def test_recompute_flag_and_nested_checkpoints():
     plain = grads(tensors)
     memlean.checkpoint(f, x, params=list(outer.parameters()) + list(inner.parameters())).sum().backward()
     assert_same(grads(tensors), plain)
-    assert seen == [False, True] and not memlean.is_recomputing()
+    assert seen == [(False, False), (True, True)]
+    assert not memlean.is_recomputing() and not memlean._C.is_recomputing()
+
+
+def test_recompute_flag_is_cleared_when_the_recompute_fails():
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    calls = []
+
+    def f(t):
+        calls.append(memlean.is_recomputing())
+        if len(calls) == 2:
+            raise ValueError("fails in the recompute")
+        return t * 2
+
+    y = memlean.checkpoint(f, x)
+    with pytest.raises(ValueError, match="fails in the recompute"):
+        y.sum().backward()
+    assert calls == [False, True] and not memlean.is_recomputing()
 
 
 def test_parameter_listed_twice_gets_its_gradient_once():
@@ -553,6 +572,46 @@ def test_bad_segments():
         memlean.checkpoint_sequential(layers, [0, 0], x)
     with pytest.raises(ValueError, match="'sqrt'"):
         memlean.checkpoint_sequential(layers, "half", x)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_under_torch_compile_the_checkpoint_runs_eagerly_and_keeps_its_saving(backend):
+    # Dynamo does not trace into the checkpoint: it runs as in eager mode (saving only its
+    # input and the parameters), the code around it is compiled, and gradients are eager's.
+    torch.manual_seed(5)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).to(D)
+    x = torch.randn(4, 8, dtype=D, requires_grad=True)
+    tensors = [x] + list(block.parameters())
+
+    def f(t):
+        return torch.sin(memlean.checkpoint(block, t * 2)).sum()
+
+    def saved_shapes(fn):
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t,
+                                                      lambda t: t):
+            y = fn(x)
+        return y, shapes
+
+    y, eager_saved = saved_shapes(f)
+    y.backward()
+    want = grads(tensors)
+    torch._dynamo.reset()
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return torch._dynamo.backends.registry.lookup_backend(backend)(gm, example_inputs)
+
+    y, compiled_saved = saved_shapes(torch.compile(f, backend=capture))
+    y.backward()
+    for got, w in zip(grads(tensors), want):  # inductor's fused sin/mul: float64 rounding
+        torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)
+    # What the checkpoint saves is its input and the parameters, compiled or not.
+    assert sorted(s for s in compiled_saved if s in [(8, 8), (8,)]) == [(8,), (8,), (8, 8), (8, 8)]
+    assert (4, 8) in compiled_saved and sorted(eager_saved) == sorted(compiled_saved)
+    # The segment's own ops are not in the compiled graphs: it ran eagerly.
+    assert graphs and not any("linear" in t or "tanh" in t for g in graphs for t in g), graphs
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ themselves. Compiled values and gradients must equal eager ones.
 Regression: the in-place variant's derivative was lost when its input was a graph input
 (AOTAutograd saw the mutation as made under no_grad and copied it back outside autograd).
 
-Compiled, memlean.Swish's memory-efficient variant is torch's own silu (memlean/swish.py,
-_compiled), so inductor treats it as it treats nn.SiLU.
+Compiled, memlean.Swish's memory-efficient and in-place variants are torch's own silu
+(memlean/swish.py, _compiled), so inductor treats them as it treats nn.SiLU; the operators
+called directly (memlean.swish_, torch.ops.memlean.*) stay memlean's.
 """
 import pytest
 import torch
@@ -141,13 +142,17 @@ def traced_graph(act):
     return graphs[0]
 
 
-def test_compiled_memory_efficient_swish_is_torchs_silu():
+def test_compiled_swish_module_is_torchs_silu():
     # Compiled, the memory-efficient variant is what nn.SiLU is (F.silu; x * sigmoid(beta * x)
     # for another beta), so inductor fuses it with BatchNorm and recomputes it in backward as
     # it does torch's own: never worse than nn.SiLU. The operator itself would be opaque.
     silu = traced_graph(nn.SiLU())
     assert traced_graph(memlean.Swish()) == silu
     assert traced_graph(memlean.Swish(variant="memory_efficient", inplace=True)) == silu
+    # The in-place module too: compiled, it computes out of place (the compiler decides what
+    # to keep; the one-bit op would be opaque to it).
+    assert traced_graph(memlean.Swish(inplace=True)) == silu
+    assert ("call_function", "memlean.swish_") in traced_graph(Op(1.0, "inplace"))
     assert ("call_function", "memlean.swish") in traced_graph(Op(1.0, "memory_efficient"))
     beta = traced_graph(memlean.Swish(beta=1.5))
     assert not any("memlean" in t for _, t in beta), beta
