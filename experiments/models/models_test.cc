@@ -17,7 +17,7 @@
 #include "experiments/models/efficientnet.h"
 #include "experiments/models/mlp.h"
 #include "experiments/models/model.h"
-#include "runtime/testing/expect_error.h"
+#include "testing/expect_error.h"
 
 namespace memlean::models {
 namespace {

@@ -12,7 +12,7 @@
 
 #include "ops/checkpoint/batchnorm.h"
 #include "ops/checkpoint/checkpoint.h"
-#include "runtime/testing/expect_error.h"
+#include "testing/expect_error.h"
 
 namespace memlean {
 namespace {

@@ -16,7 +16,7 @@
 
 #include "ops/checkpoint/checkpoint.h"
 #include "ops/checkpoint/live_bytes.h"
-#include "runtime/testing/expect_error.h"
+#include "testing/expect_error.h"
 
 namespace memlean {
 namespace {

@@ -15,7 +15,7 @@
 #include "ops/checkpoint/batchnorm.h"
 #include "ops/checkpoint/live_bytes.h"
 #include "ops/checkpoint/sequential.h"
-#include "runtime/testing/expect_error.h"
+#include "testing/expect_error.h"
 
 namespace memlean {
 namespace {

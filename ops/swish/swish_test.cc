@@ -9,7 +9,7 @@
 
 #include "ops/swish/module.h"
 #include "ops/swish/swish.h"
-#include "runtime/testing/expect_error.h"
+#include "testing/expect_error.h"
 
 namespace memlean {
 namespace {

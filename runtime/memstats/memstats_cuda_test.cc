@@ -9,7 +9,7 @@
 #endif
 
 #include "runtime/memstats/memstats.h"
-#include "runtime/testing/expect_error.h"
+#include "testing/expect_error.h"
 
 namespace memlean::memstats {
 namespace {

@@ -12,7 +12,7 @@
 
 #include "runtime/memstats/cpu_accounting.h"
 #include "runtime/memstats/memstats.h"
-#include "runtime/testing/expect_error.h"
+#include "testing/expect_error.h"
 
 namespace memlean::memstats {
 namespace {
