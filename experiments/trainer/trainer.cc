@@ -25,6 +25,7 @@
 #include "experiments/models/efficientnet.h"
 #include "experiments/models/mlp.h"
 #include "experiments/trainer/data.h"
+#include "runtime/memstats/nn.h"
 #include "runtime/memstats/report.h"
 
 namespace memlean::trainer {
@@ -72,20 +73,6 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Config& c,
   }
   return std::make_unique<torch::optim::SGD>(params,
                                              torch::optim::SGDOptions(c.lr).momentum(c.momentum));
-}
-
-std::vector<at::Tensor> optimizer_state(torch::optim::Optimizer& optimizer) {
-  std::vector<at::Tensor> tensors;
-  for (const auto& [key, state] : optimizer.state()) {
-    if (const auto* s = dynamic_cast<const torch::optim::SGDParamState*>(state.get())) {
-      tensors.push_back(s->momentum_buffer());
-    } else if (const auto* a = dynamic_cast<const torch::optim::AdamParamState*>(state.get())) {
-      tensors.push_back(a->exp_avg());
-      tensors.push_back(a->exp_avg_sq());
-      tensors.push_back(a->max_exp_avg_sq());
-    }
-  }
-  return tensors;
 }
 
 void synchronize(c10::Device device) {
@@ -181,14 +168,7 @@ Result train(const Config& c, std::ostream& progress_out, ProgressMode mode) {
   auto optimizer = make_optimizer(c, model->parameters());
   const bool regression = c.loss_name() == "mse";
 
-  auto tensors = [&] {
-    memstats::Tracker::Tensors t;
-    t.parameters = model->parameters();
-    t.buffers = model->buffers();
-    for (const auto& p : t.parameters) t.gradients.push_back(p.grad());
-    t.optimizer_state = optimizer_state(*optimizer);
-    return t;
-  };
+  auto tensors = [&] { return memstats::tensors_of(*model, optimizer.get()); };
 
   Progress progress(progress_out, mode, c.steps);
   memstats::Tracker tracker(device);
