@@ -96,7 +96,7 @@ void init_memstats(pybind11::module_& m) {
                                             const std::string& value) {
              ms::TableOptions o;
              o.bytes = bytes;
-             o.value = value;
+             o.value = ms::parse_table_value(value);
              return t.table(o);
            }),
            py::arg("bytes") = false, py::arg("value") = "current")

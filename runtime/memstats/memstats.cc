@@ -380,17 +380,24 @@ Mark mark(const std::string& name) {
   return mark_locked(r, *r.running.back(), name);
 }
 
+TableValue parse_table_value(const std::string& value) {
+  if (value == "current") return TableValue::kCurrent;
+  if (value == "peak") return TableValue::kPeak;
+  if (value == "kept") return TableValue::kKept;
+  TORCH_CHECK_VALUE(value == "reserved",
+                    "memstats: table value must be 'current', 'peak', 'kept' or 'reserved', got '",
+                    value, "'");
+  return TableValue::kReserved;
+}
+
 std::string Tracker::table(const TableOptions& options) const {
-  const std::string& value = options.value;
-  TORCH_CHECK_VALUE(
-      value == "current" || value == "peak" || value == "kept" || value == "reserved",
-      "memstats: table value must be 'current', 'peak', 'kept' or 'reserved', got '", value,
-      "'");
+  const TableValue value = options.value;
   const std::vector<Mark> marks = this->marks();
-  const char* what = value == "current" ? "bytes alive at each mark"
-                     : value == "peak"  ? "peak since the previous mark"
-                     : value == "kept"  ? "allocated since the previous mark and still alive"
-                                        : "reserved at each mark";
+  const char* what = value == TableValue::kCurrent ? "bytes alive at each mark"
+                     : value == TableValue::kPeak  ? "peak since the previous mark"
+                     : value == TableValue::kKept
+                         ? "allocated since the previous mark and still alive"
+                         : "reserved at each mark";
   std::ostringstream out;
   out << "memstats " << impl_->device.str() << ": " << what << " ("
       << (options.bytes ? "bytes" : "MiB") << ")\n";
@@ -404,17 +411,17 @@ std::string Tracker::table(const TableOptions& options) const {
     if (std::find(rows.begin(), rows.end(), m.name) == rows.end()) rows.push_back(m.name);
     steps = std::max(steps, m.step);
   }
-  const bool peak_row = value == "current";
+  const bool peak_row = value == TableValue::kCurrent;
   // cells[row][step - 1]; the last row is the step's peak when peak_row.
   const size_t nrows = rows.size() + (peak_row ? 1 : 0);
   std::vector<std::vector<std::string>> cells(nrows, std::vector<std::string>(steps, "-"));
   std::vector<int64_t> step_peak(steps, -1);
   for (const Mark& m : marks) {
     const size_t row = std::find(rows.begin(), rows.end(), m.name) - rows.begin();
-    const int64_t v = value == "current" ? m.current
-                      : value == "peak"  ? m.peak
-                      : value == "kept"  ? m.kept
-                                         : m.reserved;
+    const int64_t v = value == TableValue::kCurrent ? m.current
+                      : value == TableValue::kPeak  ? m.peak
+                      : value == TableValue::kKept  ? m.kept
+                                                    : m.reserved;
     cells[row][m.step - 1] = format_value(v, options.bytes);
     step_peak[m.step - 1] = std::max({step_peak[m.step - 1], m.peak, m.current});
   }

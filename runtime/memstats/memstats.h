@@ -77,9 +77,21 @@ struct Categories {
   std::string json() const;
 };
 
+// What a Tracker::table cell shows for each mark.
+enum class TableValue {
+  kCurrent,   // bytes alive at the mark (plus a "(peak)" row: each step's peak)
+  kPeak,      // the peak since the previous mark
+  kKept,      // allocated since the previous mark and still alive (CPU only)
+  kReserved,  // bytes reserved at the mark
+};
+
+// "current", "peak", "kept" or "reserved" (as Python's Tracker.table(value=...) takes them);
+// anything else is a ValueError naming the value.
+TableValue parse_table_value(const std::string& value);
+
 struct TableOptions {
-  bool bytes = false;                 // exact bytes instead of MiB with two decimals
-  std::string value = "current";      // "current", "peak", "kept" or "reserved"
+  bool bytes = false;                         // exact bytes instead of MiB with two decimals
+  TableValue value = TableValue::kCurrent;
 };
 
 // A scoped view of one device's memory. Starting (construction) and reset_peak() begin its

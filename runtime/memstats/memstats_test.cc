@@ -308,7 +308,7 @@ TEST(Memstats, TableCsvAndJson) {
 
   TableOptions kept;
   kept.bytes = true;
-  kept.value = "kept";
+  kept.value = TableValue::kKept;
   EXPECT_EQ(t.table(kept),
             "memstats cpu: allocated since the previous mark and still alive (bytes)\n"
             "phase   step 1   step 2\n"
@@ -407,10 +407,9 @@ TEST(Memstats, Errors) {
   Tracker t;
   expect_error([&] { t.mark(""); }, "mark name must not be empty");
   expect_error([&] { t.mark("two\nlines"); }, "mark name must be one line of printable text");
-  TableOptions bad;
-  bad.value = "max";
-  expect_error([&] { t.table(bad); }, "table value must be 'current', 'peak', 'kept' or "
-                                      "'reserved', got 'max'");
+  expect_error([] { parse_table_value("max"); },
+               "table value must be 'current', 'peak', 'kept' or 'reserved', got 'max'");
+  EXPECT_EQ(parse_table_value("kept"), TableValue::kKept);
   t.stop();
   t.stop();  // idempotent
   expect_error([&] { t.mark("x"); }, "mark(\"x\") on a stopped tracker");
