@@ -1,9 +1,13 @@
-// memlean._C: the segment planner of //ops/checkpoint (memlean.plan_segments uses it) and
+// memlean._C: the segment planner of //ops/checkpoint (memlean.plan_segments uses it), the
+// segment-argument checks of checkpoint_sequential (one specification for C++ and Python) and
 // the recompute flag (memlean.is_recomputing). The checkpoint itself is Python,
 // memlean/checkpoint.py, since it runs Python callables; it marks its recomputes with the
 // C++ flag, so that C++ modules (memlean::BatchNorm2d) and Python ones see one flag.
+#include <torch/csrc/Exceptions.h>
+
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "bindings/python/bindings.h"
@@ -51,6 +55,21 @@ void init_checkpoint(pybind11::module_& m) {
       "memlean::estimate_peak_bytes: the modelled activation peak of a segmentation.");
   m.def("sqrt_segment_starts", &sqrt_segment_starts, py::arg("n_layers"),
         "round(sqrt(n)) (nearly) equal segments over n layers.");
+  // The argument checks of checkpoint_sequential, shared with memlean.checkpoint_sequential
+  // (ValueErrors naming `op`).
+  m.def("equal_segment_starts",
+        torch::wrap_pybind_function([](int64_t n_layers, int64_t segments, const std::string& op) {
+          return equal_segment_starts(n_layers, segments, op.c_str());
+        }),
+        py::arg("n_layers"), py::arg("segments"), py::arg("op"),
+        "memlean::equal_segment_starts: `segments` (nearly) equal segments over n layers.");
+  m.def("check_segment_starts",
+        torch::wrap_pybind_function(
+            [](const std::vector<int64_t>& starts, int64_t n_layers, const std::string& op) {
+              check_segment_starts(starts, n_layers, op.c_str());
+            }),
+        py::arg("starts"), py::arg("n_layers"), py::arg("op"),
+        "memlean::check_segment_starts: 0 first, increasing, < n_layers.");
   m.def("is_recomputing", &is_recomputing,
         "memlean::is_recomputing: a checkpoint (C++ or Python) recomputes on this thread.");
   // `with _C.Recomputing():` holds a memlean::RecomputeGuard on this thread.

@@ -34,20 +34,6 @@ void check_layers(const std::vector<LayerCost>& layers) {
   }
 }
 
-void check_starts(const std::vector<int64_t>& starts, int64_t n, const char* op) {
-  if (n == 0) {
-    TORCH_CHECK(starts.empty(), op, ": there are no layers, so there can be no segments");
-    return;
-  }
-  TORCH_CHECK(!starts.empty() && starts[0] == 0, op,
-              ": the first segment must start at layer 0 (starts=", starts, ")");
-  for (size_t j = 1; j < starts.size(); ++j) {
-    TORCH_CHECK(starts[j] > starts[j - 1] && starts[j] < n, op,
-                ": segment starts must increase and be < the number of layers (", n,
-                "), got ", starts);
-  }
-}
-
 // Prefix sums of activation bytes: act[i] = sum of activation_bytes of layers [0, i).
 std::vector<int64_t> prefix_activations(const std::vector<LayerCost>& layers) {
   std::vector<int64_t> act(layers.size() + 1, 0);
@@ -90,7 +76,7 @@ int64_t estimate_peak_bytes(const std::vector<LayerCost>& layers,
                             const std::vector<int64_t>& starts) {
   check_layers(layers);
   const auto n = static_cast<int64_t>(layers.size());
-  check_starts(starts, n, "memlean::estimate_peak_bytes");
+  check_segment_starts(starts, n, "memlean::estimate_peak_bytes");
   const auto act = prefix_activations(layers);
   int64_t kept = 0, peak = 0;
   for (size_t j = 0; j < starts.size(); ++j) {
@@ -102,11 +88,25 @@ int64_t estimate_peak_bytes(const std::vector<LayerCost>& layers,
   return peak;
 }
 
-std::vector<int64_t> equal_segment_starts(int64_t n_layers, int64_t segments) {
-  TORCH_CHECK(n_layers >= 0, "memlean: the number of layers must be >= 0, got ", n_layers);
+void check_segment_starts(const std::vector<int64_t>& starts, int64_t n, const char* op) {
+  if (n == 0) {
+    TORCH_CHECK_VALUE(starts.empty(), op, ": there are no layers, so there can be no segments");
+    return;
+  }
+  TORCH_CHECK_VALUE(!starts.empty() && starts[0] == 0, op,
+                    ": the first segment must start at layer 0 (starts=", starts, ")");
+  for (size_t j = 1; j < starts.size(); ++j) {
+    TORCH_CHECK_VALUE(starts[j] > starts[j - 1] && starts[j] < n, op,
+                      ": segment starts must increase and be < the number of layers (", n,
+                      "), got ", starts);
+  }
+}
+
+std::vector<int64_t> equal_segment_starts(int64_t n_layers, int64_t segments, const char* op) {
+  TORCH_CHECK_VALUE(n_layers >= 0, op, ": the number of layers must be >= 0, got ", n_layers);
   if (n_layers == 0) return {};
-  TORCH_CHECK(segments >= 1 && segments <= n_layers, "memlean::checkpoint_sequential: segments ",
-              "must be between 1 and the number of layers (", n_layers, "), got ", segments);
+  TORCH_CHECK_VALUE(segments >= 1 && segments <= n_layers, op, ": segments must be between 1 ",
+                    "and the number of layers (", n_layers, "), got ", segments);
   std::vector<int64_t> starts;
   for (int64_t j = 0; j < segments; ++j) starts.push_back(j * n_layers / segments);
   return starts;
@@ -211,7 +211,7 @@ at::Tensor checkpoint_sequential(torch::nn::Sequential sequential,
                                  const std::vector<int64_t>& starts, const at::Tensor& x,
                                  const CheckpointOptions& options) {
   const auto n = static_cast<int64_t>(sequential->size());
-  check_starts(starts, n, "memlean::checkpoint_sequential");
+  check_segment_starts(starts, n, "memlean::checkpoint_sequential");
   at::Tensor h = x;
   for (size_t j = 0; j < starts.size(); ++j) {
     const int64_t s = starts[j];

@@ -63,8 +63,15 @@ SegmentPlan plan_segments(const std::vector<LayerCost>& layers,
 // round(√n) equal segments over n layers.
 std::vector<int64_t> sqrt_segment_starts(int64_t n_layers);
 
-// `segments` (nearly) equal segments over n layers.
-std::vector<int64_t> equal_segment_starts(int64_t n_layers, int64_t segments);
+// `segments` (nearly) equal segments over n layers; segments outside [1, n] is a ValueError
+// naming `op` (the C++ and the Python checkpoint_sequential share it).
+std::vector<int64_t> equal_segment_starts(int64_t n_layers, int64_t segments,
+                                          const char* op = "memlean::checkpoint_sequential");
+
+// Segment starts over n layers: 0 first, then increasing and < n (none when n is 0); else a
+// ValueError naming `op`.
+void check_segment_starts(const std::vector<int64_t>& starts, int64_t n_layers,
+                          const char* op = "memlean::checkpoint_sequential");
 
 // Runs the chain once on `sample` with grad mode on and measures every layer's cost, with
 // LiveBytes (exact) where it can run, else from the output sizes alone. The buffers of the

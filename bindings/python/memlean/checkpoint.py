@@ -646,12 +646,7 @@ def _segment_starts(segments, n):
     if isinstance(segments, bool) or type(segments).__name__ == "bool_":
         raise TypeError(f"{name}: segments must be {accepted}, got a bool")
     if isinstance(segments, numbers.Integral):  # int, numpy's integers
-        segments = int(segments)
-        if n == 0:
-            return []
-        if not 1 <= segments <= n:
-            raise ValueError(f"{name}: segments must be between 1 and the number of layers ({n}), got {segments}")
-        return [j * n // segments for j in range(segments)]
+        return list(_C.equal_segment_starts(n, int(segments), name))
     if isinstance(segments, str):
         if segments != "sqrt":
             raise ValueError(f"{name}: segments must be {accepted}, got {segments!r}")
@@ -663,15 +658,7 @@ def _segment_starts(segments, n):
         if isinstance(s, bool) or not isinstance(s, numbers.Integral):
             raise TypeError(f"{name}: segments must be {accepted}; segments[{i}] is {_describe(s)}, not an int")
     starts = [int(s) for s in starts]
-    if n == 0:
-        if starts:
-            raise ValueError(f"{name}: there are no layers, so there can be no segments")
-        return []
-    if not starts or starts[0] != 0:
-        raise ValueError(f"{name}: the first segment must start at layer 0 (starts={starts})")
-    for a, b in zip(starts, starts[1:]):
-        if not (b > a and b < n):
-            raise ValueError(f"{name}: segment starts must increase and be < the number of layers ({n}), got {starts}")
+    _C.check_segment_starts(starts, n, name)  # the C++ checkpoint_sequential's own checks
     return starts
 
 
