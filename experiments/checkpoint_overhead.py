@@ -8,14 +8,13 @@ nested backward), not the recompute.
     ./bazelw run //experiments:checkpoint_overhead [-- --layers 48 --repeats 50 --threads 1]
 """
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as torch_checkpoint
 
 import memlean
+from experiments import common
 
 METHODS = {
     "plain call": lambda layer, h: layer(h),
@@ -28,21 +27,14 @@ METHODS = {
 
 def step_seconds(call, layers, x, repeats):
     """Median time of a forward + backward through `layers`, each run through `call`, after
-    5 warm-up steps; the methods are interleaved by the caller, not here."""
+    5 warm-up steps."""
     def step():
         h = x
         for layer in layers:
             h = call(layer, h)
         h.sum().backward()
 
-    for _ in range(5):
-        step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return common.median_seconds(step, repeats, warmup=5)
 
 
 def main(argv=None):
