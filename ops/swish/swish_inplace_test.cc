@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "ops/swish/cpu/swish_kernel.h"
 #include "ops/swish/swish.h"
 #include "ops/swish/swish_constants.h"
 #include "testing/expect_error.h"
@@ -65,6 +66,13 @@ TEST(SwishInplace, GradientWithinBoundOverTheRealLine) {
                      std::to_string(err));
     }
   }
+}
+
+// The in-place kernels split their blocks with at::parallel_for, a header template: built
+// without -fopenmp against torch's OpenMP backend it runs everything on one thread.
+TEST(SwishInplace, KernelsUseAtenThreads) {
+  EXPECT_TRUE(swish_cpu::runs_in_parallel())
+      << "the CPU kernels' at::parallel_for is serial: compile them with OPENMP_COPTS";
 }
 
 TEST(SwishInplace, ForwardOverwritesXWithSwish) {

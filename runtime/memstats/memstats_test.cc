@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <mutex>
 #include <regex>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -162,13 +164,21 @@ TEST(Memstats, AllocationsInsideParallelForAreCounted) {
   constexpr int64_t kChunks = 64;
   std::vector<at::Tensor> kept(kChunks);
   std::atomic<int64_t> expected{0};
+  std::mutex mutex;
+  std::set<std::thread::id> threads;
   at::parallel_for(0, kChunks, 1, [&](int64_t begin, int64_t end) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      threads.insert(std::this_thread::get_id());
+    }
     for (int64_t i = begin; i < end; ++i) {
       at::Tensor tmp = floats(1000 + i);  // freed at once
       kept[i] = floats(10 + i);
       expected += 4 * (10 + i);
     }
   });
+  // Several threads allocated (this file is compiled with OpenMP where ATen uses it).
+  EXPECT_GT(threads.size(), 1u);
   EXPECT_EQ(t.current() - base, expected.load());
   kept.clear();
   EXPECT_EQ(t.current(), base);

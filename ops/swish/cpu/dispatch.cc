@@ -25,7 +25,8 @@ Capability capability() {
     case Capability::kAvx512: return AVX512::fn(__VA_ARGS__);      \
     case Capability::kAvx2: return AVX2::fn(__VA_ARGS__);          \
     case Capability::kDefault: return DEFAULT::fn(__VA_ARGS__);    \
-  }
+  }                                                                \
+  __builtin_unreachable()
 
 void forward_kernel(at::TensorIteratorBase& iter, double beta) {
   MEMLEAN_SWISH_DISPATCH(forward_kernel, iter, beta);
@@ -43,6 +44,8 @@ void inplace_backward_kernel(const at::Tensor& grad, const at::Tensor& y, const 
                              const at::Tensor& grad_x, double beta) {
   MEMLEAN_SWISH_DISPATCH(inplace_backward_kernel, grad, y, mask, grad_x, beta);
 }
+
+bool runs_in_parallel() { MEMLEAN_SWISH_DISPATCH(runs_in_parallel); }
 
 #undef MEMLEAN_SWISH_DISPATCH
 

@@ -387,6 +387,14 @@ void inplace_backward_typed(const at::Tensor& grad, const at::Tensor& y, const a
 
 }  // namespace
 
+bool runs_in_parallel() {
+#ifdef INTRA_OP_PARALLEL  // ATen/Parallel.h: set by its OpenMP header under -fopenmp, or native
+  return true;
+#else
+  return false;
+#endif
+}
+
 void inplace_forward_kernel(const at::Tensor& x, const at::Tensor& mask, double beta) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),
                                   "memlean_swish_inplace_cpu",

@@ -12,7 +12,10 @@
 // and, when mask is defined, writes one bit per element to it (ceil(n/8) bytes; bit i%8 of
 // byte i/8 is element i): 1 when beta*x lies left of t*, the minimum of t*sigmoid(t).
 // inplace_backward_kernel recovers x from (y, bit) and writes grad_x = grad * dy/dx.
+// runs_in_parallel: whether this copy's at::parallel_for uses ATen's intra-op threads (false
+// when torch's backend is OpenMP and the file was compiled without -fopenmp).
 #define MEMLEAN_SWISH_CPU_KERNELS                                                            \
+  bool runs_in_parallel();                                                                   \
   void forward_kernel(at::TensorIteratorBase& iter, double beta);                            \
   void backward_kernel(at::TensorIteratorBase& iter, double beta);                           \
   void inplace_forward_kernel(const at::Tensor& x, const at::Tensor& mask, double beta);     \
