@@ -42,23 +42,22 @@ constexpr double kSeries5 = 6.0346691684603402629;
 constexpr double kSeries6 = -9.4598395801732379568;
 constexpr double kInverseSeries[6] = {kSeries1, kSeries2, kSeries3, kSeries4, kSeries5, kSeries6};
 
-// The float fast path of the in-place backward (see cpu/swish_kernel.cc): least-squares
-// polynomial fits, made with float64 bisection as the truth.
-// Right of t*, u <= 2:   t = t* + s * P(s), s = sqrt(u - g*) in [0, 1.51]; |error| < 5e-6.
-constexpr double kRightPoly[11] = {
-    3.0302150840260875,  -2.060133866310111, 2.8861616670914896, -3.8303067720169506,
-    5.097165480980006,   -5.8262908984866515, 5.227287716956814, -3.3896572882004947,
-    1.4657128462840145,  -0.37446487777796766, 0.04249327255218255};
-// Left of t*, u <= -0.2: t = t* + s * P(s), s = -sqrt(u - g*) in [-0.28, 0]; |error| < 2e-7.
-constexpr double kLeftPoly[9] = {3.03022184801817,   -2.0606632606582833, 2.907375438774664,
-                                 -3.775710116360155, 9.49965305799668,    22.43693971508989,
-                                 183.22308937764748, 456.45585673049965,  658.380735975352};
-// Left tail, -0.2 < u < 0: with L = log(-u), t = L - log(-L) + P(1/L) within 0.01, then
-// a Newton step on g (error < 2e-6; a second step would reach 1e-12 in float64).
-constexpr double kTailPoly[7] = {-1.4321451734353674e-02, 3.4734476197615249e+00,
-                                 2.0729319238985017e+01,  9.2833394340512456e+01,
-                                 2.4329735101547584e+02,  3.2020646457900756e+02,
-                                 1.6558858307610149e+02};
-// Right, u > 2: t = u (1 + e^-u), then a Newton step on g (error < 2e-5).
+// The float path of the in-place backward on the CPU (cpu/swish_kernel.cc): g'(t) as
+// piecewise polynomials of (u, side), no t. The pieces: ops/swish/tools/fit_slope.py.
+// BEGIN fit_slope.py output (ops/swish/tools/fit_slope.py; do not edit by hand)
+// Max |g' error| of each piece in float32 Horner, from 40-digit truth: R1 2.6e-07, R2 3.5e-06, R3 1.6e-06, L1 3.6e-07, L2 6.8e-09; log(1 + f) 2.2e-05.
+constexpr double kSlopeRightSplit = 3.0;  // u
+constexpr double kSlopeRightEnd = 16.0;    // u beyond: g' = 1
+constexpr double kSlopeLeftSplit = -0.05;  // u
+constexpr double kSlopeSR1 = 1.8106530707899495;  // s at kSlopeRightSplit
+constexpr double kSlopeSR2 = 4.034657921405614;  // s at kSlopeRightEnd
+constexpr double kSlopeSL1 = 0.47797964680629845;  // -s at kSlopeLeftSplit
+constexpr double kSlopeV0 = -0.33380820069533407;  // 1 / log(-kSlopeLeftSplit)
+constexpr double kSlopeR1[11] = {0.9460728537005472, -0.17134558456070273, -0.3461825337023534, 0.1505856305369807, 0.03466197709683394, -0.008115043092220367, -0.00529347691045818, -0.002350857611781351, -0.00016914809951722686, 0.00047119850531643505, 0.0001734113653390565};
+constexpr double kSlopeR2[11] = {1.0018681103529237, -0.010454477639153446, 0.026366621838370335, -0.03818382459051913, 0.032862967704216026, -0.011980628726350017, -0.01282372194922872, 0.024360028958397957, -0.010957032350703444, -0.0055841949113721884, 0.004531940418217596};
+constexpr double kSlopeL1[11] = {0.40742068469788767, -0.2900568803778173, -0.036809475436249864, 0.000612450261833185, -0.0002349206627012127, -0.0004106882730303476, -0.00023405544125535283, 0.00012209259949950914, 6.189806240462924e-05, -0.00021600184231218008, -0.00013542946976796545};
+constexpr double kSlopeL2[6] = {0.8759368031409333, 0.10685712145187645, 0.004450130344932041, 0.01025511028638996, 0.003185331936149216, 0.0005560909957921819};
+constexpr double kSlopeLog1p[6] = {2.2117031200197257e-05, 0.9990104466294588, -0.48915684720230435, 0.28330432451740856, -0.13011941539126315, 0.03010262501167511};
+// END fit_slope.py output
 
 }  // namespace memlean::swish_constants

@@ -153,7 +153,122 @@ void store_block(const acc_t* buf, scalar_t* dst, int64_t n) {
   }
 }
 
-// t from u = g(t) = t * sigmoid(t) and the side of t* (left: lanes of `left` set).
+template <typename V>
+bool any_lane(const V& m) {
+  return m.zero_mask() != (1 << V::size()) - 1;
+}
+
+// Horner's scheme on K vectors at once, step by step: K independent chains of fused
+// multiply-adds keep the FMA units busy where one chain would wait on each step's latency.
+template <typename V, size_t N, int K>
+void horner_fma(const double (&c)[N], const V (&z)[K], V (&r)[K]) {
+  using T = typename V::value_type;
+  #pragma GCC unroll 8
+  for (int k = 0; k < K; ++k) r[k] = V(static_cast<T>(c[N - 1]));
+#pragma GCC unroll 16
+  for (int j = static_cast<int>(N) - 2; j >= 0; --j) {
+    const V cj(static_cast<T>(c[j]));
+    #pragma GCC unroll 8
+    for (int k = 0; k < K; ++k) r[k] = at::vec::fmadd(r[k], z[k], cj);
+  }
+}
+
+// Two polynomials of one degree, a on za and b on zb, as 2K interleaved chains.
+template <typename V, size_t N, int K>
+void horner_fma2(const double (&a)[N], const V (&za)[K], V (&ra)[K], const double (&b)[N],
+                 const V (&zb)[K], V (&rb)[K]) {
+  using T = typename V::value_type;
+  #pragma GCC unroll 8
+  for (int k = 0; k < K; ++k) {
+    ra[k] = V(static_cast<T>(a[N - 1]));
+    rb[k] = V(static_cast<T>(b[N - 1]));
+  }
+#pragma GCC unroll 16
+  for (int j = static_cast<int>(N) - 2; j >= 0; --j) {
+    const V aj(static_cast<T>(a[j])), bj(static_cast<T>(b[j]));
+    #pragma GCC unroll 8
+    for (int k = 0; k < K; ++k) {
+      ra[k] = at::vec::fmadd(ra[k], za[k], aj);
+      rb[k] = at::vec::fmadd(rb[k], zb[k], bj);
+    }
+  }
+}
+
+// log(x) for x >= 0 to about 2e-5, from the exponent bits and a polynomial of the mantissa
+// (cheaper than Sleef's log; the left tail needs it to 1e-3 only). x = 0 and subnormal x
+// give about log(2^-127): any value below -80 serves there.
+inline Vectorized<float> log_fast(const Vectorized<float>& x) {
+  using V = Vectorized<float>;
+  using I = Vectorized<int32_t>;
+  static_assert(V::size() == I::size(), "float and int32 vectors of one width");
+  const I bits = at::vec::cast<int32_t>(x);
+  const V exponent = at::vec::convert_to_fp_of_same_size<float>((bits >> I(23)) - I(127));
+  const V f = at::vec::cast<float>((bits & I(0x007FFFFF)) | I(0x3F800000)) - V(1.f);
+  V p[1];
+  horner_fma(swish_constants::kSlopeLog1p, {f}, p);
+  return at::vec::fmadd(exponent, V(0.6931471805599453f), p[0]);
+}
+
+// The float path: the slope g'(t) straight from (u, side), without recovering t. Piecewise
+// polynomials fitted by ops/swish/tools/fit_slope.py (the pieces and their errors are listed
+// there and in swish_constants.h): in s = ±sqrt(u - g*) on each side of t*, in u's log in the
+// left tail, 1 far right. No exp, no division, no iteration; the left tail's log and the
+// right's second piece run only for steps where some lane needs them. NaN stays NaN (every
+// comparison with it is false, so it keeps the s-polynomial, which propagates it).
+template <int K>
+void slope_fast(const Vectorized<float> (&u)[K], const Vectorized<float> (&left)[K],
+                Vectorized<float> (&slope)[K]) {
+  namespace sc = swish_constants;
+  using V = Vectorized<float>;
+  const V zero(0.f), one(1.f), gs(float(sc::kGStar));
+  const V r_split(float(sc::kSlopeRightSplit)), r_end(float(sc::kSlopeRightEnd)),
+      l_split(float(sc::kSlopeLeftSplit));
+  // Both sides' polynomials for every lane, as 2K chains, then the side picks one.
+  V s[K], zr[K], zl[K], pr[K], pl[K];
+  #pragma GCC unroll 8
+  for (int k = 0; k < K; ++k) {
+    s[k] = at::vec::maximum(u[k] - gs, zero).sqrt();
+    zr[k] = at::vec::fmadd(s[k], V(float(2 / sc::kSlopeSR1)), one.neg());
+    zl[k] = at::vec::fmadd(s[k], V(float(2 / sc::kSlopeSL1)), one.neg());
+  }
+  horner_fma2(sc::kSlopeR1, zr, pr, sc::kSlopeL1, zl, pl);
+  V right_far[K], left_tail[K];
+  bool any_right_far = false, any_left_tail = false;
+  #pragma GCC unroll 8
+  for (int k = 0; k < K; ++k) {
+    slope[k] = V::blendv(s[k] * pr[k], s[k].neg() * pl[k], left[k]);
+    right_far[k] = V::blendv(u[k] > r_split, zero, left[k]);
+    left_tail[k] = left[k] & (u[k] > l_split);
+    any_right_far |= any_lane(right_far[k]);
+    any_left_tail |= any_lane(left_tail[k]);
+  }
+  if (any_right_far) {
+    constexpr double mid = (sc::kSlopeSR1 + sc::kSlopeSR2) / 2, half = (sc::kSlopeSR2 - sc::kSlopeSR1) / 2;
+    V z2[K], r2[K];
+    #pragma GCC unroll 8
+    for (int k = 0; k < K; ++k) z2[k] = (s[k] - V(float(mid))) * V(float(1 / half));
+    horner_fma(sc::kSlopeR2, z2, r2);
+    #pragma GCC unroll 8
+    for (int k = 0; k < K; ++k) {
+      slope[k] = V::blendv(slope[k], V::blendv(r2[k], one, u[k] > r_end), right_far[k]);
+    }
+  }
+  if (any_left_tail) {
+    V zt[K], l2[K];
+    #pragma GCC unroll 8
+    for (int k = 0; k < K; ++k) {
+      // u in (kSlopeLeftSplit, 0]: v = 1 / log(-u) in [V0, 0] (u = 0: log = -inf, v = -0).
+      const V v = log_fast(u[k].neg()).reciprocal();
+      zt[k] = at::vec::fmadd(v, V(float(2 / -sc::kSlopeV0)), one);
+    }
+    horner_fma(sc::kSlopeL2, zt, l2);
+    #pragma GCC unroll 8
+    for (int k = 0; k < K; ++k) slope[k] = V::blendv(slope[k], u[k] * l2[k], left_tail[k]);
+  }
+}
+
+// The double path: t from u = g(t) = t * sigmoid(t) and the side of t* (left: lanes of
+// `left` set); the slope follows from t. (In float, slope_fast above needs no t.)
 //
 // With s = ±sqrt(u - g*) (sign: the side), t is a smooth function of s, even at t*, where
 // g itself is flat. Near t* (|s| < kSeriesRadius) t comes from a series in s: evaluating
@@ -165,68 +280,9 @@ void store_block(const acc_t* buf, scalar_t* dst, int64_t n) {
 // K independent vectors go through each step together: the chain of exp, divisions and
 // square roots is long, and interleaving K chains keeps the core busy. Work no lane needs
 // (the tail guess, the series, Newton steps) is skipped.
-template <typename V>
-bool any_lane(const V& m) {
-  return m.zero_mask() != (1 << V::size()) - 1;
-}
-
-template <typename V, size_t N>
-V horner(const double (&c)[N], const V& x) {
-  using T = typename V::value_type;
-  V r(static_cast<T>(c[N - 1]));
-  for (int j = static_cast<int>(N) - 2; j >= 0; --j) r = V(static_cast<T>(c[j])) + x * r;
-  return r;
-}
-
-// The float path: polynomials in s cover u <= 2 on the right and u <= -0.2 on the left to
-// within float rounding, with no iteration; only lanes in the two tails (left, u > -0.2;
-// right, u > 2) take a Newton step on g itself, which is well-conditioned there.
-template <int K>
-void inverse_g_fast(const Vectorized<float> (&u)[K], const Vectorized<float> (&left)[K],
-                    Vectorized<float> (&t)[K]) {
-  namespace sc = swish_constants;
-  using V = Vectorized<float>;
-  const V zero(0.f), one(1.f), ts(float(sc::kTStar)), gs(float(sc::kGStar)), floor(-80.f);
-  V need[K];
-  bool any_need = false;
-  for (int k = 0; k < K; ++k) {
-    const V b = at::vec::maximum(u[k] - gs, zero).sqrt();
-    const V t_right = ts + b * horner(sc::kRightPoly, b);
-    const V s = b.neg();
-    const V t_left = ts + s * horner(sc::kLeftPoly, s);
-    t[k] = V::blendv(t_right, t_left, left[k]);
-    need[k] = V::blendv(u[k] > V(2.f), u[k] > V(-0.2f), left[k]);
-    any_need |= any_lane(need[k]);
-  }
-  if (!any_need) return;
-  for (int k = 0; k < K; ++k) {
-    if (!any_lane(need[k])) continue;
-    // Tail guesses for every lane (blended in only where needed); -u clamped so log is finite.
-    const V log_neg_u = at::vec::maximum(u[k].neg(), V(1e-37f)).log();
-    const V t_tail = at::vec::maximum(
-        log_neg_u - at::vec::maximum(log_neg_u.neg(), V(1.f)).log() +
-            horner(sc::kTailPoly, one / at::vec::minimum(log_neg_u, V(-1.f))),
-        floor);
-    const V t_large = u[k] * (one + u[k].neg().exp());
-    const V tt = V::blendv(t_large, t_tail, left[k]);
-    // One Newton step on g (t error < 2e-5 after it, where |g''| < 0.1): with e = exp(-t),
-    // (g(t) - u) / g'(t) = (t - u (1 + e)) (1 + e) / (1 + e + t e), a single division.
-    const V e = tt.neg().exp();
-    const V one_e = one + e;
-    const V stepped = tt - (tt - u[k] * one_e) * one_e / (one_e + tt * e);
-    const V next = V::blendv(at::vec::maximum(stepped, ts),
-                             at::vec::maximum(at::vec::minimum(stepped, ts), floor), left[k]);
-    t[k] = V::blendv(t[k], next, need[k]);
-  }
-}
-
 template <typename acc_t, int K>
 void inverse_g(const Vectorized<acc_t> (&u)[K], const Vectorized<acc_t> (&left)[K],
                Vectorized<acc_t> (&t)[K]) {
-  if constexpr (std::is_same_v<acc_t, float>) {
-    inverse_g_fast<K>(u, left, t);
-    return;
-  }
   namespace sc = swish_constants;
   using V = Vectorized<acc_t>;
   const V zero(acc_t(0)), one(acc_t(1)), ts(acc_t(sc::kTStar)), gs(acc_t(sc::kGStar));
@@ -322,11 +378,57 @@ void inplace_forward_typed(const at::Tensor& x, const at::Tensor& mask, double b
   });
 }
 
+// grad_x = grad * g'(t) for one block: g, y and the side bits (as 0/1 values) in, out.
+template <typename acc_t>
+void backward_block(const acc_t* g, const acc_t* y, const acc_t* left_bits, acc_t* out,
+                    int64_t len, acc_t beta) {
+  using V = Vectorized<acc_t>;
+  const V zero(acc_t(0)), one(acc_t(1)), half(acc_t(0.5));
+  constexpr int K = kInterleave;
+  static_assert(kBlock % (K * V::size()) == 0, "whole steps per block");
+  // Lanes past len (last block) are computed from zeros and never stored.
+  for (int64_t i = 0; i < len; i += K * V::size()) {
+    V u[K], left[K], slope[K];
+#pragma GCC unroll 8
+    for (int k = 0; k < K; ++k) {
+      // Right of t*, t = u once u > L (g(t) = t there): a u that overflowed to inf
+      // becomes L, whose slope is 1, instead of inf * 0 = NaN. NaN stays NaN.
+      u[k] = at::vec::minimum(V(beta) * V::loadu(y + i + k * V::size()),
+                              V(swish_constants::slope_clamp<acc_t>()));
+      left[k] = V::loadu(left_bits + i + k * V::size()) > half;
+    }
+    if constexpr (std::is_same_v<acc_t, float>) {
+      slope_fast<K>(u, left, slope);
+    } else {
+      V t[K];
+      inverse_g<acc_t, K>(u, left, t);
+#pragma GCC unroll 8
+      for (int k = 0; k < K; ++k) {
+        const V s = one / (one + t[k].neg().exp());
+        slope[k] = s * (one + t[k] * (one - s));
+        // Left of t* with y == 0: x was so negative that y underflowed; dy/dx ~ 0 there.
+        slope[k] = V::blendv(slope[k], zero, left[k] & (u[k] == zero));
+      }
+    }
+    const int64_t rest = len - i;
+#pragma GCC unroll 8
+    for (int k = 0; k < K; ++k) {
+      const V r = V::loadu(g + i + k * V::size()) * slope[k];
+      if (rest >= (k + 1) * V::size()) {
+        r.store(out + i + k * V::size());
+      } else if (rest > k * V::size()) {
+        r.store(out + i + k * V::size(), static_cast<int>(rest - k * V::size()));
+      }
+    }
+  }
+}
+
 template <typename scalar_t>
 void inplace_backward_typed(const at::Tensor& grad, const at::Tensor& y, const at::Tensor& mask,
                             const at::Tensor& grad_x, double beta) {
   using acc_t = acc_type<scalar_t>;
   using V = Vectorized<acc_t>;
+  constexpr bool kSameType = std::is_same_v<scalar_t, acc_t>;
   const scalar_t* g_data = grad.const_data_ptr<scalar_t>();
   const scalar_t* y_data = y.const_data_ptr<scalar_t>();
   const uint8_t* bits = mask.const_data_ptr<uint8_t>();
@@ -334,53 +436,45 @@ void inplace_backward_typed(const at::Tensor& grad, const at::Tensor& y, const a
   const int64_t n = y.numel();
   const acc_t b = static_cast<acc_t>(beta);
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-  // About ten times the arithmetic of the forward per element: smaller grains.
-  at::parallel_for(0, blocks, at::internal::GRAIN_SIZE / kBlock / 8, [&](int64_t b0, int64_t b1) {
+  // A few times the arithmetic of the forward per element: smaller grains.
+  at::parallel_for(0, blocks, at::internal::GRAIN_SIZE / kBlock / 4, [&](int64_t b0, int64_t b1) {
     alignas(64) acc_t gbuf[kBlock];
     alignas(64) acc_t ybuf[kBlock];
+    alignas(64) acc_t obuf[kBlock];
     alignas(64) acc_t lbuf[kBlock];
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t start = blk * kBlock;
       const int64_t len = std::min(kBlock, n - start);
-      load_block(g_data + start, gbuf, len);
-      load_block(y_data + start, ybuf, len);
-      if (b == acc_t(0)) {  // y = x / 2
-        for (int64_t i = 0; i < len; ++i) ybuf[i] = gbuf[i] * acc_t(0.5);
-        store_block(ybuf, out + start, len);
-        continue;
+      // Whole blocks of float or double are read and written in place; 16-bit types and the
+      // last, partial block go through the buffers (zero past len, so every lane is defined).
+      const bool direct = kSameType && len == kBlock;
+      const acc_t* gp = gbuf;
+      const acc_t* yp = ybuf;
+      acc_t* op = obuf;
+      if constexpr (kSameType) {
+        if (direct) {
+          gp = reinterpret_cast<const acc_t*>(g_data + start);
+          yp = reinterpret_cast<const acc_t*>(y_data + start);
+          op = reinterpret_cast<acc_t*>(out + start);
+        }
       }
-      const uint8_t* block_bits = bits + start / 8;
-      for (int64_t byte = 0; byte * 8 < len; ++byte) {
-        std::copy_n(kBitsToValues<acc_t>.rows[block_bits[byte]], 8, lbuf + byte * 8);
-      }
-      if (len < kBlock) {  // the last block: defined values in the lanes past len
-        std::fill(ybuf + len, ybuf + kBlock, acc_t(0));
+      if (!direct) {
+        load_block(g_data + start, gbuf, len);
+        load_block(y_data + start, ybuf, len);
         std::fill(gbuf + len, gbuf + kBlock, acc_t(0));
-        std::fill(lbuf + len, lbuf + kBlock, acc_t(0));
+        std::fill(ybuf + len, ybuf + kBlock, acc_t(0));
       }
-      const V zero(acc_t(0)), one(acc_t(1)), half(acc_t(0.5));
-      constexpr int K = kInterleave;
-      static_assert(kBlock % (K * V::size()) == 0, "whole steps per block");
-      // Lanes past len hold stale values; they are computed and never stored.
-      for (int64_t i = 0; i < len; i += K * V::size()) {
-        V u[K], left[K], t[K];
-        for (int k = 0; k < K; ++k) {
-          // Right of t*, t = u once u > L (g(t) = t there): a u that overflowed to inf
-          // becomes L, whose slope is 1, instead of inf * 0 = NaN. NaN stays NaN.
-          u[k] = at::vec::minimum(V(b) * V::loadu(ybuf + i + k * V::size()),
-                                  V(swish_constants::slope_clamp<acc_t>()));
-          left[k] = V::loadu(lbuf + i + k * V::size()) > half;
+      if (b == acc_t(0)) {  // y = x / 2
+        for (int64_t i = 0; i < len; ++i) op[i] = gp[i] * acc_t(0.5);
+      } else {
+        const uint8_t* block_bits = bits + start / 8;
+        for (int64_t byte = 0; byte * 8 < len; ++byte) {
+          std::copy_n(kBitsToValues<acc_t>.rows[block_bits[byte]], 8, lbuf + byte * 8);
         }
-        inverse_g<acc_t, K>(u, left, t);
-        for (int k = 0; k < K; ++k) {
-          const V s = one / (one + t[k].neg().exp());
-          V slope = s * (one + t[k] * (one - s));
-          // Left of t* with y == 0: x was so negative that y underflowed; dy/dx ~ 0 there.
-          slope = V::blendv(slope, zero, left[k] & (u[k] == zero));
-          (V::loadu(gbuf + i + k * V::size()) * slope).store(ybuf + i + k * V::size());
-        }
+        std::fill(lbuf + (len + 7) / 8 * 8, lbuf + kBlock, acc_t(0));
+        backward_block(gp, yp, lbuf, op, len, b);
       }
-      store_block(ybuf, out + start, len);
+      if (!direct) store_block(obuf, out + start, len);
     }
   });
 }

@@ -1,0 +1,146 @@
+"""Fits the polynomials of the in-place Swish backward's float path (ops/swish/swish_constants.h).
+
+The in-place variant keeps y = g(t) / beta (g(t) = t * sigmoid(t), t = beta * x) and one bit:
+the side of t* (the minimum of g). Its backward needs the slope g'(t) as a function of
+(u = beta * y, side). In float that is computed without recovering t: piecewise polynomials,
+in s = ±sqrt(u - g(t*)) (the sign: the side), smooth through t* where g is flat:
+
+  right of t*, u <= 3:        g' = s * R1(z),  z = s / (SR1 / 2) - 1
+  right of t*, 3 < u <= 16:   g' = R2(z),      z = (s - (SR1 + SR2) / 2) / ((SR2 - SR1) / 2)
+  right of t*, u > 16:        g' = 1 (within 2e-6)
+  left of t*, u <= -0.05:     g' = s * L1(z),  z = -s / (SL1 / 2) - 1
+  left of t*, -0.05 < u < 0:  g' = u * L2(z),  z = 2 v / |V0| + 1, v = 1 / log(-u), V0 = 1 / log(0.05)
+
+The log there is the kernel's own (exponent bits plus LOG(f), f = mantissa - 1 in [0, 1));
+g' needs it to about 1e-3 only.
+
+The truth is 40-digit mpmath, sampled by t. Prints the constants as C++; run with the
+Python that has mpmath (torch's dependencies include it):
+  python3 ops/swish/tools/fit_slope.py
+and ops/swish:fit_slope_test checks swish_constants.h holds what it prints.
+"""
+import math
+import sys
+
+import mpmath as mp
+import numpy as np
+from numpy.polynomial import chebyshev as cheb
+
+mp.mp.dps = 40
+R_SPLIT, R_END, L_SPLIT = 3.0, 16.0, -0.05
+DEGREES = {"R1": 10, "R2": 10, "L1": 10, "L2": 5, "LOG": 5}
+
+
+def sigmoid(t):
+    return 1 / (1 + mp.e ** (-t))
+
+
+def g(t):
+    return t * sigmoid(t)
+
+
+def g1(t):  # g'(t)
+    s = sigmoid(t)
+    return s * (1 + t * (1 - s))
+
+
+T_STAR = mp.findroot(g1, -1.278)
+G_STAR = g(T_STAR)
+
+
+def samples(offsets, side):
+    """(u, s, slope) in float64 for t = t* + side * offsets, from 40-digit arithmetic."""
+    u, s, slope = [], [], []
+    for d in offsets:
+        t = T_STAR + side * mp.mpf(d)
+        gt = g(t)
+        u.append(float(gt))
+        s.append(float(side * mp.sqrt(max(gt - G_STAR, 0))))
+        slope.append(float(g1(t)))
+    return np.array(u), np.array(s), np.array(slope)
+
+
+def fit(z, y, degree, weight=None):
+    """Least squares in Chebyshev polynomials of z in [-1, 1], returned as monomials in z."""
+    return cheb.cheb2poly(cheb.chebfit(z, y, degree, w=weight))
+
+
+def horner_float32(coef, z):
+    """Evaluation as the kernels do it: float32 fused multiply-adds."""
+    z = z.astype(np.float32)
+    r = np.full_like(z, np.float32(coef[-1]))
+    for c in coef[-2::-1]:
+        r = (r.astype(np.float64) * z + np.float32(c)).astype(np.float32)
+    return r.astype(np.float64)
+
+
+def fit_all():
+    """Fits every piece; returns (pieces: name -> monomial coefficients, errors: name -> max
+    error in float32 evaluation (of g', or of log(1 + f) for LOG), lines of C++)."""
+    ts = float(T_STAR)
+    right = samples(np.geomspace(1e-6, 17.5, 6000), +1)
+    left = samples(np.geomspace(1e-6, 104.0 + ts, 6000), -1)
+    sr1 = math.sqrt(R_SPLIT - float(G_STAR))
+    sr2 = math.sqrt(R_END - float(G_STAR))
+    sl1 = math.sqrt(L_SPLIT - float(G_STAR))
+    v0 = 1 / math.log(-L_SPLIT)
+
+    pieces = {}
+    errors = {}
+    u, s, y = right
+    m = u <= R_SPLIT
+    z = s[m] / (sr1 / 2) - 1
+    pieces["R1"] = fit(z, y[m] / s[m], DEGREES["R1"])
+    errors["R1"] = np.abs(s[m] * horner_float32(pieces["R1"], z) - y[m]).max()
+    m = (u > R_SPLIT) & (u <= R_END)
+    z = (s[m] - (sr1 + sr2) / 2) / ((sr2 - sr1) / 2)
+    pieces["R2"] = fit(z, y[m], DEGREES["R2"])
+    errors["R2"] = np.abs(horner_float32(pieces["R2"], z) - y[m]).max()
+    errors["R3"] = np.abs(1 - y[u > R_END]).max()
+
+    u, s, y = left
+    m = u <= L_SPLIT
+    z = -s[m] / (sl1 / 2) - 1
+    pieces["L1"] = fit(z, y[m] / s[m], DEGREES["L1"])
+    errors["L1"] = np.abs(s[m] * horner_float32(pieces["L1"], z) - y[m]).max()
+    m = (u > L_SPLIT) & (u < 0)
+    v = 1 / np.log(-u[m])
+    z = 2 * v / abs(v0) + 1
+    # Weighted by |u|: the error of g' = u * L2 is |u| times L2's.
+    pieces["L2"] = fit(z, y[m] / u[m], DEGREES["L2"], weight=np.abs(u[m]))
+    errors["L2"] = np.abs(u[m] * horner_float32(pieces["L2"], z) - y[m]).max()
+
+    f = np.linspace(0, 1, 20001)
+    pieces["LOG"] = fit(2 * f - 1, np.log1p(f), DEGREES["LOG"])
+    # As monomials in f itself (f in [0, 1) is well scaled): compose with z = 2f - 1.
+    pieces["LOG"] = np.polynomial.polynomial.Polynomial(pieces["LOG"])(
+        np.polynomial.polynomial.Polynomial([-1, 2])).coef
+    errors["LOG"] = np.abs(horner_float32(pieces["LOG"], f) - np.log1p(f)).max()
+
+    out = []
+    out.append("// BEGIN fit_slope.py output (ops/swish/tools/fit_slope.py; do not edit by hand)")
+    out.append("// Max |g' error| of each piece in float32 Horner, from 40-digit truth: " +
+               ", ".join(f"{k} {errors[k]:.1e}" for k in ("R1", "R2", "R3", "L1", "L2")) +
+               f"; log(1 + f) {errors['LOG']:.1e}.")
+    out.append(f"constexpr double kSlopeRightSplit = {R_SPLIT!r};  // u")
+    out.append(f"constexpr double kSlopeRightEnd = {R_END!r};    // u beyond: g' = 1")
+    out.append(f"constexpr double kSlopeLeftSplit = {L_SPLIT!r};  // u")
+    out.append(f"constexpr double kSlopeSR1 = {sr1!r};  // s at kSlopeRightSplit")
+    out.append(f"constexpr double kSlopeSR2 = {sr2!r};  // s at kSlopeRightEnd")
+    out.append(f"constexpr double kSlopeSL1 = {sl1!r};  // -s at kSlopeLeftSplit")
+    out.append(f"constexpr double kSlopeV0 = {v0!r};  // 1 / log(-kSlopeLeftSplit)")
+    for name in ("R1", "R2", "L1", "L2", "LOG"):
+        coef = ", ".join(repr(float(c)) for c in pieces[name])
+        cname = "kSlopeLog1p" if name == "LOG" else f"kSlope{name}"
+        out.append(f"constexpr double {cname}[{len(pieces[name])}] = {{{coef}}};")
+    out.append("// END fit_slope.py output")
+    return pieces, errors, "\n".join(out) + "\n"
+
+
+def main():
+    sys.stdout.write(fit_all()[2])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
