@@ -379,11 +379,27 @@ void inplace_forward_typed(const at::Tensor& x, const at::Tensor& mask, double b
 }
 
 // grad_x = grad * g'(t) for one block: g, y and the side bits (as 0/1 values) in, out.
+// The side mask of the V::size() elements from `first` (a multiple of V::size()) on.
+template <typename V>
+V side_mask(const uint8_t* bits, int64_t first) {
+  using T = typename V::value_type;
+  const V half(T(0.5));
+  if constexpr (V::size() <= 8) {
+    return V::loadu(kBitsToValues<T>.rows[bits[first / 8]] + first % 8) > half;
+  } else {
+    alignas(64) T values[V::size()];
+    for (int j = 0; j < V::size() / 8; ++j) {
+      std::copy_n(kBitsToValues<T>.rows[bits[first / 8 + j]], 8, values + 8 * j);
+    }
+    return V::loadu(values) > half;
+  }
+}
+
 template <typename acc_t>
-void backward_block(const acc_t* g, const acc_t* y, const acc_t* left_bits, acc_t* out,
+void backward_block(const acc_t* g, const acc_t* y, const uint8_t* bits, acc_t* out,
                     int64_t len, acc_t beta) {
   using V = Vectorized<acc_t>;
-  const V zero(acc_t(0)), one(acc_t(1)), half(acc_t(0.5));
+  const V zero(acc_t(0)), one(acc_t(1));
   constexpr int K = kInterleave;
   static_assert(kBlock % (K * V::size()) == 0, "whole steps per block");
   // Lanes past len (last block) are computed from zeros and never stored.
@@ -395,7 +411,7 @@ void backward_block(const acc_t* g, const acc_t* y, const acc_t* left_bits, acc_
       // becomes L, whose slope is 1, instead of inf * 0 = NaN. NaN stays NaN.
       u[k] = at::vec::minimum(V(beta) * V::loadu(y + i + k * V::size()),
                               V(swish_constants::slope_clamp<acc_t>()));
-      left[k] = V::loadu(left_bits + i + k * V::size()) > half;
+      left[k] = side_mask<V>(bits, i + k * V::size());
     }
     if constexpr (std::is_same_v<acc_t, float>) {
       slope_fast<K>(u, left, slope);
@@ -441,7 +457,7 @@ void inplace_backward_typed(const at::Tensor& grad, const at::Tensor& y, const a
     alignas(64) acc_t gbuf[kBlock];
     alignas(64) acc_t ybuf[kBlock];
     alignas(64) acc_t obuf[kBlock];
-    alignas(64) acc_t lbuf[kBlock];
+    alignas(64) uint8_t bbuf[kBlock / 8];
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t start = blk * kBlock;
       const int64_t len = std::min(kBlock, n - start);
@@ -467,12 +483,11 @@ void inplace_backward_typed(const at::Tensor& grad, const at::Tensor& y, const a
       if (b == acc_t(0)) {  // y = x / 2
         for (int64_t i = 0; i < len; ++i) op[i] = gp[i] * acc_t(0.5);
       } else {
-        const uint8_t* block_bits = bits + start / 8;
-        for (int64_t byte = 0; byte * 8 < len; ++byte) {
-          std::copy_n(kBitsToValues<acc_t>.rows[block_bits[byte]], 8, lbuf + byte * 8);
-        }
-        std::fill(lbuf + (len + 7) / 8 * 8, lbuf + kBlock, acc_t(0));
-        backward_block(gp, yp, lbuf, op, len, b);
+        // The block's mask bytes, zero past the mask's end (lanes past len read them).
+        const int64_t mask_len = swish_constants::mask_bytes(len);
+        std::copy_n(bits + start / 8, mask_len, bbuf);
+        std::fill(bbuf + mask_len, bbuf + kBlock / 8, uint8_t(0));
+        backward_block(gp, yp, bbuf, op, len, b);
       }
       if (!direct) store_block(obuf, out + start, len);
     }
