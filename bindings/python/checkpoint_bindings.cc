@@ -70,6 +70,21 @@ void init_checkpoint(pybind11::module_& m) {
             }),
         py::arg("starts"), py::arg("n_layers"), py::arg("op"),
         "memlean::check_segment_starts: 0 first, increasing, < n_layers.");
+  // The Python checkpoint's backward core: the unlisted-leaf check and the recompute's
+  // gradients, in C++ (a fraction of torch.autograd.grad's Python cost per segment). The
+  // GIL is released while the engine runs (it may run Python nodes on other threads).
+  m.def("recomputed_grad",
+        torch::wrap_pybind_function([](const std::vector<at::Tensor>& outputs,
+                                       const std::vector<at::Tensor>& targets,
+                                       const std::vector<at::Tensor>& grads, const std::string& op,
+                                       const std::string& how_to_list) {
+          py::gil_scoped_release no_gil;
+          return recomputed_grad(outputs, targets, grads, op.c_str(), how_to_list.c_str());
+        }),
+        py::arg("outputs"), py::arg("targets"), py::arg("grads"), py::arg("op"),
+        py::arg("how_to_list"),
+        "memlean::recomputed_grad: gradients of outputs w.r.t. targets (None where unused), "
+        "after checking that the graph reaches no other leaf that requires grad.");
   m.def("is_recomputing", &is_recomputing,
         "memlean::is_recomputing: a checkpoint (C++ or Python) recomputes on this thread.");
   // `with _C.Recomputing():` holds a memlean::RecomputeGuard on this thread.

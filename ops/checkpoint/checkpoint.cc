@@ -32,6 +32,9 @@ using torch::autograd::variable_list;
 thread_local int recompute_depth = 0;
 
 constexpr const char* kName = "memlean::checkpoint";
+constexpr const char* kHowToList =
+    "Pass it among the parameters, after the n_inputs inputs (a module's parameters: "
+    "module->parameters()).";
 
 // ---- autocast state ----------------------------------------------------------
 
@@ -173,7 +176,8 @@ std::string shape_of(const at::Tensor& t) {
 
 // Walks the recomputed graph from its outputs and stops at the inputs and parameters; any
 // other tensor requiring grad that it reaches would silently get no gradient.
-void check_no_unlisted_dependency(const variable_list& outputs, const variable_list& targets) {
+void check_no_unlisted_dependency(const variable_list& outputs, const variable_list& targets,
+                                  const char* op, const char* how_to_list) {
   using torch::autograd::AccumulateGrad;
   using torch::autograd::Node;
   // Leaves are known by their gradient accumulator: a saved parameter unpacked through
@@ -193,11 +197,10 @@ void check_no_unlisted_dependency(const variable_list& outputs, const variable_l
     stack.pop_back();
     if (target_nodes.count(node)) continue;
     if (auto* acc = dynamic_cast<AccumulateGrad*>(node)) {
-      TORCH_CHECK(false, kName, ": the function uses a tensor that requires grad but is neither "
+      TORCH_CHECK(false, op, ": the function uses a tensor that requires grad but is neither "
                   "one of its inputs nor one of the parameters given to the checkpoint (it reaches "
                   "a leaf of shape ", shape_of(acc->variable), via.empty() ? "" : " through " + via,
-                  "); its gradient would be lost. Pass it among the parameters, after the ",
-                  "n_inputs inputs (a module's parameters: module->parameters()).");
+                  "); its gradient would be lost. ", how_to_list);
     }
     for (const auto& edge : node->next_edges()) {
       if (edge.is_valid() && seen.insert(edge.function.get()).second) {
@@ -332,9 +335,7 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
 
     variable_list result(1 + args.size());  // state, then one per tensor
     if (!outs.empty() && !targets.empty()) {
-      check_no_unlisted_dependency(outs, targets);
-      variable_list g = torch::autograd::grad(outs, targets, grads, /*retain_graph=*/false,
-                                              /*create_graph=*/false, /*allow_unused=*/true);
+      variable_list g = recomputed_grad(outs, targets, grads, kName, kHowToList);
       for (size_t j = 0; j < g.size(); ++j) result[1 + target_index[j]] = g[j];
     }
     if (create_graph) mark_once_differentiable(result);
@@ -369,6 +370,15 @@ bool is_recomputing() { return recompute_depth > 0; }
 
 RecomputeGuard::RecomputeGuard() { ++recompute_depth; }
 RecomputeGuard::~RecomputeGuard() { --recompute_depth; }
+
+std::vector<at::Tensor> recomputed_grad(const std::vector<at::Tensor>& outputs,
+                                        const std::vector<at::Tensor>& targets,
+                                        const std::vector<at::Tensor>& grads, const char* op,
+                                        const char* how_to_list) {
+  check_no_unlisted_dependency(outputs, targets, op, how_to_list);
+  return torch::autograd::grad(outputs, targets, grads, /*retain_graph=*/false,
+                               /*create_graph=*/false, /*allow_unused=*/true);
+}
 
 namespace detail {
 

@@ -76,57 +76,69 @@ def is_recomputing() -> bool:
     return _C.is_recomputing()
 
 
-@contextlib.contextmanager
-def _recomputing():
-    with _C.Recomputing(), _batchnorm_statistics_kept():
-        yield
+class _ModuleCallsSeen:
+    """`with _ModuleCallsSeen(seen):` calls seen(module) before the forward of every
+    nn.Module called on this thread while the body runs (a global forward pre-hook, removed
+    on exit)."""
+
+    __slots__ = ("seen", "thread", "handle")
+
+    def __init__(self, seen):
+        self.seen = seen
+        self.thread = threading.get_ident()
+        self.handle = None
+
+    def _hook(self, module, args):
+        if threading.get_ident() == self.thread:
+            self.seen(module)
+
+    def __enter__(self):
+        self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+        return False
 
 
-@contextlib.contextmanager
-def _module_calls_seen(seen):
-    """Calls seen(module) before the forward of every nn.Module called on this thread while
-    the body runs (a global forward pre-hook, removed after)."""
-    thread = threading.get_ident()
+class _BatchNormStatisticsKept:
+    """`with _BatchNormStatisticsKept():` every torch BatchNorm module (any
+    torch.nn.modules.batchnorm._BatchNorm: BatchNorm1d, 2d, 3d, SyncBatchNorm, and subclasses
+    such as timm's BatchNormAct2d) called on this thread while the body runs has its buffers
+    (running_mean, running_var, num_batches_tracked, and any a subclass adds) copied before
+    its first call, and put back when the body ends, without bumping their version
+    counters. So a recompute leaves the statistics as the forward left them, however the
+    module is reached (a Module, a plain function, checkpoint_sequential of callables), and
+    the module's forward runs unchanged (a subclass keeps what it adds, e.g.
+    BatchNormAct2d's activation and dropout)."""
 
-    def hook(module, args):
-        if threading.get_ident() == thread:
-            seen(module)
+    __slots__ = ("kept", "calls")
 
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
+    def __init__(self):
+        self.kept = {}  # id(module) -> (module, [(buffer, copy)])
+        self.calls = _ModuleCallsSeen(self._keep)
 
-
-@contextlib.contextmanager
-def _batchnorm_statistics_kept():
-    """Every torch BatchNorm module (any torch.nn.modules.batchnorm._BatchNorm: BatchNorm1d,
-    2d, 3d, SyncBatchNorm, and subclasses such as timm's BatchNormAct2d) called on this
-    thread while the body runs has its buffers (running_mean, running_var,
-    num_batches_tracked, and any a subclass adds) copied before its first call, and put back
-    when the body ends, without bumping their version counters. So a recompute leaves the
-    statistics as the forward left them, however the module is reached (a Module, a plain
-    function, checkpoint_sequential of callables), and the module's forward runs unchanged
-    (a subclass keeps what it adds, e.g. BatchNormAct2d's activation and dropout)."""
-    kept = {}  # id(module) -> (module, [(buffer, copy)])
-
-    def keep(module):
-        if not isinstance(module, _BatchNorm) or id(module) in kept:
+    def _keep(self, module):
+        if not isinstance(module, _BatchNorm) or id(module) in self.kept:
             return
         buffers = [b for b in module._buffers.values()
                    if isinstance(b, torch.Tensor) and not torch.nn.parameter.is_lazy(b)]
         with torch.no_grad():
-            kept[id(module)] = (module, [(b, b.clone()) for b in buffers])
+            self.kept[id(module)] = (module, [(b, b.clone()) for b in buffers])
 
-    try:
-        with _module_calls_seen(keep):
-            yield
-    finally:
-        with torch.no_grad():
-            for _, pairs in kept.values():
-                for b, c in pairs:
-                    b.data.copy_(c)
+    def __enter__(self):
+        self.calls.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.calls.__exit__(*exc)
+        finally:
+            with torch.no_grad():
+                for _, pairs in self.kept.values():
+                    for b, c in pairs:
+                        b.data.copy_(c)
+        return False
 
 
 @contextlib.contextmanager
@@ -143,7 +155,7 @@ def _fsdp_calls_noted(found):
         if isinstance(module, fsdp_module):
             found.append(module)
 
-    with _module_calls_seen(note):
+    with _ModuleCallsSeen(note):
         yield
 
 
@@ -164,20 +176,6 @@ def _get_rng_state(devices):
     return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
 
 
-@contextlib.contextmanager
-def _rng_restored(devices, state):
-    """Runs the body with the RNG state of the forward; puts the current one back after."""
-    if state is None:
-        yield
-        return
-    cpu_state, cuda_states = state
-    with torch.random.fork_rng(devices=devices, device_type="cuda"):
-        torch.set_rng_state(cpu_state)
-        for d, s in zip(devices, cuda_states):
-            torch.cuda.set_rng_state(s, d)
-        yield
-
-
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
@@ -191,31 +189,61 @@ def _set_autocast_state(state):
         torch.set_autocast_dtype(d, dtype)
 
 
-@contextlib.contextmanager
-def _autocast_restored(state):
-    previous = _autocast_state()
-    _set_autocast_state(state)
-    try:
-        yield
-    finally:
-        _set_autocast_state(previous)
+class _BuffersKept:
+    """`with _BuffersKept(buffers):` copies the buffers, and puts the copies back on exit
+    without bumping their version counters (as batch norm's in-kernel statistics updates do
+    not), so saved graphs stay valid."""
+
+    __slots__ = ("buffers", "copies")
+
+    def __init__(self, buffers):
+        self.buffers = buffers
+        self.copies = None
+
+    def __enter__(self):
+        if self.buffers:
+            with torch.no_grad():
+                self.copies = [b.clone() for b in self.buffers]
+        return self
+
+    def __exit__(self, *exc):
+        if self.copies is not None:
+            with torch.no_grad():
+                for b, c in zip(self.buffers, self.copies):
+                    b.data.copy_(c)
+        return False
 
 
-@contextlib.contextmanager
-def _buffers_restored(buffers):
-    """Copies the buffers, and puts the copies back without bumping their version counters
-    (as batch norm's in-kernel statistics updates do not), so saved graphs stay valid."""
-    if not buffers:
-        yield
-        return
-    with torch.no_grad():
-        copies = [b.clone() for b in buffers]
+def _recompute(ctx, inputs):
+    """ctx.run_function(*inputs) again, as the forward ran it: with the forward's RNG state
+    (when preserved) and autocast state, grad enabled and the recompute flag set; afterwards
+    the RNG and autocast states are the caller's again, and the buffers of the checkpointed
+    module and of every BatchNorm called are as the forward left them. Plain try/finally
+    and small context classes: this runs once per segment in every backward."""
+    rng = ctx.rng
+    if rng is not None:
+        devices = ctx.devices
+        caller_rng = _get_rng_state(devices)
+        torch.set_rng_state(rng[0])
+        for d, state in zip(devices, rng[1]):
+            torch.cuda.set_rng_state(state, d)
     try:
-        yield
+        caller_autocast = _autocast_state()
+        autocast_differs = caller_autocast != ctx.autocast
+        if autocast_differs:
+            _set_autocast_state(ctx.autocast)
+        try:
+            with _BuffersKept(ctx.options.buffers), _C.Recomputing(), \
+                    _BatchNormStatisticsKept(), torch.enable_grad():
+                return ctx.run_function(*inputs)
+        finally:
+            if autocast_differs:
+                _set_autocast_state(caller_autocast)
     finally:
-        with torch.no_grad():
-            for b, c in zip(buffers, copies):
-                b.data.copy_(c)
+        if rng is not None:
+            torch.set_rng_state(caller_rng[0])
+            for d, state in zip(devices, caller_rng[1]):
+                torch.cuda.set_rng_state(state, d)
 
 
 def module_parameters(module: torch.nn.Module) -> List[torch.Tensor]:
@@ -271,39 +299,10 @@ def _check_outputs(name, leaves):
         )
 
 
-def _check_no_unlisted_dependency(name, outputs, targets):
-    """Walks the recomputed graph from its outputs, stopping at the inputs and parameters:
-    any other tensor requiring grad it reaches would silently get no gradient."""
-    # Leaves are known by their gradient accumulator: a saved parameter unpacked through
-    # saved_tensors_hooks is a new tensor that shares the parameter's accumulator.
-    target_nodes = {torch.autograd.graph.get_gradient_edge(t).node for t in targets}
-
-    def fail(tensor, via):
-        through = f" through {via}" if via else ""
-        raise RuntimeError(
-            f"{name}: the function uses a tensor that requires grad but is neither one of its "
-            f"inputs nor one of the parameters given to the checkpoint (it reaches a leaf of "
-            f"shape {list(tensor.shape)}{through}); its gradient would be lost. Pass it in "
-            f"params= (memlean.checkpoint) or among the parameters after the n inputs "
-            f"(CheckpointFunction.apply)."
-        )
-
-    stack, seen = [], set()
-    for out in outputs:
-        node = torch.autograd.graph.get_gradient_edge(out).node
-        if node not in seen:
-            seen.add(node)
-            stack.append((node, ""))
-    while stack:
-        node, via = stack.pop()
-        if node in target_nodes:
-            continue
-        if type(node).__name__ == "AccumulateGrad":
-            fail(node.variable, via)
-        for nxt, _ in node.next_functions:
-            if nxt is not None and nxt not in seen:
-                seen.add(nxt)
-                stack.append((nxt, node.name()))
+# The remedy named when the recomputed graph reaches a leaf the checkpoint was not given
+# (memlean._C.recomputed_grad checks it, as the C++ checkpoint does).
+_HOW_TO_LIST = ("Pass it in params= (memlean.checkpoint) or among the parameters after the n "
+                "inputs (CheckpointFunction.apply).")
 
 
 # ---- the autograd function ---------------------------------------------------------------
@@ -415,9 +414,7 @@ class _Checkpoint(torch.autograd.Function):
         for slot, d in zip(ctx.slots, detached):
             inputs[slot] = d
 
-        with _rng_restored(ctx.devices, ctx.rng), _autocast_restored(ctx.autocast), \
-                _buffers_restored(ctx.options.buffers), _recomputing(), torch.enable_grad():
-            outputs = ctx.run_function(*inputs)
+        outputs = _recompute(ctx, inputs)
         leaves, _ = tree_flatten(outputs)
         if len(leaves) != len(ctx.is_tensor):
             raise RuntimeError(
@@ -449,8 +446,7 @@ class _Checkpoint(torch.autograd.Function):
                 where.append(k)
         result = [None] * len(args)
         if outs and targets:
-            _check_no_unlisted_dependency(name, outs, targets)
-            got = torch.autograd.grad(outs, targets, grads, allow_unused=True)
+            got = _C.recomputed_grad(outs, targets, grads, name, _HOW_TO_LIST)
             for k, g in zip(where, got):
                 result[k] = g
 
@@ -612,7 +608,7 @@ def measure_layer_costs(functions, input: torch.Tensor) -> List[LayerCost]:
     counted = set(state)
     costs, keep = [], []
     devices = _cuda_devices([input])
-    with torch.random.fork_rng(devices=devices, device_type="cuda"), _buffers_restored(buffers), \
+    with torch.random.fork_rng(devices=devices, device_type="cuda"), _BuffersKept(buffers), \
             torch.enable_grad():
         h = input
         counted.add(_storage_key(h)[0])
