@@ -443,7 +443,6 @@ template <typename scalar_t>
 void inplace_backward_typed(const at::Tensor& grad, const at::Tensor& y, const at::Tensor& mask,
                             const at::Tensor& grad_x, double beta) {
   using acc_t = acc_type<scalar_t>;
-  using V = Vectorized<acc_t>;
   constexpr bool kSameType = std::is_same_v<scalar_t, acc_t>;
   const scalar_t* g_data = grad.const_data_ptr<scalar_t>();
   const scalar_t* y_data = y.const_data_ptr<scalar_t>();

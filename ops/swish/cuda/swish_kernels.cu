@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "ops/swish/cuda/swish_kernels.h"
+#include "ops/swish/inplace_slope.h"
 #include "ops/swish/swish_constants.h"
 
 namespace memlean::swish_cuda {
@@ -90,9 +91,10 @@ __device__ __forceinline__ A swish_grad(A x, A beta) {
   return s * (A(1) + t * (A(1) - s));
 }
 
-// t from u = t * sigmoid(t) and its side of t*: the same method as the CPU kernel
-// (ops/swish/cpu/swish_kernel.cc): a series in s = ±sqrt(u - g*) near t*, else Newton on
-// h(t) = ±sqrt(g(t) - g*).
+// Double only: t from u = t * sigmoid(t) and its side of t*, the same method as the CPU
+// kernel's double path (ops/swish/cpu/swish_kernel.cc): a series in s = ±sqrt(u - g*) near
+// t*, else Newton on h(t) = ±sqrt(g(t) - g*). Float (and half, bfloat16) need no t:
+// inplace_slope.h.
 template <typename A>
 __device__ A inverse_g(A u, bool left) {
   const A ts = A(sc::kTStar), gs = A(sc::kGStar);
@@ -195,9 +197,14 @@ __global__ void inplace_backward_kernel(const T* grad, const T* y, const uint8_t
       const bool left = (bits >> j) & 1;
       A u = beta * a[j];
       if (u > slope_clamp<A>()) u = slope_clamp<A>();  // overflowed: t = u = L
-      const A t = inverse_g(u, left);
-      const A s = sigmoid(t);
-      const A slope = (left && u == A(0)) ? A(0) : s * (A(1) + t * (A(1) - s));
+      A slope;
+      if constexpr (std::is_same_v<A, float>) {
+        slope = sc::inplace_slope(u, left);  // polynomials in sqrt(u - g*), no iteration
+      } else {
+        const A t = inverse_g(u, left);
+        const A s = sigmoid(t);
+        slope = (left && u == A(0)) ? A(0) : s * (A(1) + t * (A(1) - s));
+      }
       a[j] = g[j] * slope;
     }
     store_group(grad_x, i, c, a);
