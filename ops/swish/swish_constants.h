@@ -27,8 +27,9 @@ constexpr T slope_clamp() {
   return static_cast<T>(sizeof(T) == sizeof(double) ? kSlopeClampDouble : kSlopeClampFloat);
 }
 
-// Newton iterations of the in-place backward in float (twice as many in double).
-constexpr int kInverseIterations = 3;
+// Newton iterations of the in-place backward's double path (float needs none: it evaluates
+// the slope from the kSlope* pieces below).
+constexpr int kInverseIterations = 6;
 
 // Near t*, t - t* as a series in s = ±sqrt(g(t) - g*) (sign: the side of t*):
 // t - t* = sum_k kInverseSeries[k-1] * s^k, error < 1e-9 for |s| < kSeriesRadius.

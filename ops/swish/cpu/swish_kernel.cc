@@ -322,9 +322,8 @@ void inverse_g(const Vectorized<acc_t> (&u)[K], const Vectorized<acc_t> (&left)[
   }
 
   const V inv_h1(acc_t(std::sqrt(2 / sc::kG2Star)));  // 1 / h'(t*)
-  // float: 3 steps reach the rounding floor; double converges further.
-  const int iterations = std::is_same_v<acc_t, double> ? 2 * sc::kInverseIterations
-                                                       : sc::kInverseIterations;
+  static_assert(std::is_same_v<acc_t, double>, "float takes slope_fast, not t");
+  const int iterations = sc::kInverseIterations;
   for (int it = 0; it < iterations; ++it) {
     for (int k = 0; k < K; ++k) {
       const V sig = one / (one + t[k].neg().exp());

@@ -120,7 +120,8 @@ __device__ A inverse_g(A u, bool left) {
     t = u > A(2) ? u : ts + r;
   }
   const A inv_h1 = A(1) / sqrt(A(sc::kG2Star / 2));
-  const int iterations = std::is_same_v<A, double> ? 2 * sc::kInverseIterations : sc::kInverseIterations;
+  static_assert(std::is_same_v<A, double>, "float takes inplace_slope, not t");
+  const int iterations = sc::kInverseIterations;
   for (int k = 0; k < iterations; ++k) {
     const A sig = sigmoid(t);
     const A g = t * sig;
