@@ -173,20 +173,26 @@ void horner_fma(const double (&c)[N], const V (&z)[K], V (&r)[K]) {
   }
 }
 
-// Two polynomials of one degree, a on za and b on zb, as 2K interleaved chains.
-template <typename V, size_t N, int K>
-void horner_fma2(const double (&a)[N], const V (&za)[K], V (&ra)[K], const double (&b)[N],
+// Two polynomials, a on za and b on zb (a of no lower degree), as 2K interleaved chains.
+template <typename V, size_t Na, size_t Nb, int K>
+void horner_fma2(const double (&a)[Na], const V (&za)[K], V (&ra)[K], const double (&b)[Nb],
                  const V (&zb)[K], V (&rb)[K]) {
+  static_assert(Na >= Nb, "the first polynomial is the longer one");
   using T = typename V::value_type;
-  #pragma GCC unroll 8
-  for (int k = 0; k < K; ++k) {
-    ra[k] = V(static_cast<T>(a[N - 1]));
-    rb[k] = V(static_cast<T>(b[N - 1]));
-  }
+#pragma GCC unroll 8
+  for (int k = 0; k < K; ++k) ra[k] = V(static_cast<T>(a[Na - 1]));
 #pragma GCC unroll 16
-  for (int j = static_cast<int>(N) - 2; j >= 0; --j) {
+  for (int j = static_cast<int>(Na) - 2; j >= static_cast<int>(Nb) - 1; --j) {
+    const V aj(static_cast<T>(a[j]));
+#pragma GCC unroll 8
+    for (int k = 0; k < K; ++k) ra[k] = at::vec::fmadd(ra[k], za[k], aj);
+  }
+#pragma GCC unroll 8
+  for (int k = 0; k < K; ++k) rb[k] = V(static_cast<T>(b[Nb - 1]));
+#pragma GCC unroll 16
+  for (int j = static_cast<int>(Nb) - 2; j >= 0; --j) {
     const V aj(static_cast<T>(a[j])), bj(static_cast<T>(b[j]));
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int k = 0; k < K; ++k) {
       ra[k] = at::vec::fmadd(ra[k], za[k], aj);
       rb[k] = at::vec::fmadd(rb[k], zb[k], bj);

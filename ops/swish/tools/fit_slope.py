@@ -28,7 +28,7 @@ from numpy.polynomial import chebyshev as cheb
 
 mp.mp.dps = 40
 R_SPLIT, R_END, L_SPLIT = 3.0, 16.0, -0.05
-DEGREES = {"R1": 10, "R2": 10, "L1": 10, "L2": 5, "LOG": 5}
+DEGREES = {"R1": 9, "R2": 10, "L1": 8, "L2": 5, "LOG": 5}
 
 
 def sigmoid(t):
