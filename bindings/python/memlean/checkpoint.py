@@ -141,22 +141,23 @@ class _BatchNormStatisticsKept:
         return False
 
 
-@contextlib.contextmanager
+_NO_FSDP = contextlib.nullcontext()
+
+
 def _fsdp_calls_noted(found):
-    """Appends to `found` every FSDP2 module (torch.distributed.fsdp.fully_shard) called on
-    this thread while the body runs. Nothing to do (no hook) where FSDP was never imported."""
+    """`with _fsdp_calls_noted(found):` appends to `found` every FSDP2 module
+    (torch.distributed.fsdp.fully_shard) called on this thread while the body runs. Nothing
+    to do (no hook) where FSDP was never imported."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     fsdp_module = getattr(fsdp, "FSDPModule", None)
     if fsdp_module is None:
-        yield
-        return
+        return _NO_FSDP
 
     def note(module):
         if isinstance(module, fsdp_module):
             found.append(module)
 
-    with _ModuleCallsSeen(note):
-        yield
+    return _ModuleCallsSeen(note)
 
 
 # ---- RNG, autocast, buffers --------------------------------------------------------------
@@ -214,28 +215,28 @@ class _BuffersKept:
         return False
 
 
-def _recompute(ctx, inputs):
-    """ctx.run_function(*inputs) again, as the forward ran it: with the forward's RNG state
+def _recompute(segment, inputs):
+    """segment.function(*inputs) again, as the forward ran it: with the forward's RNG state
     (when preserved) and autocast state, grad enabled and the recompute flag set; afterwards
     the RNG and autocast states are the caller's again, and the buffers of the checkpointed
     module and of every BatchNorm called are as the forward left them. Plain try/finally
     and small context classes: this runs once per segment in every backward."""
-    rng = ctx.rng
+    rng = segment.rng
     if rng is not None:
-        devices = ctx.devices
+        devices = segment.devices
         caller_rng = _get_rng_state(devices)
         torch.set_rng_state(rng[0])
         for d, state in zip(devices, rng[1]):
             torch.cuda.set_rng_state(state, d)
     try:
         caller_autocast = _autocast_state()
-        autocast_differs = caller_autocast != ctx.autocast
+        autocast_differs = caller_autocast != segment.autocast
         if autocast_differs:
-            _set_autocast_state(ctx.autocast)
+            _set_autocast_state(segment.autocast)
         try:
-            with _BuffersKept(ctx.options.buffers), _C.Recomputing(), \
+            with _BuffersKept(segment.buffers), _C.Recomputing(), \
                     _BatchNormStatisticsKept(), torch.enable_grad():
-                return ctx.run_function(*inputs)
+                return segment.function(*inputs)
         finally:
             if autocast_differs:
                 _set_autocast_state(caller_autocast)
@@ -249,6 +250,11 @@ def _recompute(ctx, inputs):
 def module_parameters(module: torch.nn.Module) -> List[torch.Tensor]:
     """A module's parameters, also for DataParallel replicas (whose parameters are plain
     attributes, kept in _former_parameters, so module.parameters() is empty)."""
+    if not module._modules and not getattr(module, "_is_replica", False):
+        # A leaf module (the common segment): no tree to walk (one parameter registered
+        # under two names is still listed once).
+        return list({id(p): p for p in module._parameters.values()
+                     if isinstance(p, torch.Tensor)}.values())
     params, seen = [], set()
     for m in module.modules():
         source = m._former_parameters if getattr(m, "_is_replica", False) else m._parameters
@@ -257,6 +263,12 @@ def module_parameters(module: torch.nn.Module) -> List[torch.Tensor]:
                 seen.add(id(p))
                 params.append(p)
     return params
+
+
+def _module_buffers(module):
+    if not module._modules:
+        return [b for b in module._buffers.values() if b is not None]
+    return [b for b in module.buffers() if b is not None]
 
 
 # ---- checks ------------------------------------------------------------------------------
@@ -308,60 +320,82 @@ _HOW_TO_LIST = ("Pass it in params= (memlean.checkpoint) or among the parameters
 # ---- the autograd function ---------------------------------------------------------------
 
 
-class _Options:
-    __slots__ = ("name", "preserve_rng_state", "buffers", "spec")
+class _Segment:
+    """One checkpoint call: its options, and what its forward leaves for the backward (one
+    slotted object, attached to ctx once: attribute writes on ctx cost more)."""
 
-    def __init__(self, name, preserve_rng_state, buffers):
+    __slots__ = ("name", "preserve_rng_state", "buffers", "function", "length", "spec",
+                 "template", "slots", "repeated", "devices", "rng", "autocast", "fsdp",
+                 "is_tensor")
+
+    def __init__(self, name, function, length, preserve_rng_state, buffers):
         self.name = name
+        self.function = function
+        self.length = length
         self.preserve_rng_state = preserve_rng_state
         self.buffers = buffers
         self.spec = None  # the structure of the outputs, set by forward
 
 
+def _flatten(outputs):
+    """tree_flatten, with the common single-tensor output spared pytree's cost."""
+    if isinstance(outputs, torch.Tensor):
+        return [outputs], None
+    return tree_flatten(outputs)
+
+
+def _unflatten(leaves, spec):
+    return leaves[0] if spec is None else tree_unflatten(list(leaves), spec)
+
+
 class _Checkpoint(torch.autograd.Function):
-    """args: the `length` inputs of run_function, then the parameters it uses. Returns the
-    leaves of run_function's output (options.spec is its structure)."""
+    """args: the `segment.length` inputs of its function, then the parameters it uses.
+    Returns the leaves of the function's output (segment.spec is its structure)."""
 
     @staticmethod
-    def forward(ctx, run_function, length, options, *args):
-        name = options.name
+    def forward(ctx, segment, *args):
         ctx.set_materialize_grads(False)
+        ctx.segment = segment
+        length = segment.length
         inputs = args[:length]
         params = args[length:]
         slots = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
-        tensors = [inputs[i] for i in slots] + list(params)
+        segment.slots = slots
+        segment.template = [None if isinstance(a, torch.Tensor) else a for a in inputs]
         # A parameter listed twice gets its gradient once (the engine would add both).
-        seen = set()
-        ctx.repeated = []
-        for p in params:
-            ctx.repeated.append(id(p) in seen)
-            seen.add(id(p))
-        devices = _cuda_devices(tensors)
-        ctx.run_function = run_function
-        ctx.options = options
-        ctx.length = length
-        ctx.template = [None if isinstance(a, torch.Tensor) else a for a in inputs]
-        ctx.slots = slots
-        ctx.devices = devices
-        ctx.rng = _get_rng_state(devices) if options.preserve_rng_state else None
-        ctx.autocast = _autocast_state()
+        ids = [id(p) for p in params]
+        if len(set(ids)) == len(ids):
+            segment.repeated = None
+        else:
+            seen = set()
+            segment.repeated = []
+            for i in ids:
+                segment.repeated.append(i in seen)
+                seen.add(i)
+        tensors = [inputs[i] for i in slots]
+        tensors += params
+        # A tensor on a GPU implies CUDA is initialized: skip the scan otherwise.
+        devices = _cuda_devices(tensors) if torch.cuda.is_initialized() else []
+        segment.devices = devices
+        segment.rng = _get_rng_state(devices) if segment.preserve_rng_state else None
+        segment.autocast = _autocast_state()
 
         versions = [inputs[i]._version for i in slots]
         fsdp_modules = []
         with _fsdp_calls_noted(fsdp_modules):
-            outputs = run_function(*inputs)
-        ctx.fsdp = bool(fsdp_modules)
+            outputs = segment.function(*inputs)
+        segment.fsdp = bool(fsdp_modules)
         for i, v in zip(slots, versions):
             if inputs[i]._version != v:
                 raise RuntimeError(
-                    f"{name}: the function modified its input {i} in place; a checkpointed "
-                    f"function must not modify its inputs (the recompute in backward would see "
-                    f"the modified values). Clone the input first, or start the segment after "
-                    f"the in-place op."
+                    f"{segment.name}: the function modified its input {i} in place; a "
+                    f"checkpointed function must not modify its inputs (the recompute in "
+                    f"backward would see the modified values). Clone the input first, or start "
+                    f"the segment after the in-place op."
                 )
-        leaves, options.spec = tree_flatten(outputs)
-        _check_outputs(name, leaves)
-        ctx.is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+        leaves, segment.spec = _flatten(outputs)
+        _check_outputs(segment.name, leaves)
+        segment.is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
         ctx.save_for_backward(*tensors)
         return tuple(leaves)
 
@@ -380,7 +414,7 @@ class _Checkpoint(torch.autograd.Function):
         if not where:
             return grads
         error = torch._C._functions.DelayedError(
-            f"{ctx.options.name}: double backward (create_graph=True) through a checkpoint is "
+            f"{ctx.segment.name}: double backward (create_graph=True) through a checkpoint is "
             f"not supported".encode(), len(where))
         wrapped = error(*[grads[i].detach().requires_grad_(True) for i in where])
         if isinstance(wrapped, torch.Tensor):
@@ -392,7 +426,8 @@ class _Checkpoint(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_outputs):
-        name = ctx.options.name
+        segment = ctx.segment
+        name = segment.name
         try:
             saved = ctx.saved_tensors
         except RuntimeError as e:
@@ -403,26 +438,26 @@ class _Checkpoint(torch.autograd.Function):
                 f"backward freed the inputs it saved. Pass retain_graph=True to the first "
                 f"backward to run backward twice."
             ) from None
-        n_in = len(ctx.slots)
+        n_in = len(segment.slots)
         detached = []
         for t in saved[:n_in]:
             d = t.detach()
             d.requires_grad_(t.requires_grad)
             detached.append(d)
         params = saved[n_in:]
-        inputs = list(ctx.template)
-        for slot, d in zip(ctx.slots, detached):
+        inputs = list(segment.template)
+        for slot, d in zip(segment.slots, detached):
             inputs[slot] = d
 
-        outputs = _recompute(ctx, inputs)
-        leaves, _ = tree_flatten(outputs)
-        if len(leaves) != len(ctx.is_tensor):
+        outputs = _recompute(segment, inputs)
+        leaves, _ = _flatten(outputs)
+        if len(leaves) != len(segment.is_tensor):
             raise RuntimeError(
-                f"{name}: the function returned {len(ctx.is_tensor)} values in forward but "
+                f"{name}: the function returned {len(segment.is_tensor)} values in forward but "
                 f"{len(leaves)} when recomputed in backward; it must do the same both times"
             )
         outs, grads = [], []
-        for leaf, was_tensor, g in zip(leaves, ctx.is_tensor, grad_outputs):
+        for leaf, was_tensor, g in zip(leaves, segment.is_tensor, grad_outputs):
             if not was_tensor:
                 continue
             if not isinstance(leaf, torch.Tensor):
@@ -434,12 +469,13 @@ class _Checkpoint(torch.autograd.Function):
                 outs.append(leaf)
                 grads.append(g)
 
-        if ctx.fsdp:
-            return _fsdp_backward(ctx, detached, params, outs, grads)
+        if segment.fsdp:
+            return _fsdp_backward(segment, detached, params, outs, grads)
         args = detached + list(params)
+        repeated = segment.repeated
         targets, where = [], []
         for k, t in enumerate(args):
-            if k >= n_in and ctx.repeated[k - n_in]:
+            if repeated is not None and k >= n_in and repeated[k - n_in]:
                 continue
             if t.requires_grad:
                 targets.append(t)
@@ -450,13 +486,13 @@ class _Checkpoint(torch.autograd.Function):
             for k, g in zip(where, got):
                 result[k] = g
 
-        input_grads = [None] * ctx.length
-        for slot, g in zip(ctx.slots, result[:n_in]):
+        input_grads = [None] * segment.length
+        for slot, g in zip(segment.slots, result[:n_in]):
             input_grads[slot] = g
-        return (None, None, None, *input_grads, *result[n_in:])
+        return (None, *input_grads, *result[n_in:])
 
 
-def _fsdp_backward(ctx, detached, params, outs, grads):
+def _fsdp_backward(segment, detached, params, outs, grads):
     """Backward of a segment that called FSDP2 (fully_shard) modules.
 
     Their forward hooks ran again in the recompute: they gathered the sharded parameters
@@ -469,10 +505,10 @@ def _fsdp_backward(ctx, detached, params, outs, grads):
     """
     if outs:
         torch.autograd.backward(outs, grads)
-    input_grads = [None] * ctx.length
-    for slot, d in zip(ctx.slots, detached):
+    input_grads = [None] * segment.length
+    for slot, d in zip(segment.slots, detached):
         input_grads[slot] = d.grad if d.requires_grad else None
-    return (None, None, None, *input_grads, *([None] * len(params)))
+    return (None, *input_grads, *([None] * len(params)))
 
 
 def _run(name, function, length, args, preserve_rng_state, buffers):
@@ -485,9 +521,9 @@ def _run(name, function, length, args, preserve_rng_state, buffers):
         outputs = function(*args[:length])
         _check_outputs(name, tree_flatten(outputs)[0])
         return outputs
-    options = _Options(name, preserve_rng_state, buffers)
-    leaves = _Checkpoint.apply(function, length, options, *args)
-    return tree_unflatten(list(leaves), options.spec)
+    segment = _Segment(name, function, length, preserve_rng_state, buffers)
+    leaves = _Checkpoint.apply(segment, *args)
+    return _unflatten(leaves, segment.spec)
 
 
 def checkpoint(function: Callable, *args, params: Optional[Sequence[torch.Tensor]] = None,
@@ -505,7 +541,7 @@ def checkpoint(function: Callable, *args, params: Optional[Sequence[torch.Tensor
     """
     if isinstance(function, torch.nn.Module):
         listed = module_parameters(function)
-        buffers = [b for b in function.buffers() if b is not None]
+        buffers = _module_buffers(function)
     else:
         listed, buffers = [], []
     if params is not None:

@@ -172,6 +172,20 @@ def test_parameter_listed_twice_gets_its_gradient_once():
     assert_same(grads([x, lin.weight, lin.bias]), plain)
 
 
+def test_module_parameter_under_two_names_gets_its_gradient_once():
+    # One Parameter registered twice in a leaf module (the checkpoint's fast path for leaf
+    # modules) and in a module with children (the tree walk).
+    for nested in (False, True):
+        lin = nn.Linear(4, 4).to(D)
+        lin.register_parameter("alias", lin.weight)
+        module = nn.Sequential(lin) if nested else lin
+        x = torch.randn(2, 4, dtype=D, requires_grad=True)
+        module(x).sum().backward()
+        plain = grads([x, lin.weight, lin.bias])
+        memlean.checkpoint(module, x).sum().backward()
+        assert_same(grads([x, lin.weight, lin.bias]), plain)
+
+
 def test_under_saved_tensors_hooks():
     # Saved parameters come back from the hooks as new tensors sharing the accumulator.
     lin = nn.Linear(4, 4).to(D)
