@@ -1,6 +1,8 @@
 // google-benchmark of the Swish variants against ATen's silu, the naive composition and a
 // plain copy (x.clone(), the bandwidth reference), float32 at 1M, 16M and 64M elements, as
-// [N, 64, 32, 32] tensors in the contiguous and the channels_last layout, on the CPU and on
+// [N, 64, 32, 32] tensors of N(0, 9) values (so the in-place backward's costlier branches all
+// run; a second, smaller table repeats in-place vs silu on N(0, 1) values), in the
+// contiguous and the channels_last layout, on the CPU and on
 // CUDA (the CUDA cases are skipped without a GPU; each iteration there ends with a device
 // synchronize, so real time is the kernels' time). Phases: fwd (kernels, no autograd), bwd
 // (kernels; the naive one through autograd, as it runs in training), both (forward +
@@ -60,9 +62,11 @@ at::Tensor inplace_backward(const at::Tensor& g, const at::Tensor& y, const at::
   return op.call(g, y, mask, 1.0);
 }
 
-at::Tensor input(const benchmark::State& state) {
+// N(0, scale^2) inputs. The default, 3, puts many elements in the in-place backward's tails
+// (its costliest branches); 1 is closer to activations after a normalization.
+at::Tensor input(const benchmark::State& state, double scale = 3) {
   at::manual_seed(0);
-  at::Tensor x = at::randn({state.range(0) / kImage, 64, 32, 32}) * 3;
+  at::Tensor x = at::randn({state.range(0) / kImage, 64, 32, 32}) * scale;
   if (state.range(1) == 1) x = x.contiguous(at::MemoryFormat::ChannelsLast);
   return on_cuda(state) ? x.to(at::kCUDA) : x;
 }
@@ -124,9 +128,9 @@ void BM_clone(benchmark::State& state) {
 }
 
 // ---- backward: read grad and x (or y), write grad_x (12 bytes per element) ----
-void BM_bwd_silu(benchmark::State& state) {
+void BM_bwd_silu_at(benchmark::State& state, double scale) {
   if (!runnable(state)) return;
-  const at::Tensor x = input(state), g = at::randn_like(x);
+  const at::Tensor x = input(state, scale), g = at::randn_like(x);
   for (auto _ : state) {
     benchmark::DoNotOptimize(at::silu_backward(g, x));
     sync(state);
@@ -157,9 +161,9 @@ void BM_bwd_memory_efficient(benchmark::State& state) {
   }
   set_bytes(state, 12);
 }
-void BM_bwd_inplace(benchmark::State& state) {
+void BM_bwd_inplace_at(benchmark::State& state, double scale) {
   if (!runnable(state)) return;
-  at::Tensor y = input(state);
+  at::Tensor y = input(state, scale);
   const at::Tensor g = at::randn_like(y);
   const at::Tensor mask = with_mask(y);
   for (auto _ : state) {
@@ -171,9 +175,9 @@ void BM_bwd_inplace(benchmark::State& state) {
 
 // ---- forward + backward through autograd (20 bytes per element) ----
 template <typename F>
-void both(benchmark::State& state, F f, bool needs_non_leaf) {
+void both(benchmark::State& state, F f, bool needs_non_leaf, double scale = 3) {
   if (!runnable(state)) return;
-  const at::Tensor x0 = input(state), g = at::randn_like(x0);
+  const at::Tensor x0 = input(state, scale), g = at::randn_like(x0);
   const at::Tensor leaf = x0.clone().set_requires_grad(true);
   for (auto _ : state) {
     state.PauseTiming();
@@ -186,16 +190,22 @@ void both(benchmark::State& state, F f, bool needs_non_leaf) {
   }
   set_bytes(state, 20);
 }
-void BM_both_silu(benchmark::State& s) { both(s, [](const at::Tensor& x) { return at::silu(x); }, false); }
+void BM_both_silu_at(benchmark::State& s, double scale) {
+  both(s, [](const at::Tensor& x) { return at::silu(x); }, false, scale);
+}
 void BM_both_naive(benchmark::State& s) {
   both(s, [](const at::Tensor& x) { return x * at::sigmoid(x); }, false);
 }
 void BM_both_memory_efficient(benchmark::State& s) {
   both(s, [](const at::Tensor& x) { return memlean::swish(x); }, false);
 }
-void BM_both_inplace(benchmark::State& s) {
-  both(s, [](const at::Tensor& x) { return memlean::swish(x, 1.0, memlean::SwishVariant::kInplace); }, true);
+void BM_both_inplace_at(benchmark::State& s, double scale) {
+  both(s, [](const at::Tensor& x) { return memlean::swish(x, 1.0, memlean::SwishVariant::kInplace); }, true, scale);
 }
+void BM_bwd_silu(benchmark::State& s) { BM_bwd_silu_at(s, 3); }
+void BM_bwd_inplace(benchmark::State& s) { BM_bwd_inplace_at(s, 3); }
+void BM_both_silu(benchmark::State& s) { BM_both_silu_at(s, 3); }
+void BM_both_inplace(benchmark::State& s) { BM_both_inplace_at(s, 3); }
 
 void sizes(benchmark::internal::Benchmark* b) {
   for (int64_t device : {0, 1}) {
@@ -219,6 +229,18 @@ BENCHMARK(BM_both_silu)->Apply(sizes);
 BENCHMARK(BM_both_naive)->Apply(sizes);
 BENCHMARK(BM_both_memory_efficient)->Apply(sizes);
 BENCHMARK(BM_both_inplace)->Apply(sizes);
+
+// The in-place variant against silu on N(0, 1) inputs: contiguous, 16M and 64M elements.
+void unit_sizes(benchmark::internal::Benchmark* b) {
+  for (int64_t device : {0, 1}) {
+    for (int64_t n : {kSizes[1], kSizes[2]}) b->Args({n, 0, device});
+  }
+  b->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.3);
+}
+BENCHMARK_CAPTURE(BM_bwd_silu_at, unit, 1.0)->Apply(unit_sizes);
+BENCHMARK_CAPTURE(BM_bwd_inplace_at, unit, 1.0)->Apply(unit_sizes);
+BENCHMARK_CAPTURE(BM_both_silu_at, unit, 1.0)->Apply(unit_sizes);
+BENCHMARK_CAPTURE(BM_both_inplace_at, unit, 1.0)->Apply(unit_sizes);
 
 // Keeps the median (over --benchmark_repetitions) time per iteration and bytes/s of each
 // benchmark, keyed by its name.
@@ -280,6 +302,21 @@ int main(int argc, char** argv) {
                         r->bytes_per_second / 1e9, clone->bytes_per_second / 1e9);
           }
         }
+      }
+    }
+  }
+  std::printf("\nN(0, 1) inputs (the table above: N(0, 9)), contiguous: in-place vs silu\n");
+  std::printf("%-5s %-6s %-10s %10s\n", "dev", "phase", "elements", "vs silu");
+  for (int device : {0, 1}) {
+    for (const char* phase : {"bwd", "both"}) {
+      for (int64_t n : {kSizes[1], kSizes[2]}) {
+        const std::string suffix = "/unit/" + std::to_string(n) + "/0/" + std::to_string(device) +
+                                   "/min_time:0.300/real_time";
+        const auto* silu = get(std::string("BM_") + phase + "_silu_at" + suffix);
+        const auto* r = get(std::string("BM_") + phase + "_inplace_at" + suffix);
+        if (!r || !silu) continue;
+        std::printf("%-5s %-6s %-10lld %9.2fx\n", kDevices[device], phase,
+                    static_cast<long long>(n), silu->seconds / r->seconds);
       }
     }
   }

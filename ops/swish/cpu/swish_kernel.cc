@@ -46,9 +46,10 @@ struct SwishMath {
   Vectorized<T> backward(Vectorized<T> g, Vectorized<T> x) const {
     const Vectorized<T> one(T(1));
     constexpr T L = swish_constants::slope_clamp<T>();
-    // maximum/minimum propagate NaN; ±inf (beta * x overflowed) becomes ±L.
-    const Vectorized<T> t = at::vec::minimum(
-        at::vec::maximum(x * Vectorized<T>(beta), Vectorized<T>(-L)), Vectorized<T>(L));
+    // ±inf (beta * x overflowed) becomes ±L; NaN stays NaN (clamp is min(L, max(-L, t)),
+    // which returns its second operand, t, when that is NaN: two instructions).
+    const Vectorized<T> t =
+        at::vec::clamp(x * Vectorized<T>(beta), Vectorized<T>(-L), Vectorized<T>(L));
     const Vectorized<T> s = one / (one + t.neg().exp());
     return g * s * (one + t * (one - s));
   }
