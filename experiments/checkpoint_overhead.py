@@ -1,6 +1,7 @@
 """Per-call overhead of a checkpoint, side by side in one process: a chain of small Linear
 layers, each its own segment, trained a step at a time (forward + backward) with no
-checkpoint, memlean.checkpoint, and torch.utils.checkpoint in both forms. The overhead per
+checkpoint, memlean.checkpoint, torch.utils.checkpoint in both forms, and a minimal
+autograd.Function checkpoint with none of the safety (the floor of that design). The overhead per
 call is (step time - plain step time) / layers: with layers this small, it is what the
 checkpoint itself costs (autograd Function, RNG state, argument checks, bookkeeping, the
 nested backward), not the recompute.
@@ -16,12 +17,36 @@ import torch.utils.checkpoint as torch_checkpoint
 import memlean
 from experiments import common
 
+class _Minimal(torch.autograd.Function):
+    """The floor of a checkpoint built as a Python autograd.Function, for reference: saves
+    the input, recomputes in backward and takes the gradients in C++ (memlean's
+    recomputed_grad), and nothing else (no RNG or autocast state, no checks, no BatchNorm
+    or buffer handling): what memlean.checkpoint would cost without its safety."""
+
+    @staticmethod
+    def forward(ctx, layer, h, *params):
+        ctx.layer = layer
+        ctx.save_for_backward(h, *params)
+        return layer(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, *params = ctx.saved_tensors
+        detached = h.detach().requires_grad_(h.requires_grad)
+        with torch.enable_grad():
+            out = ctx.layer(detached)
+        targets = [t for t in [detached, *params] if t.requires_grad]
+        got = iter(memlean._C.recomputed_grad([out], targets, [grad], "minimal", ""))
+        return (None, *[next(got) if t.requires_grad else None for t in [detached, *params]])
+
+
 METHODS = {
     "plain call": lambda layer, h: layer(h),
     "memlean.checkpoint": lambda layer, h: memlean.checkpoint(layer, h),
     "torch non-reentrant": lambda layer, h: torch_checkpoint.checkpoint(layer, h,
                                                                        use_reentrant=False),
     "torch reentrant": lambda layer, h: torch_checkpoint.checkpoint(layer, h, use_reentrant=True),
+    "minimal Function": lambda layer, h: _Minimal.apply(layer, h, *layer.parameters()),
 }
 
 
