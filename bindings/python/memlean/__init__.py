@@ -30,9 +30,9 @@ _check_torch_version()
 
 from memlean import _C  # noqa: E402  (registers torch.ops.memlean.*)
 from memlean.swish import VARIANTS, Swish, swish, swish_  # noqa: E402
-from memlean.checkpoint import (  # noqa: E402
-    CheckpointFunction, LayerCost, SegmentPlan, checkpoint, checkpoint_sequential,
-    is_recomputing, measure_layer_costs, plan_segments)
+from memlean.checkpoint import CheckpointFunction, checkpoint, is_recomputing  # noqa: E402
+from memlean.sequential import (  # noqa: E402
+    LayerCost, SegmentPlan, checkpoint_sequential, measure_layer_costs, plan_segments)
 from memlean.batchnorm import BatchNorm2d  # noqa: E402
 from memlean import memstats  # noqa: E402,F401  (memlean.memstats.track(), ...)
 

@@ -5,8 +5,6 @@ them in backward (seed 003's CheckpointFunction, with RNG preservation, buffers,
     y = memlean.checkpoint(block, x)                           # an nn.Module: its parameters
     y = memlean.checkpoint(fn, x, h, params=[w, b])            # any callable: list what it uses
     y = memlean.CheckpointFunction.apply(fn, 2, x, h, w, b)    # seed 003's call form
-    y = memlean.checkpoint_sequential(model, 4, x)             # 4 segments (or a plan)
-    plan = memlean.plan_segments(memlean.measure_layer_costs(model, x), budget_bytes=2**30)
 
 Forward runs the function under no_grad, so none of the segment's activations are kept:
 only its inputs (and the parameters, which exist anyway) are saved. Backward recomputes
@@ -43,13 +41,14 @@ use torch.compile's own activation memory budget instead of a checkpoint.
 
 This is the Python implementation of the same design as the C++ memlean::checkpoint
 (ops/checkpoint/checkpoint.h): Python callables are run from a Python autograd.Function.
-is_recomputing() is one flag, kept in C++, shared with the C++ checkpoint.
+is_recomputing() is one flag, kept in C++, shared with the C++ checkpoint, and so are the
+recompute's gradients and their check (memlean::recomputed_grad). checkpoint_sequential and
+the segment planner are in memlean/sequential.py, as ops/checkpoint/sequential.h is apart
+from checkpoint.h.
 """
 import contextlib
-import numbers
 import sys
 import threading
-from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -60,13 +59,8 @@ from memlean import _C
 
 __all__ = [
     "CheckpointFunction",
-    "LayerCost",
-    "SegmentPlan",
     "checkpoint",
-    "checkpoint_sequential",
     "is_recomputing",
-    "measure_layer_costs",
-    "plan_segments",
 ]
 
 def is_recomputing() -> bool:
@@ -563,169 +557,3 @@ class CheckpointFunction:
     @staticmethod
     def apply(function: Callable, n: int, *args):
         return _run("memlean.CheckpointFunction", function, n, args, True, [])
-
-
-# ---- sequential and the planner ----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LayerCost:
-    """The memory one layer of a chain costs in training."""
-
-    input_bytes: int  # its input: what a checkpoint starting at this layer keeps
-    activation_bytes: int  # what its forward creates and keeps alive (saved tensors, output)
-
-
-@dataclass(frozen=True)
-class SegmentPlan:
-    """Segments of a chain: starts[j] is the first layer of segment j (starts[0] == 0).
-
-    estimated_peak_bytes: max over segments j of the inputs kept by the segments before j,
-    plus segment j's input and activations (gradients and temporaries are not counted).
-    fits_budget: whether that is within the budget asked for (True without a budget).
-    """
-
-    starts: List[int]
-    estimated_peak_bytes: int
-    fits_budget: bool = True
-
-    @property
-    def num_segments(self) -> int:
-        return len(self.starts)
-
-
-def _check_costs(costs):
-    costs = list(costs)
-    for i, c in enumerate(costs):
-        if not isinstance(c, LayerCost):
-            raise TypeError(f"memlean.plan_segments: costs[{i}] is {_describe(c)}, not a LayerCost")
-    return costs
-
-
-def plan_segments(costs: Sequence[LayerCost], budget_bytes: Optional[int] = None) -> SegmentPlan:
-    """Segments for a chain with these layer costs (see memlean.measure_layer_costs).
-
-    Without a budget: round(sqrt(n)) segments of (nearly) equal numbers of layers (Chen et
-    al. 2016). With one: of the plans whose estimated peak fits, the one that recomputes the
-    fewest layers (the longest last segment, which is not recomputed), then keeps the fewest
-    bytes; if none fits, the plan with the lowest estimated peak, with fits_budget=False.
-    The same planner as the C++ memlean::plan_segments.
-    """
-    costs = _check_costs(costs)
-    if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)):
-        raise TypeError(f"memlean.plan_segments: budget_bytes must be an int or None, got {_describe(budget_bytes)}")
-    if budget_bytes is not None and budget_bytes < 0:
-        raise ValueError(f"memlean.plan_segments: budget_bytes must be >= 0, got {budget_bytes}")
-    for i, c in enumerate(costs):
-        if c.input_bytes < 0 or c.activation_bytes < 0:
-            raise ValueError(f"memlean.plan_segments: layer {i} has a negative cost ({c})")
-    starts, peak, fits = _C.plan_segments([c.input_bytes for c in costs],
-                                          [c.activation_bytes for c in costs], budget_bytes)
-    return SegmentPlan(list(starts), int(peak), bool(fits))
-
-
-def _storage_key(t):
-    s = t.untyped_storage()
-    return (t.device, s.data_ptr()), s.nbytes()
-
-
-def measure_layer_costs(functions, input: torch.Tensor) -> List[LayerCost]:
-    """Runs the chain once on `input` with grad mode on and measures each layer: its input's
-    bytes, and the bytes of the tensors it creates that its backward keeps (saved tensors,
-    found with saved_tensors_hooks) or that it returns. Parameters and buffers are not
-    counted. The chain's buffers (e.g. running statistics) and the RNG state are left as
-    they were."""
-    layers = list(functions)
-    if not isinstance(input, torch.Tensor):
-        raise TypeError(f"memlean.measure_layer_costs: input must be a tensor, got {_describe(input)}")
-    modules = [m for m in layers if isinstance(m, torch.nn.Module)]
-    state = {_storage_key(t)[0] for m in modules for t in list(m.parameters()) + list(m.buffers())}
-    buffers = [b for m in modules for b in m.buffers()]
-    counted = set(state)
-    costs, keep = [], []
-    devices = _cuda_devices([input])
-    with torch.random.fork_rng(devices=devices, device_type="cuda"), _BuffersKept(buffers), \
-            torch.enable_grad():
-        h = input
-        counted.add(_storage_key(h)[0])
-        for layer in layers:
-            new = {}
-
-            def pack(t, new=new):
-                key, nbytes = _storage_key(t)
-                if key not in counted and nbytes > 0:
-                    new[key] = nbytes
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = layer(h)
-            if not isinstance(out, torch.Tensor):
-                raise TypeError(f"memlean.measure_layer_costs: a layer returned {_describe(out)}, not a tensor")
-            pack(out)
-            costs.append(LayerCost(_storage_key(h)[1], sum(new.values())))
-            counted.update(new)
-            keep.append(out)
-            h = out
-    return costs
-
-
-def _segment_starts(segments, n):
-    name = "memlean.checkpoint_sequential"
-    accepted = ("an int (the number of segments), 'sqrt', a list of ints (the first layer of "
-                "each segment) or a memlean.SegmentPlan")
-    if isinstance(segments, SegmentPlan):
-        segments = segments.starts
-    if isinstance(segments, bool) or type(segments).__name__ == "bool_":
-        raise TypeError(f"{name}: segments must be {accepted}, got a bool")
-    if isinstance(segments, numbers.Integral):  # int, numpy's integers
-        return list(_C.equal_segment_starts(n, int(segments), name))
-    if isinstance(segments, str):
-        if segments != "sqrt":
-            raise ValueError(f"{name}: segments must be {accepted}, got {segments!r}")
-        return list(_C.sqrt_segment_starts(n))
-    if isinstance(segments, (bytes, dict, set, frozenset)) or not hasattr(segments, "__iter__"):
-        raise TypeError(f"{name}: segments must be {accepted}, got {_describe(segments)}")
-    starts = list(segments)
-    for i, s in enumerate(starts):
-        if isinstance(s, bool) or not isinstance(s, numbers.Integral):
-            raise TypeError(f"{name}: segments must be {accepted}; segments[{i}] is {_describe(s)}, not an int")
-    starts = [int(s) for s in starts]
-    _C.check_segment_starts(starts, n, name)  # the C++ checkpoint_sequential's own checks
-    return starts
-
-
-def checkpoint_sequential(functions, segments, input, *, preserve_rng_state: bool = True):
-    """Runs the chain `functions` (an nn.Sequential or a list of modules/callables, each
-    taking and returning one tensor) on `input` in segments, each but the last checkpointed.
-
-    segments: a number of (nearly) equal segments, 'sqrt' for round(sqrt(n)), a list of the
-    first layer of each segment, or a SegmentPlan (memlean.plan_segments). The last segment
-    runs as usual: its backward comes first, so keeping its activations costs no more at the
-    peak than recomputing them, and saves one recompute.
-    """
-    layers = list(functions)
-    starts = _segment_starts(segments, len(layers))
-    h = input
-    for j, s in enumerate(starts):
-        e = starts[j + 1] if j + 1 < len(starts) else len(layers)
-        segment = layers[s:e]
-        if j + 1 == len(starts):
-            for layer in segment:
-                h = layer(h)
-            return h
-        modules = [m for m in segment if isinstance(m, torch.nn.Module)]
-        params, seen = [], set()
-        for m in modules:
-            for p in module_parameters(m):
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
-        buffers = [b for m in modules for b in m.buffers()]
-
-        def run(x, segment=segment):
-            for layer in segment:
-                x = layer(x)
-            return x
-
-        h = _run("memlean.checkpoint_sequential", run, 1, (h, *params), preserve_rng_state, buffers)
-    return h
