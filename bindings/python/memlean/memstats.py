@@ -49,6 +49,7 @@ __all__ = [
     "memory_allocated",
     "memory_reserved",
     "saved_storages",
+    "storage_key",
     "track",
 ]
 
@@ -56,7 +57,7 @@ __all__ = [
 def _device(device) -> str:
     """'cpu' / 'cuda' / 'cuda:1' / torch.device / a CUDA index → the string C++ parses."""
     if isinstance(device, bool):
-        raise TypeError(f"memlean.memstats: device must be a str, torch.device or int, got bool")
+        raise TypeError("memlean.memstats: device must be a str, torch.device or int, got bool")
     if isinstance(device, int):
         device = f"cuda:{device}"
     if isinstance(device, torch.device):
@@ -324,32 +325,44 @@ def _write(path, text: str) -> str:
     return text
 
 
+def storage_key(tensor: torch.Tensor):
+    """The key of a tensor's storage: (device, data_ptr), the same for every view of it."""
+    return (tensor.device, tensor.untyped_storage().data_ptr())
+
+
 class SavedStorages(dict):
-    """{storage data_ptr: nbytes} of the distinct storages autograd saved for backward."""
+    """{storage_key: nbytes} of the distinct storages autograd saved for backward."""
 
     @property
     def nbytes(self) -> int:
         return sum(self.values())
 
+    def add(self, *tensors: torch.Tensor) -> None:
+        """Counts the storages of `tensors` too (e.g. an op's output, which a caller keeps)."""
+        for t in tensors:
+            self[storage_key(t)] = t.untyped_storage().nbytes()
+
     def without(self, *tensors: torch.Tensor) -> "SavedStorages":
         """The same, less the storages of `tensors` (e.g. an op's output, alive anyway)."""
-        drop = {t.untyped_storage().data_ptr() for t in tensors}
+        drop = {storage_key(t) for t in tensors}
         return SavedStorages({k: v for k, v in self.items() if k not in drop})
 
 
 @contextlib.contextmanager
 def saved_storages():
     """Record the storages autograd saves for backward inside the block (each counted once,
-    however many saved tensors view it):
+    however many saved tensors view it; keyed by storage_key):
 
         with memlean.memstats.saved_storages() as saved:
             y = model(x)
         print(len(saved), saved.nbytes, saved.without(y).nbytes)
-    """
+
+    The one way memlean's Python side counts saved bytes (memlean.measure_layer_costs uses
+    it too)."""
     saved = SavedStorages()
 
     def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        saved.add(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from memlean import _C
+from memlean import _C, memstats
 from memlean.checkpoint import (_BuffersKept, _cuda_devices, _describe,
                                 _run, module_parameters)
 
@@ -86,45 +86,33 @@ def plan_segments(costs: Sequence[LayerCost], budget_bytes: Optional[int] = None
     return SegmentPlan(list(starts), int(peak), bool(fits))
 
 
-def _storage_key(t):
-    s = t.untyped_storage()
-    return (t.device, s.data_ptr()), s.nbytes()
-
-
 def measure_layer_costs(functions, input: torch.Tensor) -> List[LayerCost]:
     """Runs the chain once on `input` with grad mode on and measures each layer: its input's
-    bytes, and the bytes of the tensors it creates that its backward keeps (saved tensors,
-    found with saved_tensors_hooks) or that it returns. Parameters and buffers are not
-    counted. The chain's buffers (e.g. running statistics) and the RNG state are left as
-    they were."""
+    bytes, and the bytes of the storages it creates that its backward keeps (saved tensors,
+    recorded by memlean.memstats.saved_storages) or that it returns. Parameters and buffers
+    are not counted, nor a storage counted for an earlier layer. The chain's buffers (e.g.
+    running statistics) and the RNG state are left as they were."""
     layers = list(functions)
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"memlean.measure_layer_costs: input must be a tensor, got {_describe(input)}")
     modules = [m for m in layers if isinstance(m, torch.nn.Module)]
-    state = {_storage_key(t)[0] for m in modules for t in list(m.parameters()) + list(m.buffers())}
+    state = [t for m in modules for t in list(m.parameters()) + list(m.buffers())]
     buffers = [b for m in modules for b in m.buffers()]
-    counted = set(state)
+    counted = {memstats.storage_key(t) for t in state}
     costs, keep = [], []
     devices = _cuda_devices([input])
     with torch.random.fork_rng(devices=devices, device_type="cuda"), _BuffersKept(buffers), \
             torch.enable_grad():
         h = input
-        counted.add(_storage_key(h)[0])
+        counted.add(memstats.storage_key(h))
         for layer in layers:
-            new = {}
-
-            def pack(t, new=new):
-                key, nbytes = _storage_key(t)
-                if key not in counted and nbytes > 0:
-                    new[key] = nbytes
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with memstats.saved_storages() as saved:
                 out = layer(h)
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"memlean.measure_layer_costs: a layer returned {_describe(out)}, not a tensor")
-            pack(out)
-            costs.append(LayerCost(_storage_key(h)[1], sum(new.values())))
+            saved.add(out)
+            new = {k: v for k, v in saved.items() if k not in counted and v > 0}
+            costs.append(LayerCost(h.untyped_storage().nbytes(), sum(new.values())))
             counted.update(new)
             keep.append(out)
             h = out

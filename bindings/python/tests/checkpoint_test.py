@@ -300,7 +300,7 @@ def test_autocast_state_of_the_forward_is_used_by_the_recompute():
 
 
 def saved_storages(fn):
-    """{storage data_ptr: nbytes} of what autograd saves for backward while fn() runs."""
+    """{storage_key: nbytes} of what autograd saves for backward while fn() runs."""
     with memlean.memstats.saved_storages() as saved:
         out = fn()
     return saved, out
@@ -319,12 +319,12 @@ class Chain(nn.Module):
 def test_a_chain_of_n_blocks_in_k_segments_keeps_only_the_segment_inputs(per):
     chain = Chain(12).to(D)
     x = torch.randn(32, 8, dtype=D, requires_grad=True)
-    params = {p.untyped_storage().data_ptr() for p in chain.parameters()}
+    params = {memlean.memstats.storage_key(p) for p in chain.parameters()}
 
     def run():
         h, inputs = x, []
         for s in range(0, 12, per):
-            inputs.append(h.untyped_storage().data_ptr())
+            inputs.append(memlean.memstats.storage_key(h))
             segment = nn.Sequential(*chain.layers[s:s + per])
             h = memlean.checkpoint(segment, h)
         return h, inputs
@@ -345,7 +345,7 @@ def test_checkpoint_sequential_keeps_segment_inputs_and_the_last_segment(segment
     chain = Chain(12).to(D)
     layers = [m for block in chain.layers for m in block]  # 24 layers
     x = torch.randn(32, 8, dtype=D, requires_grad=True)
-    params = {p.untyped_storage().data_ptr() for p in chain.parameters()}
+    params = {memlean.memstats.storage_key(p) for p in chain.parameters()}
     saved, y = saved_storages(lambda: memlean.checkpoint_sequential(layers, segments, x))
     act = 32 * 8 * 8
     # segments - 1 checkpointed segment inputs; the last segment as usual: its input and

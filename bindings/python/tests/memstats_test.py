@@ -420,6 +420,16 @@ def test_errors():
     t.stop()  # idempotent
 
 
+def test_storage_key_is_one_per_storage_and_device():
+    x = torch.randn(10, 10)
+    key = memlean.memstats.storage_key(x)
+    assert key == memlean.memstats.storage_key(x[2:].t()) == (x.device, x.untyped_storage().data_ptr())
+    assert key != memlean.memstats.storage_key(x.clone())
+    saved = memlean.memstats.SavedStorages()
+    saved.add(x, x[1], x.t())
+    assert saved == {key: x.nbytes} and saved.without(x[3]).nbytes == 0
+
+
 def test_saved_storages_counts_each_storage_once():
     x = torch.randn(1000, requires_grad=True)
     with memlean.memstats.saved_storages() as saved:

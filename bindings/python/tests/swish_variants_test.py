@@ -103,7 +103,7 @@ def test_bad_variant_and_arguments():
 
 
 def saved_storages(fn):
-    """{data_ptr: nbytes} of the distinct storages autograd saves while fn() runs."""
+    """{storage_key: nbytes} of the distinct storages autograd saves while fn() runs."""
     with memlean.memstats.saved_storages() as saved:
         out = fn()
     return saved, out
@@ -113,7 +113,7 @@ def test_linear_swish_linear_saved_bytes_exact():
     torch.manual_seed(0)
     batch, d_in, d_h = 64, 32, 1000
     lin1, lin2 = torch.nn.Linear(d_in, d_h), torch.nn.Linear(d_h, 1)
-    params = {p.untyped_storage().data_ptr() for p in [*lin1.parameters(), *lin2.parameters()]}
+    params = {memlean.memstats.storage_key(p) for p in [*lin1.parameters(), *lin2.parameters()]}
     x = torch.randn(batch, d_in)
     h_bytes, n = batch * d_h * 4, batch * d_h
 
