@@ -28,7 +28,7 @@
 
 #include "ops/checkpoint/batchnorm.h"
 #include "ops/checkpoint/checkpoint.h"
-#include "ops/checkpoint/live_bytes.h"
+#include "runtime/memstats/live_bytes.h"
 #include "ops/checkpoint/sequential.h"
 
 namespace memlean {

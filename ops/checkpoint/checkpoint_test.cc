@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "ops/checkpoint/checkpoint.h"
-#include "ops/checkpoint/live_bytes.h"
+#include "runtime/memstats/live_bytes.h"
 #include "testing/expect_error.h"
 
 namespace memlean {

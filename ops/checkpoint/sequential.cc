@@ -11,7 +11,7 @@
 #include <unordered_set>
 
 #include "ops/checkpoint/checkpoint_internal.h"
-#include "ops/checkpoint/live_bytes.h"
+#include "runtime/memstats/live_bytes.h"
 
 namespace memlean {
 namespace {

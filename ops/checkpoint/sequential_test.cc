@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "ops/checkpoint/batchnorm.h"
-#include "ops/checkpoint/live_bytes.h"
+#include "runtime/memstats/live_bytes.h"
 #include "ops/checkpoint/sequential.h"
 #include "testing/expect_error.h"
 

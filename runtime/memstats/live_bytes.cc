@@ -1,6 +1,6 @@
 // LiveBytes: a c10::MemoryReportingInfoBase installed for the thread as its profiler
 // state, which keeps a table of the live allocations it was told about.
-#include "ops/checkpoint/live_bytes.h"
+#include "runtime/memstats/live_bytes.h"
 
 #include <c10/core/Allocator.h>
 #include <c10/util/Exception.h>
