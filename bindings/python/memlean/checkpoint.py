@@ -524,14 +524,38 @@ def checkpoint(function: Callable, *args, params: Optional[Sequence[torch.Tensor
                preserve_rng_state: bool = True):
     """function(*args), keeping none of its activations: they are recomputed in backward.
 
-    function: an nn.Module (its parameters are collected, and its buffers are restored after
-        the recompute), or any callable.
-    args: its inputs; tensors that require grad get gradients, anything else is passed
-        through as it is. Its output may be any structure (tensor, tuple, list, dict ...)
-        holding at least one tensor.
-    params: the tensors requiring grad that the function uses besides its inputs (for a
-        Module: besides its parameters). Forgetting one is an error in backward.
-    preserve_rng_state: restore the RNG state of the forward for the recompute (default).
+    Forward runs ``function`` under no_grad and saves only its tensor inputs (parameters exist
+    anyway). Backward runs it again with grad mode on, with the forward's RNG and autocast
+    state, and takes the gradients of exactly its inputs and parameters.
+
+    Args:
+        function (Callable): an ``nn.Module`` (its parameters are collected, and its buffers
+            are restored after the recompute), or any callable.
+        *args: its inputs. Tensors that require grad get gradients; anything else is passed
+            through as it is. Its output may be any structure (tensor, tuple, list, dict ...)
+            holding at least one tensor.
+        params (Sequence[Tensor], optional): the tensors requiring grad that ``function``
+            uses besides its inputs (for a Module: besides its parameters).
+        preserve_rng_state (bool, optional): restore the forward's RNG state (CPU, and every
+            CUDA device holding an input or parameter) for the recompute. Default: ``True``.
+
+    Returns:
+        What ``function(*args)`` returns, in the same structure.
+
+    Raises:
+        RuntimeError: in backward, if ``function`` uses a tensor that requires grad but is
+            neither an input nor listed (its gradient would be lost); in forward, if it
+            modifies an input in place; in backward, if it returns something else when
+            recomputed, or on a second backward without ``retain_graph=True``.
+        TypeError: for a ``function`` that is not callable, a non-bool
+            ``preserve_rng_state``, or an output without a tensor.
+
+    .. note::
+        BatchNorm is updated once: every torch ``_BatchNorm`` module the recompute calls has
+        its running statistics put back as the forward left them. Double backward
+        (``create_graph=True``) through a checkpoint is an error, raised when the second
+        backward reaches it. Under ``torch.compile`` the checkpoint runs as in eager mode.
+        See the module docstring for DDP, FSDP2 and torch.compile.
     """
     if isinstance(function, torch.nn.Module):
         listed = module_parameters(function)
