@@ -49,16 +49,19 @@ MEMLEAN_HOST_DEVICE float inplace_slope(float u, bool left) {
 #else
       const float v = 1.f / std::log(-u);
 #endif
-      return u * horner_float<kSlopeL2>(fmaf(v, static_cast<float>(2 / -kSlopeV0), 1.f));
+      return u * horner_float<kSlopeL2>(
+                     fmaf(v, static_cast<float>(kSlopeL2Scale), static_cast<float>(kSlopeL2Shift)));
     }
-    return -s * horner_float<kSlopeL1>(fmaf(s, static_cast<float>(2 / kSlopeSL1), -1.f));
+    return -s * horner_float<kSlopeL1>(
+                    fmaf(s, static_cast<float>(kSlopeL1Scale), static_cast<float>(kSlopeL1Shift)));
   }
   if (u > static_cast<float>(kSlopeRightSplit)) {
     if (u > static_cast<float>(kSlopeRightEnd)) return 1.f;
-    constexpr double mid = (kSlopeSR1 + kSlopeSR2) / 2, half = (kSlopeSR2 - kSlopeSR1) / 2;
-    return horner_float<kSlopeR2>((s - static_cast<float>(mid)) * static_cast<float>(1 / half));
+    return horner_float<kSlopeR2>(
+        fmaf(s, static_cast<float>(kSlopeR2Scale), static_cast<float>(kSlopeR2Shift)));
   }
-  return s * horner_float<kSlopeR1>(fmaf(s, static_cast<float>(2 / kSlopeSR1), -1.f));
+  return s * horner_float<kSlopeR1>(
+                 fmaf(s, static_cast<float>(kSlopeR1Scale), static_cast<float>(kSlopeR1Shift)));
 }
 
 }  // namespace memlean::swish_constants

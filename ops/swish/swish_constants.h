@@ -61,4 +61,13 @@ constexpr double kSlopeL2[6] = {0.8759368031409333, 0.10685712145187645, 0.00445
 constexpr double kSlopeLog1p[6] = {2.2117031200197257e-05, 0.9990104466294588, -0.48915684720230435, 0.28330432451740856, -0.13011941539126315, 0.03010262501167511};
 // END fit_slope.py output
 
+// Each piece's polynomial variable, z = x * Scale + Shift, mapping its interval onto [-1, 1]
+// as fit_slope.py does; x is s = sqrt(u - g*) >= 0 for R1, R2 and L1, v = 1 / log(-u) for
+// L2. The CPU vector kernel and inplace_slope.h (CUDA, host) both use these.
+constexpr double kSlopeR1Scale = 2 / kSlopeSR1, kSlopeR1Shift = -1;
+constexpr double kSlopeL1Scale = 2 / kSlopeSL1, kSlopeL1Shift = -1;
+constexpr double kSlopeR2Scale = 2 / (kSlopeSR2 - kSlopeSR1);
+constexpr double kSlopeR2Shift = -(kSlopeSR1 + kSlopeSR2) / (kSlopeSR2 - kSlopeSR1);
+constexpr double kSlopeL2Scale = 2 / -kSlopeV0, kSlopeL2Shift = 1;
+
 }  // namespace memlean::swish_constants

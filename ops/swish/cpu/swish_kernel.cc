@@ -164,12 +164,12 @@ bool any_lane(const V& m) {
 template <typename V, size_t N, int K>
 void horner_fma(const double (&c)[N], const V (&z)[K], V (&r)[K]) {
   using T = typename V::value_type;
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int k = 0; k < K; ++k) r[k] = V(static_cast<T>(c[N - 1]));
 #pragma GCC unroll 16
   for (int j = static_cast<int>(N) - 2; j >= 0; --j) {
     const V cj(static_cast<T>(c[j]));
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int k = 0; k < K; ++k) r[k] = at::vec::fmadd(r[k], z[k], cj);
   }
 }
@@ -232,16 +232,16 @@ void slope_fast(const Vectorized<float> (&u)[K], const Vectorized<float> (&left)
       l_split(float(sc::kSlopeLeftSplit));
   // Both sides' polynomials for every lane, as 2K chains, then the side picks one.
   V s[K], zr[K], zl[K], pr[K], pl[K];
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int k = 0; k < K; ++k) {
     s[k] = at::vec::maximum(u[k] - gs, zero).sqrt();
-    zr[k] = at::vec::fmadd(s[k], V(float(2 / sc::kSlopeSR1)), one.neg());
-    zl[k] = at::vec::fmadd(s[k], V(float(2 / sc::kSlopeSL1)), one.neg());
+    zr[k] = at::vec::fmadd(s[k], V(float(sc::kSlopeR1Scale)), V(float(sc::kSlopeR1Shift)));
+    zl[k] = at::vec::fmadd(s[k], V(float(sc::kSlopeL1Scale)), V(float(sc::kSlopeL1Shift)));
   }
   horner_fma2(sc::kSlopeR1, zr, pr, sc::kSlopeL1, zl, pl);
   V right_far[K], left_tail[K];
   bool any_right_far = false, any_left_tail = false;
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int k = 0; k < K; ++k) {
     slope[k] = V::blendv(s[k] * pr[k], s[k].neg() * pl[k], left[k]);
     right_far[k] = V::blendv(u[k] > r_split, zero, left[k]);
@@ -250,26 +250,27 @@ void slope_fast(const Vectorized<float> (&u)[K], const Vectorized<float> (&left)
     any_left_tail |= any_lane(left_tail[k]);
   }
   if (any_right_far) {
-    constexpr double mid = (sc::kSlopeSR1 + sc::kSlopeSR2) / 2, half = (sc::kSlopeSR2 - sc::kSlopeSR1) / 2;
     V z2[K], r2[K];
-    #pragma GCC unroll 8
-    for (int k = 0; k < K; ++k) z2[k] = (s[k] - V(float(mid))) * V(float(1 / half));
+#pragma GCC unroll 8
+    for (int k = 0; k < K; ++k) {
+      z2[k] = at::vec::fmadd(s[k], V(float(sc::kSlopeR2Scale)), V(float(sc::kSlopeR2Shift)));
+    }
     horner_fma(sc::kSlopeR2, z2, r2);
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int k = 0; k < K; ++k) {
       slope[k] = V::blendv(slope[k], V::blendv(r2[k], one, u[k] > r_end), right_far[k]);
     }
   }
   if (any_left_tail) {
     V zt[K], l2[K];
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int k = 0; k < K; ++k) {
       // u in (kSlopeLeftSplit, 0]: v = 1 / log(-u) in [V0, 0] (u = 0: log = -inf, v = -0).
       const V v = log_fast(u[k].neg()).reciprocal();
-      zt[k] = at::vec::fmadd(v, V(float(2 / -sc::kSlopeV0)), one);
+      zt[k] = at::vec::fmadd(v, V(float(sc::kSlopeL2Scale)), V(float(sc::kSlopeL2Shift)));
     }
     horner_fma(sc::kSlopeL2, zt, l2);
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int k = 0; k < K; ++k) slope[k] = V::blendv(slope[k], u[k] * l2[k], left_tail[k]);
   }
 }
@@ -384,7 +385,6 @@ void inplace_forward_typed(const at::Tensor& x, const at::Tensor& mask, double b
   });
 }
 
-// grad_x = grad * g'(t) for one block: g, y and the side bits (as 0/1 values) in, out.
 // The side mask of the V::size() elements from `first` (a multiple of V::size()) on.
 template <typename V>
 V side_mask(const uint8_t* bits, int64_t first) {
@@ -401,6 +401,7 @@ V side_mask(const uint8_t* bits, int64_t first) {
   }
 }
 
+// grad_x = grad * g'(t) for one block: g, y and the block's packed side bits in, out.
 template <typename acc_t>
 void backward_block(const acc_t* g, const acc_t* y, const uint8_t* bits, acc_t* out,
                     int64_t len, acc_t beta) {
