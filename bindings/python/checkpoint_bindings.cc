@@ -1,17 +1,21 @@
-// memlean._C: the segment planner of //ops/checkpoint (memlean.plan_segments uses it), the
-// segment-argument checks of checkpoint_sequential (one specification for C++ and Python) and
-// the recompute flag (memlean.is_recomputing). The checkpoint itself is Python,
-// memlean/checkpoint.py, since it runs Python callables; it marks its recomputes with the
-// C++ flag, so that C++ modules (memlean::BatchNorm2d) and Python ones see one flag.
+// memlean._C: the checkpoint of //ops/checkpoint run with a Python function
+// (memlean.checkpoint is a thin layer over _C.checkpoint: one implementation for C++ and
+// Python), the segment planner (memlean.plan_segments), the segment-argument checks of
+// checkpoint_sequential and the recompute flag (memlean.is_recomputing): one specification
+// for both languages.
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bindings/python/bindings.h"
 #include "ops/checkpoint/checkpoint.h"
+#include "ops/checkpoint/checkpoint_internal.h"
 #include "ops/checkpoint/sequential.h"
 
 namespace memlean::python {
@@ -32,10 +36,93 @@ struct RecomputingScope {
   std::optional<RecomputeGuard> guard;
 };
 
+namespace py = pybind11;
+
+// A Python object that C++ owns and may drop on a thread that does not hold the GIL (the
+// autograd engine frees a node's state wherever the graph is freed).
+std::shared_ptr<py::object> hold(py::object object) {
+  return std::shared_ptr<py::object>(new py::object(std::move(object)), [](py::object* p) {
+    if (!Py_IsInitialized()) {
+      p->release();  // the interpreter is gone: nothing left to decrement
+    } else {
+      py::gil_scoped_acquire gil;
+      p->dec_ref();
+      p->release();
+    }
+    delete p;
+  });
+}
+
+// The Python segment as a memlean::IValueFunction: `run` is called with a list holding the
+// input tensors in their slots (None elsewhere) and returns a list of tensors. Its Python
+// exceptions cross the C++ frames (and the autograd engine's threads) as themselves.
+IValueFunction python_function(const std::shared_ptr<py::object>& run) {
+  return [run](const std::vector<c10::IValue>& in) {
+    py::gil_scoped_acquire gil;
+    try {
+      py::list args(in.size());
+      for (size_t i = 0; i < in.size(); ++i) {
+        // (Every item is set: a new list holds NULLs.)
+        args[i] = in[i].isTensor()
+                      ? py::reinterpret_steal<py::object>(THPVariable_Wrap(in[i].toTensor()))
+                      : py::none();
+      }
+      py::object result = (*run)(args);
+      std::vector<c10::IValue> out;
+      for (py::handle h : result) {
+        TORCH_INTERNAL_ASSERT(THPVariable_Check(h.ptr()), "memlean._C.checkpoint: the segment "
+                              "returned a ", Py_TYPE(h.ptr())->tp_name, ", not a tensor");
+        out.emplace_back(THPVariable_Unpack(h.ptr()));
+      }
+      return out;
+    } catch (py::error_already_set& e) {
+      e.restore();
+      throw python_error();
+    }
+  };
+}
+
 }  // namespace
 
 void init_checkpoint(pybind11::module_& m) {
-  namespace py = pybind11;
+  // memlean.checkpoint's core: memlean::checkpoint (detail::checkpoint_impl) running the
+  // Python callable `run` (see python_function), named `name` in errors, with `buffers`
+  // put back after the recompute; `run.backward_in_full` is read after the forward (FSDP2).
+  // Returns the function's output tensors, hanging from the checkpoint's node.
+  m.def(
+      "checkpoint",
+      torch::wrap_pybind_function([](py::object run, const py::sequence& inputs,
+                                     const std::vector<at::Tensor>& params,
+                                     bool preserve_rng_state, std::vector<at::Tensor> buffers,
+                                     std::string name, std::string how_to_list) {
+        std::vector<c10::IValue> args;
+        args.reserve(inputs.size() + params.size());
+        for (py::handle h : inputs) {
+          args.push_back(THPVariable_Check(h.ptr()) ? c10::IValue(THPVariable_Unpack(h.ptr()))
+                                                     : c10::IValue());
+        }
+        const auto n_inputs = static_cast<int64_t>(args.size());
+        args.insert(args.end(), params.begin(), params.end());
+        const std::shared_ptr<py::object> held = hold(std::move(run));
+        detail::Segment segment;
+        segment.function = python_function(held);
+        segment.buffers = std::move(buffers);
+        segment.name = std::move(name);
+        segment.how_to_list = std::move(how_to_list);
+        segment.backward_in_full = [held] {
+          py::gil_scoped_acquire gil;
+          return held->attr("backward_in_full").cast<bool>();
+        };
+        std::vector<c10::IValue> outputs = detail::checkpoint_impl(
+            std::move(segment), n_inputs, args, CheckpointOptions().preserve_rng_state(preserve_rng_state));
+        std::vector<at::Tensor> tensors;
+        tensors.reserve(outputs.size());
+        for (auto& v : outputs) tensors.push_back(std::move(v).toTensor());
+        return tensors;
+      }),
+      py::arg("run"), py::arg("inputs"), py::arg("params"), py::arg("preserve_rng_state"),
+      py::arg("buffers"), py::arg("name"), py::arg("how_to_list"),
+      "memlean::checkpoint of a Python segment: memlean.checkpoint's core (private).");
   m.def(
       "plan_segments",
       [](const std::vector<int64_t>& input_bytes, const std::vector<int64_t>& activation_bytes,

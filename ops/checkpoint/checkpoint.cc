@@ -7,10 +7,11 @@
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/autograd.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
@@ -26,15 +27,10 @@
 namespace memlean {
 namespace {
 
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 thread_local int recompute_depth = 0;
 
-constexpr const char* kName = "memlean::checkpoint";
-constexpr const char* kHowToList =
-    "Pass it among the parameters, after the n_inputs inputs (a module's parameters: "
-    "module->parameters()).";
 
 // ---- autocast state ----------------------------------------------------------
 
@@ -143,13 +139,14 @@ std::string describe(const c10::IValue& v) {
 
 // Positions of the defined tensors among the outputs; checks that there is one and that
 // none hides inside a container.
-std::vector<int64_t> tensor_output_slots(const std::vector<c10::IValue>& outputs) {
+std::vector<int64_t> tensor_output_slots(const std::vector<c10::IValue>& outputs,
+                                         const std::string& name) {
   std::vector<int64_t> slots;
   for (size_t i = 0; i < outputs.size(); ++i) {
     if (is_defined_tensor(outputs[i])) {
       slots.push_back(static_cast<int64_t>(i));
     } else {
-      TORCH_CHECK(!contains_tensor(outputs[i]), kName, ": output ", i,
+      TORCH_CHECK(!contains_tensor(outputs[i]), name, ": output ", i,
                   " of the function is a container that holds tensors (", outputs[i].tagKind(),
                   "); return tensors at the top level of the output list so that they get "
                   "gradients");
@@ -158,7 +155,7 @@ std::vector<int64_t> tensor_output_slots(const std::vector<c10::IValue>& outputs
   if (slots.empty()) {
     std::ostringstream got;
     for (size_t i = 0; i < outputs.size(); ++i) got << (i ? ", " : "") << describe(outputs[i]);
-    TORCH_CHECK(false, kName, ": the function returned no tensor (it returned ", outputs.size(),
+    TORCH_CHECK(false, name, ": the function returned no tensor (it returned ", outputs.size(),
                 " value", outputs.size() == 1 ? "" : "s",
                 outputs.empty() ? "" : ": " + got.str(),
                 "); a checkpointed function must return at least one defined tensor");
@@ -182,187 +179,211 @@ void check_no_unlisted_dependency(const variable_list& outputs, const variable_l
   using torch::autograd::Node;
   // Leaves are known by their gradient accumulator: a saved parameter unpacked through
   // saved-tensor hooks is a new tensor that shares the parameter's accumulator.
+  // The edges are kept while the walk runs: a leaf's accumulator may be made here, and
+  // live only as long as an edge holds it (a recomputed output that is an input itself).
+  std::vector<torch::autograd::Edge> edges;
+  edges.reserve(targets.size() + outputs.size());
   std::unordered_set<const Node*> target_nodes;
   for (const auto& t : targets) {
-    target_nodes.insert(torch::autograd::impl::gradient_edge(t).function.get());
+    edges.push_back(torch::autograd::impl::gradient_edge(t));
+    target_nodes.insert(edges.back().function.get());
   }
-  std::vector<std::pair<Node*, std::string>> stack;
+  // (node, the node it was reached from: named only in the error)
+  std::vector<std::pair<Node*, Node*>> stack;
   std::unordered_set<const Node*> seen;
   for (const auto& out : outputs) {
-    Node* node = torch::autograd::impl::gradient_edge(out).function.get();
-    if (node != nullptr && seen.insert(node).second) stack.emplace_back(node, "");
+    edges.push_back(torch::autograd::impl::gradient_edge(out));
+    Node* node = edges.back().function.get();
+    if (node != nullptr && seen.insert(node).second) stack.emplace_back(node, nullptr);
   }
   while (!stack.empty()) {
-    auto [node, via] = std::move(stack.back());
+    const auto [node, via] = stack.back();
     stack.pop_back();
     if (target_nodes.count(node)) continue;
     if (auto* acc = dynamic_cast<AccumulateGrad*>(node)) {
       TORCH_CHECK(false, op, ": the function uses a tensor that requires grad but is neither "
                   "one of its inputs nor one of the parameters given to the checkpoint (it reaches "
-                  "a leaf of shape ", shape_of(acc->variable), via.empty() ? "" : " through " + via,
+                  "a leaf of shape ", shape_of(acc->variable),
+                  via == nullptr ? "" : " through " + via->name(),
                   "); its gradient would be lost. ", how_to_list);
     }
     for (const auto& edge : node->next_edges()) {
       if (edge.is_valid() && seen.insert(edge.function.get()).second) {
-        stack.emplace_back(edge.function.get(), node->name());
+        stack.emplace_back(edge.function.get(), node);
       }
     }
   }
 }
 
-// ---- the autograd function ---------------------------------------------------------
+// ---- the autograd node -------------------------------------------------------------
 
-// Everything the backward needs besides the saved tensors.
-struct SegmentState : torch::CustomClassHolder {
-  IValueFunction function;
+// The message for a checkpoint whose function modified an input (shared by every form).
+std::string modified_input_message(const std::string& name, int64_t slot) {
+  std::ostringstream s;
+  s << name << ": the function modified its input " << slot
+    << " in place; a checkpointed function must not modify its inputs (the recompute in "
+       "backward would see the modified values). Clone the input first, or start the segment "
+       "after the in-place op.";
+  return s.str();
+}
+
+// Everything a checkpoint's backward needs besides the saved tensors.
+struct SegmentState {
+  detail::Segment segment;
   // The inputs with their tensors taken out (IValue() in those slots).
   std::vector<c10::IValue> inputs;
   std::vector<int64_t> input_tensor_slots;  // where the saved input tensors go
-  // Outputs of the forward: the non-tensor ones (returned as they are), and where the
-  // tensors were.
-  std::vector<c10::IValue> outputs;
+  // How many values the function returned, and where its tensors were; per tensor output,
+  // whether it is differentiable (it then is an input of the node, in order).
+  size_t n_outputs = 0;
   std::vector<int64_t> output_tensor_slots;
+  std::vector<bool> differentiable;
   // Per parameter: whether it was listed before (it then gets no gradient of its own: the
   // engine would add both).
   std::vector<bool> repeated;
   std::optional<detail::RngState> rng;
   AutocastState autocast;
-  // Buffers of the module(s) the function runs: restored after the recompute.
-  std::vector<at::Tensor> buffers;
+  bool backward_in_full = false;
 };
 
-class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
+// The node a checkpoint's outputs hang from. A plain autograd Node rather than a
+// torch::autograd::Function: no context object, saved-data map or capsule per call, and it
+// knows when the engine freed what it saved (release_variables), so a second backward is
+// recognised by that, not by an error message's text.
+class CheckpointBackward : public torch::autograd::Node {
  public:
-  // tensors: the input tensors, then the parameters.
-  static variable_list forward(AutogradContext* ctx, const c10::intrusive_ptr<SegmentState>& state,
-                               at::TensorList tensors) {
-    ctx->set_materialize_grads(false);
-    const size_t n_in = state->input_tensor_slots.size();
-    std::vector<c10::IValue> inputs = state->inputs;
-    std::vector<int64_t> versions;
-    for (size_t i = 0; i < n_in; ++i) {
-      inputs[state->input_tensor_slots[i]] = tensors[i];
-      versions.push_back(tensors[i]._version());
-    }
-
-    std::vector<c10::IValue> outputs = state->function(inputs);
-
-    for (size_t i = 0; i < n_in; ++i) {
-      TORCH_CHECK(tensors[i]._version() == versions[i], kName, ": the function modified its ",
-                  "input ", state->input_tensor_slots[i], " in place; a checkpointed function "
-                  "must not modify its inputs (the recompute in backward would see the modified "
-                  "values). Clone the input first, or start the segment after the in-place op.");
-    }
-    state->output_tensor_slots = tensor_output_slots(outputs);
-    variable_list result;
-    for (int64_t slot : state->output_tensor_slots) {
-      result.push_back(outputs[slot].toTensor());
-      outputs[slot] = c10::IValue();
-    }
-    state->outputs = std::move(outputs);
-    ctx->save_for_backward(tensors.vec());
-    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
-    return result;
+  // tensors: the input tensors, then the parameters (the node's next edges, in order).
+  CheckpointBackward(SegmentState state, const std::vector<at::Tensor>& tensors)
+      : Node(torch::autograd::collect_next_edges(tensors)), state_(std::move(state)) {
+    saved_.reserve(tensors.size());
+    for (const auto& t : tensors) saved_.emplace_back(t, /*is_output=*/false);
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    auto state = c10::static_intrusive_pointer_cast<SegmentState>(
-        ctx->saved_data["state"].toCapsule());
-    variable_list saved;
-    try {
-      saved = ctx->get_saved_variables();
-    } catch (const c10::Error& e) {
-      // Other errors (an input modified in place since the forward ...) say what they are.
-      if (std::string(e.what()).find("backward through the graph a second time") ==
-          std::string::npos) {
-        throw;
-      }
-      TORCH_CHECK(false, kName, ": backward ran through this checkpoint a second time, but the "
-                  "first backward freed the inputs it saved. Pass retain_graph=true to the "
-                  "first backward to run backward twice.");
-    }
-    const bool create_graph = at::GradMode::is_enabled();
-    const size_t n_in = state->input_tensor_slots.size();
+  std::string name() const override { return "memlean::CheckpointBackward"; }
 
-    // Inputs: detached, so that the recomputed graph ends at them. Parameters: as they
-    // are (the function reads them from its closure).
-    std::vector<c10::IValue> inputs = state->inputs;
-    variable_list args(saved.size());
-    for (size_t i = 0; i < saved.size(); ++i) {
-      if (i < n_in) {
-        args[i] = saved[i].detach();
-        args[i].requires_grad_(saved[i].requires_grad());
-        inputs[state->input_tensor_slots[i]] = args[i];
-      } else {
-        args[i] = saved[i];
-      }
-    }
+  void release_variables() override {
+    released_ = true;
+    saved_.clear();
+    // The function (and whatever its closure holds) is not needed again.
+    state_.segment.function = nullptr;
+    state_.segment.buffers.clear();
+  }
 
-    std::vector<c10::IValue> outputs;
-    {
-      RngFork rng(state->rng ? &*state->rng : nullptr);
-      AutocastRestore autocast(state->autocast);
-      BufferRestore buffers(state->buffers);
-      RecomputeGuard recomputing;
-      at::AutoGradMode grad_mode(true);
-      outputs = state->function(inputs);
-    }
-    TORCH_CHECK(outputs.size() == state->outputs.size(), kName, ": the function returned ",
-                state->outputs.size(), " outputs in forward but ", outputs.size(),
-                " when recomputed in backward; it must do the same both times");
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grad_outputs) override;
 
-    variable_list outs, grads;
-    for (size_t k = 0; k < state->output_tensor_slots.size(); ++k) {
-      const c10::IValue& v = outputs[state->output_tensor_slots[k]];
-      TORCH_CHECK(is_defined_tensor(v), kName, ": output ", state->output_tensor_slots[k],
-                  " was a tensor in forward but is ", describe(v),
-                  " when recomputed in backward; the function must do the same both times");
-      const at::Tensor& out = v.toTensor();
-      if (out.requires_grad() && k < grad_outputs.size() && grad_outputs[k].defined()) {
-        outs.push_back(out);
-        grads.push_back(grad_outputs[k]);
-      }
+  const SegmentState& state() const { return state_; }
+
+ private:
+  // Like Python's @once_differentiable: with create_graph the gradients are returned, but
+  // differentiating them again raises an error.
+  void mark_once_differentiable(variable_list& grads) const;
+
+  SegmentState state_;
+  std::vector<torch::autograd::SavedVariable> saved_;
+  bool released_ = false;
+};
+
+variable_list CheckpointBackward::apply(variable_list&& grad_outputs) {
+  const SegmentState& state = state_;
+  const std::string& name = state.segment.name;
+  TORCH_CHECK(!released_, name, ": backward ran through this checkpoint a second time, but the "
+              "first backward freed the inputs it saved. Keep the graph in the first backward "
+              "(retain_graph) to run backward twice.");
+  const bool create_graph = at::GradMode::is_enabled();
+  const size_t n_in = state.input_tensor_slots.size();
+
+  // Inputs: detached, so that the recomputed graph ends at them. Parameters: as they are
+  // (the function reads them from its closure).
+  std::vector<c10::IValue> inputs = state.inputs;
+  variable_list args(saved_.size());
+  for (size_t i = 0; i < saved_.size(); ++i) {
+    at::Tensor t = saved_[i].unpack();  // an error if it was modified in place since
+    if (i < n_in) {
+      args[i] = t.detach();
+      args[i].requires_grad_(t.requires_grad());
+      inputs[state.input_tensor_slots[i]] = args[i];
+    } else {
+      args[i] = std::move(t);
     }
+  }
+
+  std::vector<c10::IValue> outputs;
+  {
+    RngFork rng(state.rng ? &*state.rng : nullptr);
+    AutocastRestore autocast(state.autocast);
+    BufferRestore buffers(state.segment.buffers);
+    RecomputeGuard recomputing;
+    at::AutoGradMode grad_mode(true);
+    outputs = state.segment.function(inputs);
+  }
+  TORCH_CHECK(outputs.size() == state.n_outputs, name, ": the function returned ",
+              state.n_outputs, " outputs in forward but ", outputs.size(),
+              " when recomputed in backward; it must do the same both times");
+
+  // The recomputed outputs the incoming gradients belong to (the node's inputs are the
+  // differentiable tensor outputs, in order).
+  variable_list outs, grads;
+  size_t input_nr = 0;
+  for (size_t k = 0; k < state.output_tensor_slots.size(); ++k) {
+    const c10::IValue& v = outputs[state.output_tensor_slots[k]];
+    TORCH_CHECK(is_defined_tensor(v), name, ": output ", state.output_tensor_slots[k],
+                " was a tensor in forward but is ", describe(v),
+                " when recomputed in backward; the function must do the same both times");
+    if (!state.differentiable[k]) continue;
+    const at::Tensor& g = grad_outputs[input_nr++];
+    const at::Tensor& out = v.toTensor();
+    if (out.requires_grad() && g.defined()) {
+      outs.push_back(out);
+      grads.push_back(g);
+    }
+  }
+
+  variable_list result(args.size());
+  if (state.backward_in_full) {
+    // The recompute gathered leaves of its own (FSDP2's unsharded parameters): run the
+    // recomputed graph's backward in full, so that they accumulate as their owner expects,
+    // and return only the inputs' gradients (the listed parameters get none from here).
+    if (!outs.empty()) torch::autograd::backward(outs, grads);
+    for (size_t i = 0; i < n_in; ++i) {
+      if (args[i].requires_grad()) result[i] = args[i].grad();
+    }
+  } else {
     std::vector<size_t> target_index;
     variable_list targets;
     for (size_t i = 0; i < args.size(); ++i) {
-      if (i >= n_in && state->repeated[i - n_in]) continue;
+      if (i >= n_in && state.repeated[i - n_in]) continue;
       if (args[i].requires_grad()) {
         target_index.push_back(i);
         targets.push_back(args[i]);
       }
     }
-
-    variable_list result(1 + args.size());  // state, then one per tensor
     if (!outs.empty() && !targets.empty()) {
-      variable_list g = recomputed_grad(outs, targets, grads, kName, kHowToList);
-      for (size_t j = 0; j < g.size(); ++j) result[1 + target_index[j]] = g[j];
+      variable_list g = recomputed_grad(outs, targets, grads, name.c_str(),
+                                        state.segment.how_to_list.c_str());
+      for (size_t j = 0; j < g.size(); ++j) result[target_index[j]] = std::move(g[j]);
     }
-    if (create_graph) mark_once_differentiable(result);
-    return result;
   }
+  if (create_graph) mark_once_differentiable(result);
+  return result;
+}
 
- private:
-  // Like Python's @once_differentiable: with create_graph=true the gradients are returned,
-  // but differentiating them again raises an error.
-  static void mark_once_differentiable(variable_list& grads) {
-    variable_list inputs;
-    std::vector<size_t> where;
-    for (size_t i = 0; i < grads.size(); ++i) {
-      if (grads[i].defined() && grads[i].is_floating_point()) {
-        inputs.push_back(grads[i].detach().requires_grad_(true));
-        where.push_back(i);
-      }
+void CheckpointBackward::mark_once_differentiable(variable_list& grads) const {
+  variable_list inputs;
+  std::vector<size_t> where;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (grads[i].defined() && grads[i].is_floating_point()) {
+      inputs.push_back(grads[i].detach().requires_grad_(true));
+      where.push_back(i);
     }
-    if (inputs.empty()) return;
-    auto error = torch_compat::make_node<torch::autograd::DelayedError>(
-        std::string(kName) + ": double backward (create_graph=true) through a checkpoint is not "
-        "supported",
-        static_cast<int64_t>(inputs.size()));
-    variable_list wrapped = error->apply(std::move(inputs));
-    for (size_t j = 0; j < where.size(); ++j) grads[where[j]] = wrapped[j];
   }
-};
+  if (inputs.empty()) return;
+  auto error = torch_compat::make_node<torch::autograd::DelayedError>(
+      state_.segment.name + ": double backward (a backward with create_graph) through a "
+      "checkpoint is not supported",
+      static_cast<int64_t>(inputs.size()));
+  variable_list wrapped = error->apply(std::move(inputs));
+  for (size_t j = 0; j < where.size(); ++j) grads[where[j]] = wrapped[j];
+}
 
 }  // namespace
 
@@ -382,40 +403,43 @@ std::vector<at::Tensor> recomputed_grad(const std::vector<at::Tensor>& outputs,
 
 namespace detail {
 
-std::vector<c10::IValue> checkpoint_impl(const IValueFunction& function, int64_t n_inputs,
+std::vector<c10::IValue> checkpoint_impl(detail::Segment segment, int64_t n_inputs,
                                          const std::vector<c10::IValue>& inputs_and_params,
-                                         const CheckpointOptions& options,
-                                         const std::vector<at::Tensor>& buffers) {
-  TORCH_CHECK(static_cast<bool>(function), kName, ": function is empty");
+                                         const CheckpointOptions& options) {
+  const std::string& name = segment.name;
+  TORCH_CHECK(static_cast<bool>(segment.function), name, ": function is empty");
   const auto n_args = static_cast<int64_t>(inputs_and_params.size());
-  TORCH_CHECK(n_inputs >= 0, kName, ": n_inputs must be >= 0, got ", n_inputs);
-  TORCH_CHECK(n_inputs <= n_args, kName, ": n_inputs is ", n_inputs, " but only ", n_args,
+  TORCH_CHECK(n_inputs >= 0, name, ": n_inputs must be >= 0, got ", n_inputs);
+  TORCH_CHECK(n_inputs <= n_args, name, ": n_inputs is ", n_inputs, " but only ", n_args,
               " argument", n_args == 1 ? " was" : "s were", " given (inputs_and_params holds the ",
               "n_inputs inputs, then the parameters)");
   for (int64_t i = n_inputs; i < n_args; ++i) {
-    TORCH_CHECK(is_defined_tensor(inputs_and_params[i]), kName, ": parameter ", i - n_inputs,
+    TORCH_CHECK(is_defined_tensor(inputs_and_params[i]), name, ": parameter ", i - n_inputs,
                 " (inputs_and_params[", i, "]) is ", describe(inputs_and_params[i]),
                 ", not a tensor; everything after the first n_inputs=", n_inputs,
                 " arguments must be a parameter tensor");
   }
 
-  auto state = c10::make_intrusive<SegmentState>();
+  SegmentState state;
   std::vector<at::Tensor> tensors;
   std::unordered_set<const c10::TensorImpl*> params_seen;
+  tensors.reserve(inputs_and_params.size());
+  state.inputs.reserve(n_inputs);
+  state.repeated.reserve(n_args - n_inputs);
   bool any_requires_grad = false;
   for (int64_t i = 0; i < n_args; ++i) {
     const c10::IValue& v = inputs_and_params[i];
     if (i < n_inputs) {
       if (is_defined_tensor(v)) {
-        state->input_tensor_slots.push_back(i);
+        state.input_tensor_slots.push_back(i);
         tensors.push_back(v.toTensor());
-        state->inputs.emplace_back();
+        state.inputs.emplace_back();
       } else {
-        state->inputs.push_back(v);
+        state.inputs.push_back(v);
       }
     } else {
+      state.repeated.push_back(!params_seen.insert(v.toTensor().unsafeGetTensorImpl()).second);
       tensors.push_back(v.toTensor());
-      state->repeated.push_back(!params_seen.insert(v.toTensor().unsafeGetTensorImpl()).second);
     }
     if (is_defined_tensor(v) && v.toTensor().requires_grad()) any_requires_grad = true;
   }
@@ -423,21 +447,53 @@ std::vector<c10::IValue> checkpoint_impl(const IValueFunction& function, int64_t
   if (!at::GradMode::is_enabled() || !any_requires_grad) {
     // Nothing to differentiate: an ordinary call.
     std::vector<c10::IValue> inputs(inputs_and_params.begin(), inputs_and_params.begin() + n_inputs);
-    std::vector<c10::IValue> outputs = function(inputs);
-    tensor_output_slots(outputs);
+    std::vector<c10::IValue> outputs = segment.function(inputs);
+    tensor_output_slots(outputs, name);
     return outputs;
   }
 
-  state->function = function;
-  state->autocast = AutocastState::capture();
-  if (options.preserve_rng_state()) state->rng = detail::RngState::capture(detail::rng_devices(tensors));
+  state.autocast = AutocastState::capture();
+  if (options.preserve_rng_state()) state.rng = detail::RngState::capture(detail::rng_devices(tensors));
 
-  state->buffers = buffers;
-  variable_list wrapped = CheckpointNode::apply(state, at::TensorList(tensors));
+  // The forward, without recording a graph.
+  std::vector<c10::IValue> outputs;
+  {
+    std::vector<c10::IValue> inputs = state.inputs;
+    const size_t n_in = state.input_tensor_slots.size();
+    std::vector<uint32_t> versions(n_in);
+    for (size_t i = 0; i < n_in; ++i) {
+      inputs[state.input_tensor_slots[i]] = tensors[i];
+      versions[i] = tensors[i]._version();
+    }
+    at::AutoGradMode no_grad(false);
+    outputs = segment.function(inputs);
+    for (size_t i = 0; i < n_in; ++i) {
+      TORCH_CHECK(tensors[i]._version() == versions[i],
+                  modified_input_message(name, state.input_tensor_slots[i]));
+    }
+  }
+  state.n_outputs = outputs.size();
+  state.output_tensor_slots = tensor_output_slots(outputs, name);
+  for (int64_t slot : state.output_tensor_slots) {
+    state.differentiable.push_back(
+        torch::autograd::isDifferentiableType(outputs[slot].toTensor().scalar_type()));
+  }
+  state.backward_in_full = segment.backward_in_full && segment.backward_in_full();
+  segment.backward_in_full = nullptr;  // asked once (it may hold what the function holds)
+  state.segment = std::move(segment);
 
-  std::vector<c10::IValue> outputs = std::move(state->outputs);
-  state->outputs.assign(outputs.size(), c10::IValue());  // keeps only the count for backward
-  for (size_t k = 0; k < wrapped.size(); ++k) outputs[state->output_tensor_slots[k]] = wrapped[k];
+  // The outputs hang from the node. Each differentiable one is returned as a new tensor
+  // sharing the function's output's storage and version counter: the tensor the function
+  // made (or an input or parameter it returned as it is) keeps its own autograd state.
+  auto node = torch_compat::make_node<CheckpointBackward>(std::move(state), tensors);
+  const SegmentState& kept = node->state();
+  for (size_t k = 0; k < kept.output_tensor_slots.size(); ++k) {
+    if (!kept.differentiable[k]) continue;
+    c10::IValue& v = outputs[kept.output_tensor_slots[k]];
+    at::Tensor out = v.toTensor().detach();
+    torch::autograd::create_gradient_edge(out, node);
+    v = std::move(out);
+  }
   return outputs;
 }
 
@@ -446,13 +502,13 @@ std::vector<c10::IValue> checkpoint_impl(const IValueFunction& function, int64_t
 std::vector<c10::IValue> checkpoint(const IValueFunction& function, int64_t n_inputs,
                                     const std::vector<c10::IValue>& inputs_and_params,
                                     const CheckpointOptions& options) {
-  return detail::checkpoint_impl(function, n_inputs, inputs_and_params, options, {});
+  return detail::checkpoint_impl({function}, n_inputs, inputs_and_params, options);
 }
 
 namespace {
 
 IValueFunction to_ivalue_function(const TensorFunction& function) {
-  TORCH_CHECK(static_cast<bool>(function), kName, ": function is empty");
+  TORCH_CHECK(static_cast<bool>(function), detail::kCheckpointName, ": function is empty");
   return [function](const std::vector<c10::IValue>& in) {
     std::vector<at::Tensor> tensors;
     tensors.reserve(in.size());
@@ -476,7 +532,7 @@ std::vector<at::Tensor> checkpoint(const TensorFunction& function, int64_t n_inp
                                    const CheckpointOptions& options) {
   std::vector<c10::IValue> args(inputs_and_params.begin(), inputs_and_params.end());
   return to_tensors(
-      detail::checkpoint_impl(to_ivalue_function(function), n_inputs, args, options, {}));
+      detail::checkpoint_impl({to_ivalue_function(function)}, n_inputs, args, options));
 }
 
 std::vector<at::Tensor> checkpoint(const torch::nn::Module& module, const TensorFunction& function,
@@ -488,9 +544,8 @@ std::vector<at::Tensor> checkpoint(const torch::nn::Module& module, const Tensor
   for (const auto& b : module.buffers()) {
     if (b.defined()) buffers.push_back(b);
   }
-  return to_tensors(detail::checkpoint_impl(to_ivalue_function(function),
-                                            static_cast<int64_t>(inputs.size()), args, options,
-                                            buffers));
+  return to_tensors(detail::checkpoint_impl({to_ivalue_function(function), std::move(buffers)},
+                                            static_cast<int64_t>(inputs.size()), args, options));
 }
 
 namespace detail {
@@ -519,13 +574,34 @@ const at::Generator& default_generator(const at::Device& device) {
 RngState RngState::capture(const std::vector<at::Device>& devices) {
   RngState s;
   s.devices = devices;
-  for (const auto& d : devices) s.states.push_back(get_generator_state(default_generator(d)));
+  for (const auto& d : devices) {
+    if (d.is_cpu()) {
+      at::Generator gen = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      auto* cpu = at::check_generator<at::CPUGeneratorImpl>(gen);
+      s.cpu_engine = cpu->engine();
+      s.cpu_next_float_normal = cpu->next_float_normal_sample();
+      s.cpu_next_double_normal = cpu->next_double_normal_sample();
+      s.states.emplace_back();
+    } else {
+      s.states.push_back(get_generator_state(default_generator(d)));
+    }
+  }
   return s;
 }
 
 void RngState::restore() const {
   for (size_t i = 0; i < devices.size(); ++i) {
-    set_generator_state(default_generator(devices[i]), states[i]);
+    if (devices[i].is_cpu()) {
+      at::Generator gen = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      auto* cpu = at::check_generator<at::CPUGeneratorImpl>(gen);
+      cpu->set_engine(cpu_engine);
+      cpu->set_next_float_normal_sample(cpu_next_float_normal);
+      cpu->set_next_double_normal_sample(cpu_next_double_normal);
+    } else {
+      set_generator_state(default_generator(devices[i]), states[i]);
+    }
   }
 }
 

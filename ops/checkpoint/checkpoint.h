@@ -20,6 +20,12 @@
 // The RNG state (CPU, and that of every CUDA device holding an input or a parameter) is
 // saved before the forward and restored for the recompute, so dropout drops the same
 // units twice; the autocast state of the forward is restored for the recompute too.
+//
+// The outputs hang from one autograd node, memlean::CheckpointBackward (a plain Node: no
+// per-call context object), which holds the saved tensors and the function until backward
+// frees them (or the graph is freed). Each differentiable output is a new tensor sharing the
+// storage of what the function returned, so an input returned as it is keeps its own
+// history. The Python memlean.checkpoint is this checkpoint, run with a Python function.
 #pragma once
 
 #include <ATen/core/Tensor.h>

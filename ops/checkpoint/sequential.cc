@@ -233,7 +233,8 @@ at::Tensor checkpoint_sequential(torch::nn::Sequential sequential,
     IValueFunction segment = [sequential, s, e](const std::vector<c10::IValue>& in) mutable {
       return std::vector<c10::IValue>{run_layers(sequential, s, e, in[0].toTensor())};
     };
-    h = detail::checkpoint_impl(segment, 1, args, options, buffers)[0].toTensor();
+    h = detail::checkpoint_impl({std::move(segment), std::move(buffers)}, 1, args, options)[0]
+            .toTensor();
   }
   return h;  // no layers
 }

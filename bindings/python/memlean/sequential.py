@@ -18,8 +18,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from memlean import _C, memstats
-from memlean.checkpoint import (_BuffersKept, _cuda_devices, _describe,
-                                _run, module_parameters)
+from memlean.checkpoint import _describe, _run, module_parameters
 
 __all__ = [
     "LayerCost",
@@ -84,6 +83,35 @@ def plan_segments(costs: Sequence[LayerCost], budget_bytes: Optional[int] = None
     starts, peak, fits = _C.plan_segments([c.input_bytes for c in costs],
                                           [c.activation_bytes for c in costs], budget_bytes)
     return SegmentPlan(list(starts), int(peak), bool(fits))
+
+
+def _cuda_devices(tensors):
+    devices = []
+    for t in tensors:
+        if t.is_cuda and t.get_device() not in devices:
+            devices.append(t.get_device())
+    return devices
+
+
+class _BuffersKept:
+    """`with _BuffersKept(buffers):` copies the buffers, and puts the copies back on exit
+    without bumping their version counters (as batch norm's in-kernel statistics updates do
+    not), so saved graphs stay valid."""
+
+    def __init__(self, buffers):
+        self.buffers = buffers
+        self.copies = None
+
+    def __enter__(self):
+        with torch.no_grad():
+            self.copies = [b.clone() for b in self.buffers]
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for b, c in zip(self.buffers, self.copies):
+                b.data.copy_(c)
+        return False
 
 
 def measure_layer_costs(functions, input: torch.Tensor) -> List[LayerCost]:
@@ -177,5 +205,6 @@ def checkpoint_sequential(functions, segments, input, *, preserve_rng_state: boo
                 x = layer(x)
             return x
 
-        h = _run("memlean.checkpoint_sequential", run, 1, (h, *params), preserve_rng_state, buffers)
+        h = _run("memlean.checkpoint_sequential", run, 1, (h, *params), preserve_rng_state, buffers,
+                 len(modules) < len(segment))
     return h

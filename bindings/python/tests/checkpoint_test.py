@@ -238,7 +238,7 @@ def test_create_graph_gives_first_order_gradients_only():
     (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
     assert torch.equal(g.detach(), g_plain)
     assert g.requires_grad
-    with pytest.raises(RuntimeError, match=r"double backward \(create_graph=True\) through a checkpoint is not supported"):
+    with pytest.raises(RuntimeError, match=r"double backward \(a backward with create_graph\) through a checkpoint is not supported"):
         g.sum().backward()
 
 
@@ -630,3 +630,81 @@ def test_under_torch_compile_the_checkpoint_runs_eagerly_and_keeps_its_saving(ba
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
+
+
+# ---- one implementation: the C++ checkpoint's node, run with a Python function -------------
+
+
+def test_the_python_checkpoint_is_the_cpp_node():
+    lin = nn.Linear(4, 4).to(D)
+    x = torch.randn(2, 4, dtype=D, requires_grad=True)
+    assert memlean.checkpoint(lin, x).grad_fn.name() == "memlean::CheckpointBackward"
+    y = memlean.CheckpointFunction.apply(lin, 1, x, *lin.parameters())
+    assert y.grad_fn.name() == "memlean::CheckpointBackward"
+
+
+def test_an_input_returned_as_it_is_keeps_its_own_history():
+    x = torch.randn(3, 4, dtype=D, requires_grad=True)
+    h = x * 2  # a non-leaf input: its grad_fn must stay MulBackward0
+    y = memlean.checkpoint(lambda t: t, h)
+    assert y is not h and y.data_ptr() == h.data_ptr()
+    assert h.grad_fn.name() == "MulBackward0" and y.grad_fn.name() == "memlean::CheckpointBackward"
+    (y * 3).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 6.0))
+
+
+def test_a_python_error_in_the_recompute_keeps_its_type():
+    calls = []
+
+    def f(t):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("raised by the function in its recompute")
+        return t.sin()
+
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    y = memlean.checkpoint(f, x)
+    with pytest.raises(ValueError, match="raised by the function in its recompute"):
+        y.sum().backward()
+
+
+def test_the_function_is_released_by_backward_and_with_the_graph():
+    import gc
+    import weakref
+
+    class Fn:
+        def __call__(self, t):
+            return t.exp()
+
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    for run_backward in (True, False):
+        fn = Fn()
+        alive = weakref.ref(fn)
+        y = memlean.checkpoint(fn, x)
+        del fn
+        gc.collect()
+        assert alive() is not None  # the node holds it for the recompute
+        if run_backward:
+            y.sum().backward()  # frees what the node kept
+            assert alive() is None
+        del y
+        gc.collect()
+        assert alive() is None
+
+
+def test_a_module_segment_keeps_the_batchnorm_statistics_of_its_tree_without_a_global_hook():
+    block = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).to(D)
+    hooks_seen = []
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda m, a: hooks_seen.append(type(m).__name__))
+    try:
+        x = torch.randn(8, 4, dtype=D, requires_grad=True)
+        y = memlean.checkpoint(block, x)
+        after_forward = [b.clone() for b in block[1].buffers()]
+        y.sum().backward()
+    finally:
+        handle.remove()
+    assert all(torch.equal(a, b) for a, b in zip(after_forward, block[1].buffers()))
+    assert int(block[1].num_batches_tracked) == 1
+    # The forward and the recompute each called the 3 modules, and nothing else hooked them.
+    assert hooks_seen == ["Sequential", "Linear", "BatchNorm1d"] * 2
