@@ -1,4 +1,4 @@
-"""The fenced code blocks of README.md, for the tests that run them.
+"""The fenced code blocks of README.md and docs/*.md, for the tests that run them.
 
 Every block is fenced with a language: python (run by //bindings/python:readme_test), cpp
 (compiled and run by the cc_tests in examples/readme/BUILD), text (output; see below), sh
@@ -27,14 +27,22 @@ class Block:
     text: str  # the lines between the fences
     skip_reason: Optional[str] = None
     is_output: bool = False
+    source: str = "README.md"  # the markdown file, as named to parse()
 
-    def where(self, readme: str = "README.md") -> str:
-        return f"{readme}:{self.line} (```{self.language} block)"
+    def where(self, readme: Optional[str] = None) -> str:
+        return f"{readme or self.source}:{self.line} (```{self.language} block)"
+
+
+def in_order(paths: List[str]) -> List[str]:
+    """The markdown files in the order their blocks are numbered: README.md first, then the
+    others by path (docs/bazel.md, docs/checkpoint.md, ...), however they were listed."""
+    return sorted(paths, key=lambda p: (p.rsplit("/", 1)[-1] != "README.md", p))
 
 
 def parse(text: str, readme: str = "README.md") -> List[Block]:
-    """The fenced blocks of `text`, in order. Raises ValueError for an unterminated fence,
-    a fence without a known language, or a readme-test marker it does not understand."""
+    """The fenced blocks of `text` (the file `readme`: README.md or a docs page), in order.
+    Raises ValueError for an unterminated fence, a fence without a known language, or a
+    readme-test marker it does not understand."""
     lines = text.splitlines()
     blocks = []
     i = 0
@@ -55,7 +63,7 @@ def parse(text: str, readme: str = "README.md") -> List[Block]:
         if end == len(lines):
             raise ValueError(f"{readme}:{start}: the ```{language} block is never closed")
         body = [ln[len(indent):] if ln.startswith(indent) else ln for ln in lines[start:end]]
-        block = Block(language, start, "\n".join(body) + "\n")
+        block = Block(language, start, "\n".join(body) + "\n", source=readme)
         marker = _marker_before(lines, i)
         if marker is not None:
             skip = _SKIP.match(marker)
