@@ -17,6 +17,7 @@
 #include "experiments/trainer/config.h"
 #include "runtime/memstats/memstats.h"
 #include "runtime/memstats/report.h"
+#include "third_party/torch/devices.h"
 
 ABSL_FLAG(std::string, model, "mlp", "mlp | densenet_bc | efficientnet_b0");
 ABSL_FLAG(std::string, swish, "memory_efficient",
@@ -167,7 +168,7 @@ Config config_from_flags() {
   c.threads = absl::GetFlag(FLAGS_threads);
   check(c.threads >= 0, "threads", "must be >= 0 (0 = torch's default)");
   c.device = absl::GetFlag(FLAGS_device);
-  if (c.device == "auto") c.device = at::hasCUDA() && at::getNumGPUs() > 0 ? "cuda" : "cpu";
+  if (c.device == "auto") c.device = have_cuda_device() ? "cuda" : "cpu";
   try {
     memstats::parse_device(c.device);
   } catch (const c10::Error& e) {

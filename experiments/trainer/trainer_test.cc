@@ -15,6 +15,7 @@
 #include "experiments/trainer/config.h"
 #include "experiments/trainer/data.h"
 #include "experiments/trainer/trainer.h"
+#include "third_party/torch/devices.h"
 
 namespace memlean::trainer {
 namespace {
@@ -83,7 +84,7 @@ TEST_F(TrainerTest, Defaults) {
   EXPECT_EQ(c.optimizer, "sgd");
   EXPECT_DOUBLE_EQ(c.lr, 1e-4);
   // --device=auto: CUDA when torch sees a GPU.
-  EXPECT_EQ(c.device, at::hasCUDA() && at::getNumGPUs() > 0 ? "cuda" : "cpu");
+  EXPECT_EQ(c.device, memlean::have_cuda_device() ? "cuda" : "cpu");
   EXPECT_FALSE(c.cifar10());
   EXPECT_EQ(c.mlp_in, 128);
   EXPECT_EQ(c.mlp_hidden, 1 << 20);

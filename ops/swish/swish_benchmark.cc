@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "ops/swish/swish.h"
+#include "third_party/torch/devices.h"
 
 namespace {
 
@@ -40,7 +41,7 @@ void sync(const benchmark::State& state) {
 
 // False (and the case marked skipped) when it is a CUDA case and there is no GPU.
 bool runnable(benchmark::State& state) {
-  if (on_cuda(state) && !(at::hasCUDA() && at::getNumGPUs() > 0)) {
+  if (on_cuda(state) && !memlean::have_cuda_device()) {
     state.SkipWithError("no GPU: CUDA case skipped");
     return false;
   }

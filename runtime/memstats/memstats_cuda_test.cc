@@ -10,13 +10,14 @@
 
 #include "runtime/memstats/memstats.h"
 #include "testing/expect_error.h"
+#include "third_party/torch/devices.h"
 
 namespace memlean::memstats {
 namespace {
 
 using ::memlean::testing::expect_error;
 
-bool have_gpu() { return at::hasCUDA() && at::getNumGPUs() > 0; }
+bool have_gpu() { return memlean::have_cuda_device(); }
 
 TEST(MemstatsCuda, LibtorchCudaIsLoadedWhenTorchHasCuda) {
 #ifdef MEMLEAN_TEST_WITH_TORCH_CUDA
