@@ -1,9 +1,10 @@
-"""Seed 003's table: DenseNet-BC-100 (k=12) on CIFAR-sized input, bottlenecks run naive,
-with torch.utils.checkpoint (reentrant, as the seed measured; non-reentrant, as recommended
-today) and with memlean's checkpoint; 1 and 2 processes (DDP over gloo, each process half
-the batch, as DataParallel split it); peak memory per process (exact CPU bytes, or CUDA's
-allocated bytes) and seconds per step (median after a warm-up step); a PNG of peak against
-step time. On CUDA, 2 processes take one GPU each (DDP over NCCL).
+"""pytorch-checkpoint's table (docs/sources.md): DenseNet-BC-100 (k=12) on CIFAR-sized input,
+bottlenecks run naive, with torch.utils.checkpoint (reentrant, as pytorch-checkpoint
+measured; non-reentrant, as recommended today) and with memlean's checkpoint; 1 and 2
+processes (DDP over gloo, each process half the batch, as DataParallel split it); peak memory
+per process (exact CPU bytes, or CUDA's allocated bytes) and seconds per step (median after a
+warm-up step); a PNG of peak against step time. On CUDA, 2 processes take one GPU each (DDP
+over NCCL).
 
     ./bazelw run //experiments:checkpoint_densenet [-- --quick] [--out=DIR] [--batches 4 256]
                                                    [--device=auto|cpu|cuda]
@@ -24,11 +25,12 @@ import memlean.memstats as memstats
 from experiments import common
 from experiments.models.densenet import DenseNetBC
 
-# The table's methods and the twin's checkpoint modes (seed 003's names on the left).
+# The table's methods and the twin's checkpoint modes (pytorch-checkpoint's names on the left).
 METHODS = {"naive": "none", "official": "torch_reentrant", "official_nonreentrant": "torch",
            "memlean": "memlean"}
 
-# Seed 003 (TITAN X Pascal, PyTorch 1.0): (method, GPUs, batch) -> (memory GB, seconds).
+# pytorch-checkpoint's figures (TITAN X Pascal, PyTorch 1.0):
+# (method, GPUs, batch) -> (memory GB, seconds).
 SOURCE = {
     ("naive", 1, 256): (9.93, 0.42), ("naive", 2, 4): (0.65, 0.10),
     ("naive", 2, 256): (5.25, 0.27), ("naive", 2, 512): (9.93, 0.50),
@@ -207,7 +209,8 @@ def run(args):
     if cuda:
         where = (f"on {torch.cuda.get_device_name(device)} GPUs (2 processes: one GPU each, DDP "
                  "over NCCL) instead of TITAN X GPUs; memory is CUDA allocated bytes per process, "
-                 "cuDNN workspaces included, not the CUDA context (which the seed's figures hold)")
+                 "cuDNN workspaces included, not the CUDA context (which pytorch-checkpoint's "
+                 "figures hold)")
         if not worlds[2]:
             where += f"; the 2-process rows need 2 GPUs and this machine has {gpus}"
     else:
@@ -229,7 +232,8 @@ def run(args):
            ([scale * p[0] for p in ps], [p[1] / 2**30 for p in ps], [p[2] for p in ps])
            for (method, world), ps in drawn.items()})],
         log=True)
-    return [common.Table("checkpoint_densenet", "Seed 003: DenseNet-BC checkpointing, 1 and 2 processes",
+    return [common.Table("checkpoint_densenet",
+                         "pytorch-checkpoint: DenseNet-BC checkpointing, 1 and 2 processes",
                          rows, note, [plot] if plot else [])]
 
 

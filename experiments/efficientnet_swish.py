@@ -1,8 +1,8 @@
-"""The claims around seed 000 on EfficientNet-B0: the training-step peak of timm's
-efficientnet_b0 with each of memlean's Swish variants as its activation, beside timm's own
-SwishMe (memory-efficient autograd.Function) and torch's nn.SiLU (timm's default), at
-several batch sizes; exact CPU bytes (or CUDA's allocated bytes: then also in bf16
-autocast and channels_last), the step time, and a PNG of both.
+"""The claims around the Swish blog post (docs/sources.md) on EfficientNet-B0: the
+training-step peak of timm's efficientnet_b0 with each of memlean's Swish variants as its
+activation, beside timm's own SwishMe (memory-efficient autograd.Function) and torch's
+nn.SiLU (timm's default), at several batch sizes; exact CPU bytes (or CUDA's allocated bytes:
+then also in bf16 autocast and channels_last), the step time, and a PNG of both.
 
     ./bazelw run //experiments:efficientnet_swish [-- --quick] [--out=DIR] [--device=auto|cpu|cuda]
 """
@@ -15,8 +15,9 @@ import torch.nn.functional as F
 import memlean
 from experiments import common
 
-CLAIMS = ('"up to 30%" less (the issue seed 000 cites), "almost 20% less" at batch 512 '
-          "(seed 000, an MLP), 15-20% (timm's memory-efficient activations)")
+CLAIMS = ('"up to 30%" less (the issue the Swish blog post cites), "almost 20% less" at '
+          "batch 512 (the Swish blog post, an MLP), 15-20% (timm's memory-efficient "
+          "activations)")
 
 
 def memlean_act(variant):

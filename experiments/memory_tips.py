@@ -1,7 +1,7 @@
-"""Seed 002's memory-saving tips, each measured on one reference CNN: peak bytes of a
-training step (or of inference, where the tip is about inference) before and after the
-tip, with memlean.memstats (exact CPU bytes, or CUDA's allocated bytes); the source's claim;
-and a verdict that says plainly when a tip does not save training memory.
+"""The memory-tips article's tips (docs/sources.md), each measured on one reference CNN: peak
+bytes of a training step (or of inference, where the tip is about inference) before and
+after the tip, with memlean.memstats (exact CPU bytes, or CUDA's allocated bytes); the
+source's claim; and a verdict that says plainly when a tip does not save training memory.
 
     ./bazelw run //experiments:memory_tips [-- --quick] [--out=DIR] [--device=auto|cpu|cuda]
 """
@@ -210,7 +210,8 @@ def run(args):
     else:
         note += ("CUDA allocated bytes; tip 13 calls torch.cuda.empty_cache() after the step."
                  + common.device_note(cfg.device))
-    return [common.Table("memory_tips", "Seed 002: memory-saving tips, measured", rows, note)]
+    return [common.Table("memory_tips", "The memory-tips article: memory-saving tips, measured",
+                         rows, note)]
 
 
 def main(argv=None):

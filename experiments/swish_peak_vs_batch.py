@@ -1,6 +1,7 @@
-"""Seed 000's figure: peak memory of one training step of the reference MLP against the
-batch size (64 ... 512), for naive, memory-efficient and in-place Swish and torch's SiLU;
-the reduction at batch 512 beside the source's "almost 20% less"; a PNG line plot.
+"""The Swish blog post's figure (docs/sources.md): peak memory of one training step of the
+reference MLP against the batch size (64 ... 512), for naive, memory-efficient and in-place
+Swish and torch's SiLU; the reduction at batch 512 beside the source's "almost 20% less"; a
+PNG line plot.
 
     ./bazelw run //experiments:swish_peak_vs_batch [-- --quick] [--out=DIR] [--device=auto|cpu|cuda]
 """
@@ -21,7 +22,7 @@ SOURCE_CLAIM = "almost 20% less (custom op vs naive) at batch 512"
 def step_memory(act: str, hidden: int, batch: int, seed: int = 0,
                 device: torch.device = common.CPU) -> dict:
     """Bytes of one full training step (model, data, forward, backward, SGD step): alive
-    right after forward (where the seed read memory_allocated) and the step's true peak.
+    right after forward (where the Swish post read memory_allocated) and the step's true peak.
     Model and data are drawn on the CPU from the seed and moved to `device`."""
     memstats.enable()
     torch.manual_seed(seed)
@@ -83,7 +84,7 @@ def run(args):
     plot = common.plot(os.path.join(args.out, "swish_peak_vs_batch.png"),
                        "Memory of a training step (reference MLP)",
                        [("batch size", "MiB", series)], xticks=batches)
-    return [common.Table("swish_peak_vs_batch", "Seed 000: memory vs batch size (MiB)",
+    return [common.Table("swish_peak_vs_batch", "The Swish blog post: memory vs batch size (MiB)",
                          rows, note, [plot] if plot else [])]
 
 

@@ -1,7 +1,8 @@
-"""Seed 000's table: memory after data / forw / loss / back / step of two SGD steps of the
-reference MLP (Linear(128 -> 2^20) -> Swish -> Linear(2^20 -> 1), batch 128), for naive,
-memory-efficient and in-place Swish, measured with memlean.memstats (exact CPU bytes, or the
-CUDA caching allocator's allocated bytes, what the seed read with torch.cuda.memory_allocated).
+"""The Swish blog post's table (docs/sources.md): memory after data / forw / loss / back /
+step of two SGD steps of the reference MLP (Linear(128 -> 2^20) -> Swish ->
+Linear(2^20 -> 1), batch 128), for naive, memory-efficient and in-place Swish, measured with
+memlean.memstats (exact CPU bytes, or the CUDA caching allocator's allocated bytes, what the
+Swish post read with torch.cuda.memory_allocated).
 
     ./bazelw run //experiments:swish_phases [-- --quick] [--out=DIR] [--device=auto|cpu|cuda]
 """
@@ -13,7 +14,7 @@ from experiments import common
 from experiments.models.mlp import Mlp
 
 PHASES = ("data", "forw", "loss", "back", "step")
-# torch.cuda.memory_allocated() / 2^20 in the seed, batch 128, first and second step.
+# torch.cuda.memory_allocated() / 2^20 in the Swish post, batch 128, first and second step.
 SOURCE = {1: (524, 1552, 1552, 1044, 1044), 2: (1044, 2072, 2072, 1044, 1044)}
 VARIANTS = ("naive", "memory_efficient", "inplace")
 
@@ -70,18 +71,20 @@ def run(args):
             rows.append(row)
     params = results["naive"][1]
     where = ("on the CPU with memlean.memstats (exact bytes)" if device.type == "cpu" else
-             "on the GPU (torch.cuda.memory_allocated, as the seed)")
+             "on the GPU (torch.cuda.memory_allocated, as in the Swish blog post)")
     note = (
         f"Measured {where}, hidden={hidden}, batch={batch}; "
-        f"parameters {common.mib(params):.2f} MiB. The seed's network code is not in the source; "
-        "its figures (torch.cuda.memory_allocated on a GPU) match the memory-efficient column: "
-        "forw = data + 2 activations of batch x hidden floats (the Linear output and the Swish "
-        "output); naive keeps a third (sigmoid), in-place one fewer (plus a 1-bit mask)."
+        f"parameters {common.mib(params):.2f} MiB. The Swish blog post's network code is not in "
+        "the source; its figures (torch.cuda.memory_allocated on a GPU) match the "
+        "memory-efficient column: forw = data + 2 activations of batch x hidden floats (the "
+        "Linear output and the Swish output); naive keeps a third (sigmoid), in-place one fewer "
+        "(plus a 1-bit mask)."
         + common.device_note(device)
     )
     if args.quick:
         note = "Quick mode (CI): " + note
-    return [common.Table("swish_phases", "Seed 000: memory per training phase (MiB)", rows, note)]
+    return [common.Table("swish_phases", "The Swish blog post: memory per training phase (MiB)",
+                         rows, note)]
 
 
 def main(argv=None):

@@ -1,5 +1,6 @@
 """Bytes saved for backward per element by each Swish variant, float32, measured with
-autograd's saved_tensors_hooks (seed 000 states what each version keeps).
+autograd's saved_tensors_hooks (the Swish blog post, docs/sources.md, states what each
+version keeps).
 
     ./bazelw run //experiments:swish_saved_bytes [-- --device=auto|cpu|cuda]
 """
@@ -11,7 +12,7 @@ from experiments import common
 
 VARIANTS = {
     "naive x*sigmoid(x)": (lambda t: t * torch.sigmoid(t), "x and sigmoid(x) (autograd)"),
-    "memlean memory_efficient": (memlean.swish, "x only (seed 000's custom op)"),
+    "memlean memory_efficient": (memlean.swish, "x only (the Swish post's custom op)"),
     "memlean inplace": (memlean.swish_, "not described in the source"),
 }
 

@@ -32,9 +32,9 @@ at::Tensor activate(const at::Tensor& x, Activation activation);
 // are recomputed in backward instead of kept):
 //   none         nothing
 //   memlean      the model's own memlean mode: DenseNet-BC's "efficient" bottlenecks
-//                (cat -> BatchNorm -> ReLU -> 1x1 conv of every dense layer, seed 003); for
-//                the MLP its hidden layer; for EfficientNet-B0 round(sqrt(n)) segments of its
-//                n stages (Chen et al. 2016)
+//                (cat -> BatchNorm -> ReLU -> 1x1 conv of every dense layer, as in
+//                pytorch-checkpoint, docs/sources.md); for the MLP its hidden layer; for
+//                EfficientNet-B0 round(sqrt(n)) segments of its n stages (Chen et al. 2016)
 //   segments:K   the model's chain of stages cut into K (nearly) equal segments, each but
 //                the last checkpointed (memlean::checkpoint_sequential); 1 <= K <= stages
 struct Checkpointing {

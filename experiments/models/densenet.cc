@@ -1,4 +1,4 @@
-// DenseNetBC (seed 003's efficient DenseNet demo, in LibTorch).
+// DenseNetBC (pytorch-checkpoint's efficient DenseNet demo, in LibTorch; docs/sources.md).
 #include "experiments/models/densenet.h"
 
 #include <ATen/ATen.h>
@@ -39,7 +39,7 @@ at::Tensor DenseLayerImpl::bottleneck(const std::vector<at::Tensor>& features) {
 at::Tensor DenseLayerImpl::forward(const std::vector<at::Tensor>& features) {
   at::Tensor b;
   if (efficient_) {
-    // Seed 003: args = prev_features + norm1's parameters + conv1's parameters.
+    // As in pytorch-checkpoint: args = prev_features + norm1's parameters + conv1's parameters.
     std::vector<at::Tensor> args = features;
     for (const auto& p : norm1->parameters()) args.push_back(p);
     for (const auto& p : conv1->parameters()) args.push_back(p);

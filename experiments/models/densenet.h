@@ -1,6 +1,7 @@
-// DenseNetBC: DenseNet-BC for CIFAR-sized input (Huang et al. 2017), as in seed 003's demo,
-// gpleiss/efficient_densenet_pytorch, with the same module and parameter names; its
-// `efficient` mode checkpoints cat -> BatchNorm -> ReLU -> 1x1 conv with memlean's checkpoint.
+// DenseNetBC: DenseNet-BC for CIFAR-sized input (Huang et al. 2017), as in
+// pytorch-checkpoint's demo (docs/sources.md), gpleiss/efficient_densenet_pytorch, with the
+// same module and parameter names; its `efficient` mode checkpoints cat -> BatchNorm -> ReLU
+// -> 1x1 conv with memlean's checkpoint.
 #pragma once
 
 #include <torch/arg.h>
@@ -42,7 +43,7 @@ class DenseLayerImpl : public torch::nn::Module {
   DenseLayerImpl(int64_t in_features, int64_t growth_rate, int64_t bottleneck, double drop_rate,
                  bool efficient);
   at::Tensor forward(const std::vector<at::Tensor>& features);
-  // cat -> norm1 -> ReLU -> conv1, seed 003's bn_function.
+  // cat -> norm1 -> ReLU -> conv1, pytorch-checkpoint's bn_function.
   at::Tensor bottleneck(const std::vector<at::Tensor>& features);
 
   BatchNorm2d norm1{nullptr}, norm2{nullptr};

@@ -1,19 +1,20 @@
-"""DenseNetBC: the Python twin of memlean::models::DenseNetBC, i.e. seed 003's demo model
-(gpleiss/efficient_densenet_pytorch's DenseNet for CIFAR) with the same parameter names.
+"""DenseNetBC: the Python twin of memlean::models::DenseNetBC, i.e. pytorch-checkpoint's demo
+model (gpleiss/efficient_densenet_pytorch's DenseNet for CIFAR; docs/sources.md) with the same
+parameter names.
 
-checkpoint (what the dense layers' cat -> BatchNorm -> ReLU -> 1x1 conv, seed 003's
+checkpoint (what the dense layers' cat -> BatchNorm -> ReLU -> 1x1 conv, pytorch-checkpoint's
 bn_function, run under):
-  'none'              nothing is checkpointed (seed 003's "Naive" rows)
+  'none'              nothing is checkpointed (pytorch-checkpoint's "Naive" rows)
   'torch_reentrant'   torch.utils.checkpoint.checkpoint(use_reentrant=True), the official
-                      implementation seed 003 compares with ("Official")
+                      implementation pytorch-checkpoint compares with ("Official")
   'torch'             torch.utils.checkpoint.checkpoint(use_reentrant=False), today's
                       recommended form of the official one
-  'memlean'           memlean.CheckpointFunction, seed 003's call form ("This repo")
+  'memlean'           memlean.CheckpointFunction, pytorch-checkpoint's call form ("This repo")
   'segments:K'        nothing inside the layers; the chain of `features` in K segments with
                       memlean.checkpoint_sequential
 Every BatchNorm is memlean.BatchNorm2d: under 'memlean' its running statistics are updated
 once per step; under torch's checkpoint the recompute updates them a second time, as
-torch.nn.BatchNorm2d's would (what seed 003's cp_BatchNorm2d was about).
+torch.nn.BatchNorm2d's would (what pytorch-checkpoint's cp_BatchNorm2d was about).
 """
 import math
 from collections import OrderedDict

@@ -1,4 +1,4 @@
-// Mlp (seed 000's reference network).
+// Mlp (the Swish blog post's reference network).
 #include "experiments/models/mlp.h"
 
 #include <c10/util/Exception.h>

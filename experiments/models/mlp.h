@@ -1,4 +1,5 @@
-// Mlp: seed 000's reference network, Linear(in -> hidden) -> Swish -> Linear(hidden -> out).
+// Mlp: the Swish blog post's reference network (docs/sources.md), Linear(in -> hidden) ->
+// Swish -> Linear(hidden -> out).
 #pragma once
 
 #include <torch/arg.h>
@@ -12,7 +13,7 @@
 namespace memlean::models {
 
 struct MlpOptions {
-  // Seed 000's sizes: 128 -> 2^20 -> 1.
+  // The Swish blog post's sizes: 128 -> 2^20 -> 1.
   TORCH_ARG(int64_t, in_features) = 128;
   TORCH_ARG(int64_t, hidden_features) = int64_t{1} << 20;
   TORCH_ARG(int64_t, out_features) = 1;

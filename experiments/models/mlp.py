@@ -1,5 +1,6 @@
-"""Mlp: the Python twin of memlean::models::Mlp (seed 000's reference network,
-Linear(in -> hidden) -> Swish -> Linear(hidden -> out)); same parameter names."""
+"""Mlp: the Python twin of memlean::models::Mlp (the Swish blog post's reference network,
+Linear(in -> hidden) -> Swish -> Linear(hidden -> out); docs/sources.md); same parameter
+names."""
 import torch
 
 from experiments.models.common import check_segments, make_activation, parse_segments, run_stages

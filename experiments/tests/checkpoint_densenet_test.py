@@ -1,4 +1,4 @@
-"""checkpoint_densenet --quick: the seed's claims at small sizes: checkpointing cuts the
+"""checkpoint_densenet --quick: pytorch-checkpoint's claims at small sizes: checkpointing cuts the
 peak, memlean's BatchNorm counts once where the reentrant official one counts twice, every
 method computes the same loss, and 2 DDP processes work with memlean's checkpoint."""
 import pytest
@@ -18,7 +18,7 @@ def test_same_loss_less_memory_one_process():
     assert r["memlean"]["peak"] <= 1.05 * r["official"]["peak"]
     assert r["naive"]["bn_updates"] == 1
     assert r["memlean"]["bn_updates"] == 1
-    assert r["official"]["bn_updates"] == 2  # the seed's reason for cp_BatchNorm2d
+    assert r["official"]["bn_updates"] == 2  # pytorch-checkpoint's reason for cp_BatchNorm2d
 
 
 def test_two_processes_memlean():

@@ -1,6 +1,7 @@
-"""The same table from C++ and from Python: the seed 000 phase table of the reference MLP,
-measured by the C++ trainer (LibTorch, memlean::memstats) and by //experiments:swish_phases
-(Python, memlean.memstats), agrees to the byte for every Swish variant."""
+"""The same table from C++ and from Python: the Swish blog post's phase table
+(docs/sources.md) of the reference MLP, measured by the C++ trainer (LibTorch,
+memlean::memstats) and by //experiments:swish_phases (Python, memlean.memstats), agrees to
+the byte for every Swish variant."""
 import json
 import os
 import subprocess

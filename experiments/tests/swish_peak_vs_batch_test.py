@@ -1,4 +1,4 @@
-"""swish_peak_vs_batch --quick: the direction and size of the seed's claim."""
+"""swish_peak_vs_batch --quick: the direction and size of the Swish blog post's claim."""
 import os
 import tempfile
 

@@ -1,4 +1,4 @@
-"""swish_phases --quick: the seed's table, byte for byte from the shapes."""
+"""swish_phases --quick: the Swish blog post's table, byte for byte from the shapes."""
 import argparse
 
 import pytest

@@ -45,7 +45,7 @@ struct Config {
   bool cifar10() const { return !cifar_dir.empty(); }
   // What the model computes its activations with ("relu" for DenseNet-BC).
   std::string activation_name() const;
-  // "mse" for the MLP on synthetic data (seed 000's regression), else "cross_entropy".
+  // "mse" for the MLP on synthetic data (the Swish blog post's regression), else "cross_entropy".
   std::string loss_name() const;
 };
 

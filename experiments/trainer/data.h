@@ -31,8 +31,8 @@ class DataSource {
 std::unique_ptr<DataSource> synthetic_images(int64_t batch, int64_t classes, int64_t size,
                                              uint64_t seed);
 
-// Seed 000's regression: x ~ N(0, 1) [batch, in], target tanh(x W) [batch, out] for a fixed
-// random W (from the seed).
+// The Swish blog post's regression (docs/sources.md): x ~ N(0, 1) [batch, in], target
+// tanh(x W) [batch, out] for a fixed random W (from the seed).
 std::unique_ptr<DataSource> synthetic_regression(int64_t batch, int64_t in, int64_t out,
                                                  uint64_t seed);
 

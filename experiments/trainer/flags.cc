@@ -49,9 +49,9 @@ ABSL_FLAG(int64_t, num_classes, 0,
 ABSL_FLAG(int64_t, image_size, 0,
           "side of the synthetic images; 0 = 32 (densenet_bc) or 224 (efficientnet_b0); "
           "cifar10: 32");
-ABSL_FLAG(int64_t, mlp_in, 0, "mlp inputs; 0 = 128 (seed 000), 3072 on cifar10");
-ABSL_FLAG(int64_t, mlp_hidden, int64_t{1} << 20, "mlp hidden units (seed 000: 2^20)");
-ABSL_FLAG(int64_t, mlp_out, 0, "mlp outputs; 0 = 1 (seed 000), 10 on cifar10");
+ABSL_FLAG(int64_t, mlp_in, 0, "mlp inputs; 0 = 128 (the Swish blog post), 3072 on cifar10");
+ABSL_FLAG(int64_t, mlp_hidden, int64_t{1} << 20, "mlp hidden units (the Swish blog post: 2^20)");
+ABSL_FLAG(int64_t, mlp_out, 0, "mlp outputs; 0 = 1 (the Swish blog post), 10 on cifar10");
 ABSL_FLAG(int64_t, densenet_depth, 100, "DenseNet-BC depth, 6n + 4");
 ABSL_FLAG(int64_t, densenet_growth, 12, "DenseNet-BC growth rate");
 ABSL_FLAG(double, efficientnet_width, 1.0, "EfficientNet width multiplier (B0: 1)");

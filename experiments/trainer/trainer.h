@@ -1,6 +1,7 @@
 // The trainer: builds the model of a Config, trains it on its data with a progress display,
-// and accounts its memory with memstats (the seed 000 phase table data/forw/loss/back/step per
-// step, the category split); writes the text summary and the JSON report.
+// and accounts its memory with memstats (the Swish blog post's phase table, docs/sources.md:
+// data/forw/loss/back/step per step; the category split); writes the text summary and the
+// JSON report.
 #pragma once
 
 #include <cstdint>

@@ -105,8 +105,9 @@ TEST(BatchNorm2d, BehavesAsTorchsOutsideCheckpoints) {
   }
 }
 
-// One training step of conv -> BN, the BN inside a seed-form checkpoint: the running
-// statistics, num_batches_tracked and the gradients equal those of the step without it.
+// One training step of conv -> BN, the BN inside a checkpoint in pytorch-checkpoint's form
+// (docs/sources.md): the running statistics, num_batches_tracked and the gradients equal
+// those of the step without it.
 TEST(BatchNorm2d, StatisticsAfterACheckpointedStepEqualThePlainStep) {
   for (auto momentum : {std::optional<double>(0.1), std::optional<double>()}) {
     Pair p(BatchNorm2dOptions(4).momentum(momentum));
@@ -127,8 +128,8 @@ TEST(BatchNorm2d, StatisticsAfterACheckpointedStepEqualThePlainStep) {
   }
 }
 
-// torch's own BatchNorm2d inside the same seed-form checkpoint counts the step twice: the
-// bug memlean::BatchNorm2d exists for.
+// torch's own BatchNorm2d inside the same checkpoint counts the step twice: the bug
+// memlean::BatchNorm2d exists for.
 TEST(BatchNorm2d, TorchsBatchNormInAFunctionCheckpointIsUpdatedTwice) {
   torch::nn::BatchNorm2d bn(4);
   bn->to(at::kDouble);

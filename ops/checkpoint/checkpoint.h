@@ -1,7 +1,8 @@
 // memlean::checkpoint: run a segment of a model without keeping its activations, and
 // recompute them in backward (the C++ API of //ops/checkpoint).
 //
-// The call form is seed 003's CheckpointFunction.apply(function, n, *args):
+// The call form is pytorch-checkpoint's (docs/sources.md)
+// CheckpointFunction.apply(function, n, *args):
 //
 //   auto out = memlean::checkpoint(
 //       [&](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{conv(relu(bn(in[0])))}; },

@@ -6,12 +6,13 @@
 //
 // Models (float32, CPU, one intra-op thread so that runs on a shared machine compare):
 //   chain: 16 blocks BN -> ReLU -> Conv3x3 (32 channels, 8 x 32 x 16 x 16 input).
-//     plain | each (every block checkpointed, seed 003 form) | sqrt (checkpoint_sequential,
-//     √16 = 4 segments) | plan (the planner's plan for half the plain peak's activations)
+//     plain | each (every block checkpointed in pytorch-checkpoint's form; docs/sources.md)
+//     | sqrt (checkpoint_sequential, √16 = 4 segments) | plan (the planner's plan for half
+//     the plain peak's activations)
 //   dense: a DenseNet-BC dense block (12 layers, growth 12, 24 input channels, batch 16,
 //     16 x 16), BN-ReLU-Conv1x1(4k)-BN-ReLU-Conv3x3(k) on the concatenation of all earlier
-//     features. plain | efficient (concat-BN-ReLU-Conv1x1 checkpointed, seed 003's
-//     DenseNet example, with memlean::BatchNorm2d).
+//     features. plain | efficient (concat-BN-ReLU-Conv1x1 checkpointed,
+//     pytorch-checkpoint's DenseNet example, with memlean::BatchNorm2d).
 //   tiny: a segment with almost no work, for the fixed cost of one checkpoint.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -131,7 +132,7 @@ struct DenseLayer {
         conv1(Conv2dOptions(in, 4 * kGrowth, 1).bias(false)),
         conv2(Conv2dOptions(4 * kGrowth, kGrowth, 3).padding(1).bias(false)) {}
 
-  // bn_function of seed 003's DenseNet example.
+  // bn_function of pytorch-checkpoint's DenseNet example.
   at::Tensor bottleneck(const std::vector<at::Tensor>& features) {
     return conv1(at::relu(norm1(at::cat(features, 1))));
   }

@@ -1,5 +1,6 @@
 // memlean::memstats: exact accounting of tensor memory per device, scoped peaks that nest,
-// phases (the seed 000 data/forw/loss/back/step table), categories, and text/CSV/JSON reports.
+// phases (the Swish blog post's data/forw/loss/back/step table, docs/sources.md), categories,
+// and text/CSV/JSON reports.
 //
 // CPU: a counting allocator wraps the CPU allocator (installed once with
 // c10::SetCPUAllocator by enable(); every Tracker on the CPU enables it). It counts, to the
@@ -121,7 +122,7 @@ class Tracker {
   std::vector<Mark> marks() const;
   void stop();
 
-  // Rows = phase names (first-seen order), columns = steps, as in the seed 000 table.
+  // Rows = phase names (first-seen order), columns = steps, as in the Swish post's phase table.
   std::string table(const TableOptions& options = {}) const;
   // One row per mark: step,phase,current_bytes,peak_bytes,kept_bytes,reserved_bytes.
   std::string csv() const;

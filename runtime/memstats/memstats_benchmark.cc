@@ -3,10 +3,11 @@
 //                 allocator (the added ns per allocation; target <= 50 ns).
 //   BM_Empty*:    at::empty + free with either allocator installed as the CPU allocator.
 //   BM_AllocationOverhead: both interleaved in batches; counter added_ns.
-//   BM_MlpStep*:  one seed-000 training step of an MLP (data, forward, loss, backward, SGD
-//                 step) without accounting vs with the counting allocator, a Tracker and
-//                 five marks (target <= 3% added); BM_MlpStepOverhead interleaves them,
-//                 counter added_pct. (Interleaved figures resist a busy machine.)
+//   BM_MlpStep*:  one training step of an MLP as in the Swish blog post (docs/sources.md)
+//                 (data, forward, loss, backward, SGD step) without accounting vs with the
+//                 counting allocator, a Tracker and five marks (target <= 3% added);
+//                 BM_MlpStepOverhead interleaves them, counter added_pct. (Interleaved
+//                 figures resist a busy machine.)
 // Run: bazel run -c opt //runtime/memstats:memstats_benchmark -- --benchmark_repetitions=5
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -104,7 +105,8 @@ void BM_EmptyCounting(benchmark::State& state) { empty_free(state, counting()); 
 BENCHMARK(BM_EmptyPlain)->Arg(16)->Arg(1024)->ComputeStatistics("min", min_of);
 BENCHMARK(BM_EmptyCounting)->Arg(16)->Arg(1024)->ComputeStatistics("min", min_of);
 
-// The seed's MLP: D -> H -> H -> C with ReLU, cross entropy, plain SGD; gradients persist.
+// The Swish blog post's MLP: D -> H -> H -> C with ReLU, cross entropy, plain SGD; gradients
+// persist.
 struct Mlp {
   static constexpr int64_t kBatch = 64, kIn = 784, kHidden = 1024, kClasses = 10;
   std::vector<at::Tensor> params;

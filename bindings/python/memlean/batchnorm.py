@@ -20,8 +20,9 @@ class BatchNorm2d(torch.nn.BatchNorm2d):
     as before but leaves running_mean, running_var and num_batches_tracked alone: the
     forward being recomputed updated them already. In
     every other case it behaves as torch's, including a train-mode forward under no_grad
-    (which updates the statistics). This is seed 003's cp_BatchNorm2d, done right: that one
-    updated the statistics in the recompute instead, so never under no_grad.
+    (which updates the statistics). This is pytorch-checkpoint's cp_BatchNorm2d
+    (docs/sources.md), done right: that one updated the statistics in the recompute instead,
+    so never under no_grad.
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

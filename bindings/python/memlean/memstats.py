@@ -21,6 +21,19 @@ tracker) and counts every storage it allocates, to the byte, on any thread; stor
 existed before are not counted, nor their frees. CUDA: the caching allocator's figures
 (torch.cuda.memory_allocated and friends). Trackers nest: each has its own peak, and
 reset_peak() on one leaves the others alone. Names follow torch.cuda's where they overlap.
+No tracker changes any torch counter: torch.cuda.max_memory_allocated() reads the same with
+or without them (on CUDA, memstats keeps its own peaks from the allocator's trace).
+
+Known limitations (docs/memstats.md says more):
+
+- CPU: storages allocated before the counting allocator was installed are not counted,
+  nor are their frees; nor are storages made with torch.UntypedStorage(n) (c10's default
+  allocator), pinned host memory (CUDA's host allocator), Static Runtime's CPU caching
+  allocator, or shared-memory tensors from DataLoader workers. categories() shows such
+  tensors of the model and optimizer as `untracked`.
+- CUDA: the cudaMallocAsync backend cannot be observed (CUDA trackers raise); `kept` is
+  None and activations are 0 on CUDA.
+- The counting allocator, once installed, stays for the life of the process.
 """
 from __future__ import annotations
 
@@ -77,33 +90,76 @@ def _name(name) -> str:
 
 
 def enable() -> None:
-    """Install the counting CPU allocator now (idempotent). Tensors allocated earlier are
-    not counted: call it before creating the model whose memory you want to see."""
+    """Install the counting CPU allocator now (idempotent).
+
+    .. note::
+        Storages allocated earlier are not counted, nor their frees: call it before
+        creating the model whose memory you want to see. The first CPU tracker calls it too.
+    """
     _M.enable()
 
 
 def enabled() -> bool:
-    """Whether the counting CPU allocator is installed."""
+    """Return whether the counting CPU allocator is installed."""
     return _M.enabled()
 
 
 def memory_allocated(device="cpu") -> int:
-    """Bytes of tensor storage alive on `device` (CPU: counted since enable())."""
+    """Return the bytes of tensor storage alive on a device.
+
+    Args:
+        device (str, torch.device or int, optional): ``"cpu"`` (default), ``"cuda"``,
+            ``"cuda:1"``, a ``torch.device``, or a CUDA device index.
+
+    Returns:
+        int: on the CPU, the bytes of the storages allocated since :func:`enable` and still
+        alive; on CUDA, ``torch.cuda.memory_allocated(device)``.
+
+    Raises:
+        TypeError: ``device`` of another type. ValueError or RuntimeError: a device that
+        is not ``cpu`` or ``cuda[:index]``, out of range, or CUDA without a GPU.
+    """
     return _M.memory_allocated(_device(device))
 
 
 def max_memory_allocated(device="cpu") -> int:
-    """The largest memory_allocated(device) so far; trackers never lower it."""
+    """Return the largest :func:`memory_allocated` of a device so far in this process.
+
+    Args:
+        device (str, torch.device or int, optional): as for :func:`memory_allocated`.
+
+    .. note::
+        Trackers never lower it (their own peaks are theirs: see :attr:`Tracker.peak`), and
+        on CUDA it is torch's counter, which memstats never resets.
+    """
     return _M.max_memory_allocated(_device(device))
 
 
 def memory_reserved(device="cpu") -> int:
-    """CUDA: bytes the caching allocator holds; CPU: memory_allocated (no cache)."""
+    """Return the bytes the device's allocator holds.
+
+    Args:
+        device (str, torch.device or int, optional): as for :func:`memory_allocated`.
+
+    Returns:
+        int: on CUDA, the caching allocator's reserved bytes; on the CPU, which has no
+        cache, :func:`memory_allocated`.
+    """
     return _M.memory_reserved(_device(device))
 
 
 def mark(name: str) -> Mark:
-    """Mark the innermost running tracker (for code that has no handle on it)."""
+    """Mark the innermost running tracker of this thread, for code that has no handle on it.
+
+    Args:
+        name (str): the phase that ends here (see :meth:`Tracker.mark`).
+
+    Returns:
+        Mark: what the tracker recorded.
+
+    Raises:
+        TypeError: a name that is not a str. RuntimeError: no tracker is running.
+    """
     return _M.mark(_name(name))
 
 
@@ -120,8 +176,23 @@ def _tensors(obj) -> Iterable[torch.Tensor]:
 
 
 class Tracker:
-    """A scoped view of one device's memory; starts when created, stops at stop() or at the
-    end of a `with` block (its figures stay readable, frozen)."""
+    """A scoped view of one device's memory, with its own peak and marks.
+
+    It starts when created and stops at :meth:`stop` or at the end of its ``with`` block;
+    after that its figures stay readable, frozen. Trackers nest: each keeps its own peak,
+    and :meth:`reset_peak` on one leaves the others (and torch's counters) alone.
+
+    Args:
+        device (str, torch.device or int, optional): the device it watches, as for
+            :func:`memory_allocated`. Default: ``"cpu"`` (installs the counting allocator).
+
+    Example::
+
+        with memlean.memstats.track("cpu") as t:
+            y = model(x)
+            t.mark("forward")
+        print(t.peak, t.table())
+    """
 
     def __init__(self, device="cpu"):
         self._t = _M.Tracker(_device(device))
@@ -150,10 +221,12 @@ class Tracker:
 
     @property
     def device(self) -> torch.device:
+        """The device it watches."""
         return torch.device(self._t.device)
 
     @property
     def running(self) -> bool:
+        """False once stopped."""
         return self._t.running
 
     @property
@@ -168,6 +241,7 @@ class Tracker:
 
     @property
     def reserved(self) -> int:
+        """The device's :func:`memory_reserved` now (after stop(): when it stopped)."""
         return self._t.reserved
 
     @property
@@ -178,6 +252,8 @@ class Tracker:
         return self._t.marks()
 
     def reset_peak(self) -> None:
+        """Start this tracker's peak again from :attr:`current` (no other tracker's peak,
+        and no torch counter, changes)."""
         self._t.reset_peak()
 
     def mark(self, name: str) -> Mark:
@@ -186,12 +262,23 @@ class Tracker:
         return self._t.mark(_name(name))
 
     def stop(self) -> None:
+        """Stop tracking; the figures stay readable. Stopping twice is harmless."""
         self._t.stop()
 
     def table(self, bytes: bool = False, value: str = "current") -> str:
-        """The seed 000 table: rows = marks, columns = steps, MiB with two decimals (bytes=True:
-        exact bytes). value: 'current' (bytes alive at the mark, with a (peak) row), 'peak'
-        (peak since the previous mark), 'kept' or 'reserved'."""
+        """Return the phase table of the Swish blog post (docs/sources.md): one row per
+        mark name, one column per step.
+
+        Args:
+            bytes (bool, optional): exact bytes instead of MiB with two decimals.
+            value (str, optional): ``"current"`` (bytes alive at the mark, with a
+                ``(peak)`` row; default), ``"peak"`` (peak since the previous mark),
+                ``"kept"`` (bytes allocated since the previous mark still alive; CPU only)
+                or ``"reserved"``.
+
+        Raises:
+            TypeError: arguments of other types. ValueError: another ``value``.
+        """
         if not isinstance(bytes, bool):
             raise TypeError(f"memlean.memstats: bytes must be a bool, got {type(bytes).__name__}")
         if not isinstance(value, str):
@@ -314,7 +401,7 @@ def _shorten(name: str, limit: int) -> str:
 
 
 def track(device="cpu") -> Tracker:
-    """Start a Tracker: `with memlean.memstats.track() as t: ...`."""
+    """Start a :class:`Tracker` on ``device``: ``with memlean.memstats.track() as t: ...``."""
     return Tracker(device)
 
 

@@ -71,6 +71,22 @@ def plan_segments(costs: Sequence[LayerCost], budget_bytes: Optional[int] = None
     fewest layers (the longest last segment, which is not recomputed), then keeps the fewest
     bytes; if none fits, the plan with the lowest estimated peak, with fits_budget=False.
     The same planner as the C++ memlean::plan_segments.
+
+    Args:
+        costs (Sequence[LayerCost]): one per layer of the chain, in order.
+        budget_bytes (int, optional): the activation memory the plan should fit in.
+
+    Returns:
+        SegmentPlan: the segments' starts, the estimated peak, whether it fits.
+
+    Raises:
+        TypeError: a cost that is not a LayerCost, a budget that is not an int.
+        ValueError: a negative budget or cost.
+
+    .. note::
+        The estimate counts the inputs kept between segments and one segment's activations
+        at a time; gradients and temporaries are not modelled, so compare it with what
+        measure_layer_costs measured, not with a whole step's peak.
     """
     costs = _check_costs(costs)
     if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)):
@@ -115,11 +131,28 @@ class _BuffersKept:
 
 
 def measure_layer_costs(functions, input: torch.Tensor) -> List[LayerCost]:
-    """Runs the chain once on `input` with grad mode on and measures each layer: its input's
-    bytes, and the bytes of the storages it creates that its backward keeps (saved tensors,
-    recorded by memlean.memstats.saved_storages) or that it returns. Parameters and buffers
-    are not counted, nor a storage counted for an earlier layer. The chain's buffers (e.g.
-    running statistics) and the RNG state are left as they were."""
+    """Run the chain once on ``input`` with grad mode on and measure each layer's cost.
+
+    Args:
+        functions (iterable): the layers (an ``nn.Sequential``, or modules and callables
+            each taking and returning one tensor).
+        input (Tensor): a sample input, of the size the chain will train on.
+
+    Returns:
+        List[LayerCost]: per layer, its input's bytes, and the bytes of the storages it
+        creates that its backward keeps (saved tensors, recorded by
+        :func:`memlean.memstats.saved_storages`) or that it returns.
+
+    Raises:
+        TypeError: an input or a layer output that is not a tensor.
+
+    .. note::
+        Parameters and buffers are not counted, nor a storage counted for an earlier
+        layer. The chain's buffers (e.g. running statistics) and the RNG state are left as
+        they were. The C++ memlean::measure_layer_costs counts the bytes allocated during
+        the layer that are still alive after it instead (exact on the CPU); the two agree
+        for layers that keep nothing besides saved tensors and their output.
+    """
     layers = list(functions)
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"memlean.measure_layer_costs: input must be a tensor, got {_describe(input)}")
@@ -173,13 +206,32 @@ def _segment_starts(segments, n):
 
 
 def checkpoint_sequential(functions, segments, input, *, preserve_rng_state: bool = True):
-    """Runs the chain `functions` (an nn.Sequential or a list of modules/callables, each
-    taking and returning one tensor) on `input` in segments, each but the last checkpointed.
+    """Run a chain of layers in segments, each but the last checkpointed.
 
-    segments: a number of (nearly) equal segments, 'sqrt' for round(sqrt(n)), a list of the
-    first layer of each segment, or a SegmentPlan (memlean.plan_segments). The last segment
-    runs as usual: its backward comes first, so keeping its activations costs no more at the
-    peak than recomputing them, and saves one recompute.
+    Args:
+        functions (iterable): the layers (an ``nn.Sequential``, or modules and callables
+            each taking and returning one tensor).
+        segments (int, str, Sequence[int] or SegmentPlan): a number of (nearly) equal
+            segments, ``"sqrt"`` for round(sqrt(n)), the first layer of each segment, or a
+            plan from :func:`plan_segments`.
+        input (Tensor): the chain's input.
+        preserve_rng_state (bool, optional): as for :func:`memlean.checkpoint`.
+            Default: ``True``.
+
+    Returns:
+        Tensor: the chain's output.
+
+    Raises:
+        TypeError or ValueError: segments that are not one of the above, or starts that
+        are not increasing from 0 and below the number of layers (the C++
+        checkpoint_sequential's own checks, one specification).
+
+    .. note::
+        The last segment runs as usual: its backward comes first, so keeping its
+        activations costs no more at the peak than recomputing them, and saves one
+        recompute. Each other segment is a :func:`memlean.checkpoint` (RNG, autocast,
+        buffers, BatchNorm counted once, the same errors); its modules' buffers are put back
+        after its recompute.
     """
     layers = list(functions)
     starts = _segment_starts(segments, len(layers))

@@ -1,9 +1,9 @@
 """memlean checkpointing under DistributedDataParallel: two processes (gloo on 127.0.0.1)
-train a small DenseNet-like model whose bottlenecks are checkpointed in seed 003's call form
-(CheckpointFunction.apply) and whose transition is checkpointed as a module, with
-memlean.BatchNorm2d everywhere. After two steps the parameters equal those of one process
-running the same (un-checkpointed) model on the full batch, with find_unused_parameters off
-and on, and every BatchNorm has counted each training forward once.
+train a small DenseNet-like model whose bottlenecks are checkpointed in pytorch-checkpoint's
+call form (CheckpointFunction.apply; docs/sources.md) and whose transition is checkpointed as
+a module, with memlean.BatchNorm2d everywhere. After two steps the parameters equal those of
+one process running the same (un-checkpointed) model on the full batch, with
+find_unused_parameters off and on, and every BatchNorm has counted each training forward once.
 
 Without SyncBatchNorm each DDP rank normalizes with its own half batch's statistics, so the
 single-process reference computes the loss of each half separately and averages them:
@@ -35,7 +35,8 @@ DEADLINE_S = 240
 
 
 class DenseLayer(nn.Module):
-    """Seed 003's efficient DenseNet layer: the bottleneck bn_function is checkpointed."""
+    """pytorch-checkpoint's efficient DenseNet layer: its bottleneck bn_function is
+    checkpointed."""
 
     def __init__(self, cin, growth, efficient):
         super().__init__()

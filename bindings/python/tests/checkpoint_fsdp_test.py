@@ -5,8 +5,9 @@ each block and on the root, and memlean's checkpoint used three ways:
 - "module": the model's forward calls memlean.checkpoint(block, h) on each FSDP block (the
   FSDP hooks run inside the checkpoint; its recompute gathers the parameters again);
 - "sequential": memlean.checkpoint_sequential over the FSDP blocks (a segment of two);
-- "inside": each block's forward checkpoints its conv + BatchNorm in seed 003's call form
-  (CheckpointFunction.apply with the block's parameters, unsharded at that time);
+- "inside": each block's forward checkpoints its conv + BatchNorm in pytorch-checkpoint's
+  call form (docs/sources.md): CheckpointFunction.apply with the block's parameters,
+  unsharded at that time;
 
 and "ddp": DistributedDataParallel with memlean.checkpoint(block, h). The blocks' BatchNorms
 are torch's nn.BatchNorm2d and memlean.BatchNorm2d. Each step's gradients (the full tensors

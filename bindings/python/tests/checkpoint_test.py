@@ -1,6 +1,6 @@
-"""memlean.checkpoint, memlean.CheckpointFunction (seed 003's call form),
-memlean.checkpoint_sequential, the planner and memlean.BatchNorm2d through the Python package.
-The DDP test is checkpoint_ddp_test.py."""
+"""memlean.checkpoint, memlean.CheckpointFunction (pytorch-checkpoint's call form,
+docs/sources.md), memlean.checkpoint_sequential, the planner and memlean.BatchNorm2d through
+the Python package. The DDP test is checkpoint_ddp_test.py."""
 import copy
 
 import pytest
@@ -200,7 +200,8 @@ def test_under_saved_tensors_hooks():
 
 def test_dataparallel_replica_parameters_are_collected():
     # Under DataParallel a replica's parameters are non-leaf copies kept as attributes
-    # (module.parameters() is empty): seed 003 lost them. Build a replica as replicate() does.
+    # (module.parameters() is empty): pytorch-checkpoint lost them. Build a replica as
+    # replicate() does.
     lin = nn.Linear(4, 3).to(D)
     replica = lin._replicate_for_data_parallel()
     replica._former_parameters = {}
@@ -462,7 +463,7 @@ def test_batchnorm_statistics_after_a_checkpointed_step_equal_the_plain_step(mom
     plain.norm.momentum = ckpt.norm.momentum = momentum
     x = torch.randn(8, 4, 5, 5, dtype=D)
     plain(x).pow(2).sum().backward()
-    # Seed 003's DenseNet example: bn_function, its parameters listed.
+    # pytorch-checkpoint's DenseNet example: bn_function, its parameters listed.
     def bn_function(t):
         return ckpt.conv(F.relu(ckpt.norm(t)))
 
@@ -474,8 +475,8 @@ def test_batchnorm_statistics_after_a_checkpointed_step_equal_the_plain_step(mom
 
 
 def test_torchs_batchnorm_in_a_function_checkpoint_counts_once():
-    # Seed 003's note: torch's BatchNorm was updated by the recompute too (2 here); memlean's
-    # recompute now keeps every BatchNorm's statistics (more in batchnorm_test.py).
+    # pytorch-checkpoint's note: torch's BatchNorm was updated by the recompute too (2 here);
+    # memlean's recompute now keeps every BatchNorm's statistics (more in batchnorm_test.py).
     bn = nn.BatchNorm2d(4).to(D)
     x = torch.randn(8, 4, 5, 5, dtype=D, requires_grad=True)
     memlean.CheckpointFunction.apply(bn, 1, x, *bn.parameters()).sum().backward()

@@ -1,5 +1,6 @@
-"""memlean.memstats: exact bytes, nesting peaks, the seed 000 table, categories, the
-cross-check against torch's MemTracker, torch.profiler, reports and errors (CPU)."""
+"""memlean.memstats: exact bytes, nesting peaks, the Swish post's phase table
+(docs/sources.md), categories, the cross-check against torch's MemTracker, torch.profiler,
+reports and errors (CPU)."""
 import csv
 import gc
 import io
@@ -125,7 +126,7 @@ def make_mlp(d, h, c):
 
 
 def expected_table(rows, steps_peaks, unit_bytes):
-    """The seed table text as memstats prints it, built here from the predicted numbers."""
+    """The phase table text as memstats prints it, built here from the predicted numbers."""
     fmt = (lambda v: str(v)) if unit_bytes else (lambda v: f"{v / MiB:.2f}")
     names = list(rows)
     labels = names + ["(peak)"]
@@ -141,8 +142,8 @@ def expected_table(rows, steps_peaks, unit_bytes):
 
 
 def test_seed_000_mlp_phase_table(no_gc):
-    """The seed's loop (data, forw, loss, back, step; SGD; gradients persist) on a small MLP.
-    Every row is what the shapes predict, to the byte."""
+    """The Swish blog post's loop (data, forw, loss, back, step; SGD; gradients persist) on
+    a small MLP. Every row is what the shapes predict, to the byte."""
     B, D, H, C = 512, 256, 512, 10
     torch.manual_seed(0)
     with memstats.track() as t:
@@ -206,8 +207,8 @@ def test_seed_000_mlp_phase_table(no_gc):
     kept = [m.kept for m in marks]
     assert kept == [P + batch, 2 * hidden + logits, logits + 8, P, 0,
                     batch, 2 * hidden + logits, logits + 8, 0, 0]
-    # The peak of the seed's table sits right after forward: forw and loss are the largest
-    # rows of every step (loss is forw plus the loss's own few bytes).
+    # The peak of the Swish post's table sits right after forward: forw and loss are the
+    # largest rows of every step (loss is forw plus the loss's own few bytes).
     for s in (0, 5):
         rows = [m.current for m in marks[s:s + 5]]
         assert max(rows) == rows[2] and rows[2] - rows[1] <= logits + 8

@@ -75,7 +75,8 @@ def test_densenet(tmp_path_factory, cpp_checkpoint, checkpoint):
 @pytest.mark.parametrize("checkpoint", ["torch", "torch_reentrant"])
 def test_densenet_torch_checkpoint_updates_batchnorm_twice(tmp_path_factory, checkpoint):
     """torch.utils.checkpoint gives the same output and gradients, but its recompute updates
-    the running statistics of the checkpointed BatchNorms a second time (seed 003's note)."""
+    the running statistics of the checkpointed BatchNorms a second time (pytorch-checkpoint's
+    note; docs/sources.md)."""
     d = dump(tmp_path_factory, model="densenet_bc", checkpoint="none", size=8)
     twin = DenseNetBC(depth=10, growth_rate=4, checkpoint=checkpoint)
     compare(d, twin, check_buffers=False)

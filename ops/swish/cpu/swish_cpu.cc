@@ -1,0 +1,80 @@
+// Swish-β's CPU kernels as the dispatcher calls them: checks, outputs, and the vectorized
+// kernels of cpu/swish_kernel.cc (picked per CPU capability by cpu/dispatch.cc).
+#include <ATen/ATen.h>
+#include <ATen/TensorIterator.h>
+#include <torch/library.h>
+
+#include "ops/swish/cpu/swish_kernel.h"
+#include "ops/swish/layout.h"
+#include "ops/swish/swish.h"
+#include "ops/swish/swish_checks.h"
+
+namespace memlean {
+namespace {
+
+using swish_detail::check_backward_args;
+using swish_detail::check_beta;
+using swish_detail::check_inplace_backward_args;
+using swish_detail::check_inplace_input;
+using swish_detail::check_input;
+
+at::Tensor forward_cpu(const at::Tensor& x, double beta) {
+  check_input(x, "x", "memlean::swish");
+  check_beta(beta, x, "memlean::swish");
+  at::Tensor y = at::empty_like(x);
+  auto iter = at::TensorIteratorConfig().add_output(y).add_const_input(x).build();
+  swish_cpu::forward_kernel(iter, beta);
+  return y;
+}
+
+at::Tensor backward_cpu(const at::Tensor& grad, const at::Tensor& x, double beta) {
+  check_backward_args(grad, x, beta);
+  at::Tensor grad_x = at::empty_like(x);
+  auto iter = at::TensorIteratorConfig()
+                  .add_output(grad_x)
+                  .add_const_input(grad)
+                  .add_const_input(x)
+                  .build();
+  swish_cpu::backward_kernel(iter, beta);
+  return grad_x;
+}
+
+// The in-place kernels walk memory order (layout.h): no copy for any dense layout.
+void run_inplace_cpu(at::Tensor& x, const at::Tensor& mask, double beta) {
+  swish_detail::inplace_in_memory_order(
+      x, [&](const at::Tensor& flat) { swish_cpu::inplace_forward_kernel(flat, mask, beta); });
+}
+
+void inplace_cpu(at::Tensor& x, double beta) {
+  check_inplace_input(x, beta);
+  run_inplace_cpu(x, at::Tensor(), beta);
+}
+
+at::Tensor inplace_with_mask_cpu(at::Tensor& x, double beta) {
+  check_inplace_input(x, beta);
+  at::Tensor mask = at::empty({swish_inplace_mask_bytes(x.numel())}, x.options().dtype(at::kByte));
+  run_inplace_cpu(x, mask, beta);
+  return mask;
+}
+
+at::Tensor inplace_backward_cpu(const at::Tensor& grad, const at::Tensor& y, const at::Tensor& mask,
+                                double beta) {
+  check_inplace_backward_args(grad, y, mask, beta);
+  const at::Tensor m = mask.contiguous();
+  return swish_detail::backward_in_memory_order(
+      grad, y, [&](const at::Tensor& g, const at::Tensor& yf, const at::Tensor& out) {
+        swish_cpu::inplace_backward_kernel(g, yf, m, out, beta);
+      });
+}
+
+}  // namespace
+}  // namespace memlean
+
+TORCH_LIBRARY_IMPL(memlean, CPU, m) {
+  m.impl("swish", &memlean::forward_cpu);
+  m.impl("swish_backward", &memlean::backward_cpu);
+  m.impl("swish_", &memlean::inplace_cpu);
+  m.impl("_swish_inplace_with_mask", &memlean::inplace_with_mask_cpu);
+  m.impl("_swish_inplace_backward", &memlean::inplace_backward_cpu);
+}
+
