@@ -54,15 +54,7 @@ const InplaceBackwardOp& inplace_backward_op() {
   return op;
 }
 
-}  // namespace swish_detail
-
 namespace {
-
-using swish_detail::check_backward_args;
-using swish_detail::check_beta;
-using swish_detail::check_inplace_backward_args;
-using swish_detail::check_inplace_input;
-using swish_detail::check_input;
 
 // ---- Meta kernels: shapes and checks only (torch.compile, torch.export, FakeTensor) ----
 
@@ -91,6 +83,7 @@ at::Tensor backward_meta(const at::Tensor& grad, const at::Tensor& x, double bet
 }
 
 }  // namespace
+}  // namespace swish_detail
 
 SwishVariant parse_swish_variant(std::string_view name) {
   if (name == "naive") return SwishVariant::kNaive;
@@ -151,10 +144,10 @@ TORCH_LIBRARY_FRAGMENT(memlean, m) {
 }
 
 TORCH_LIBRARY_IMPL(memlean, Meta, m) {
-  m.impl("swish", &memlean::forward_meta);
-  m.impl("swish_backward", &memlean::backward_meta);
-  m.impl("swish_", &memlean::inplace_meta);
-  m.impl("_swish_inplace_with_mask", &memlean::inplace_with_mask_meta);
-  m.impl("_swish_inplace_backward", &memlean::inplace_backward_meta);
+  m.impl("swish", &memlean::swish_detail::forward_meta);
+  m.impl("swish_backward", &memlean::swish_detail::backward_meta);
+  m.impl("swish_", &memlean::swish_detail::inplace_meta);
+  m.impl("_swish_inplace_with_mask", &memlean::swish_detail::inplace_with_mask_meta);
+  m.impl("_swish_inplace_backward", &memlean::swish_detail::inplace_backward_meta);
 }
 

@@ -9,14 +9,8 @@
 #include "ops/swish/swish.h"
 #include "ops/swish/swish_checks.h"
 
-namespace memlean {
+namespace memlean::swish_detail {
 namespace {
-
-using swish_detail::check_backward_args;
-using swish_detail::check_beta;
-using swish_detail::check_inplace_backward_args;
-using swish_detail::check_inplace_input;
-using swish_detail::check_input;
 
 at::Tensor forward_cpu(const at::Tensor& x, double beta) {
   check_input(x, "x", "memlean::swish");
@@ -68,13 +62,13 @@ at::Tensor inplace_backward_cpu(const at::Tensor& grad, const at::Tensor& y, con
 }
 
 }  // namespace
-}  // namespace memlean
+}  // namespace memlean::swish_detail
 
 TORCH_LIBRARY_IMPL(memlean, CPU, m) {
-  m.impl("swish", &memlean::forward_cpu);
-  m.impl("swish_backward", &memlean::backward_cpu);
-  m.impl("swish_", &memlean::inplace_cpu);
-  m.impl("_swish_inplace_with_mask", &memlean::inplace_with_mask_cpu);
-  m.impl("_swish_inplace_backward", &memlean::inplace_backward_cpu);
+  m.impl("swish", &memlean::swish_detail::forward_cpu);
+  m.impl("swish_backward", &memlean::swish_detail::backward_cpu);
+  m.impl("swish_", &memlean::swish_detail::inplace_cpu);
+  m.impl("_swish_inplace_with_mask", &memlean::swish_detail::inplace_with_mask_cpu);
+  m.impl("_swish_inplace_backward", &memlean::swish_detail::inplace_backward_cpu);
 }
 
