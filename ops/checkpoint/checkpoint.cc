@@ -217,16 +217,6 @@ void check_no_unlisted_dependency(const variable_list& outputs, const variable_l
 
 // ---- the autograd node -------------------------------------------------------------
 
-// The message for a checkpoint whose function modified an input (shared by every form).
-std::string modified_input_message(const std::string& name, int64_t slot) {
-  std::ostringstream s;
-  s << name << ": the function modified its input " << slot
-    << " in place; a checkpointed function must not modify its inputs (the recompute in "
-       "backward would see the modified values). Clone the input first, or start the segment "
-       "after the in-place op.";
-  return s.str();
-}
-
 // Everything a checkpoint's backward needs besides the saved tensors.
 struct SegmentState {
   detail::Segment segment;
@@ -468,8 +458,10 @@ std::vector<c10::IValue> checkpoint_impl(detail::Segment segment, int64_t n_inpu
     at::AutoGradMode no_grad(false);
     outputs = segment.function(inputs);
     for (size_t i = 0; i < n_in; ++i) {
-      TORCH_CHECK(tensors[i]._version() == versions[i],
-                  modified_input_message(name, state.input_tensor_slots[i]));
+      TORCH_CHECK(tensors[i]._version() == versions[i], name, ": the function modified its "
+                  "input ", state.input_tensor_slots[i], " in place; a checkpointed function "
+                  "must not modify its inputs (the recompute in backward would see the modified "
+                  "values). Clone the input first, or start the segment after the in-place op.");
     }
   }
   state.n_outputs = outputs.size();

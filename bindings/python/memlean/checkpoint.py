@@ -115,19 +115,18 @@ class _BatchNormStatisticsKept:
     counters. So a recompute leaves the statistics as the forward left them, however the
     module is reached (a Module, a plain function, checkpoint_sequential of callables), and
     the module's forward runs unchanged (a subclass keeps what it adds, e.g.
-    BatchNormAct2d's activation and dropout). It runs once per segment in every backward:
-    one object, and no grad-mode switches (buffers do not require grad, and .data copies are
-    not recorded)."""
+    BatchNormAct2d's activation and dropout). It runs once per watched segment in every
+    backward: no grad-mode switches (buffers do not require grad, and .data copies are not
+    recorded)."""
 
-    __slots__ = ("kept", "thread", "handle")
+    __slots__ = ("kept", "calls")
 
     def __init__(self):
         self.kept = None  # {id(module): [(buffer, copy)]}, made at the first BatchNorm
-        self.thread = threading.get_ident()
-        self.handle = None
+        self.calls = _ModuleCallsSeen(self._keep)
 
-    def _hook(self, module, args):
-        if not isinstance(module, _BatchNorm) or threading.get_ident() != self.thread:
+    def _keep(self, module):
+        if not isinstance(module, _BatchNorm):
             return
         if self.kept is None:
             self.kept = {}
@@ -137,11 +136,11 @@ class _BatchNormStatisticsKept:
                                  if isinstance(b, torch.Tensor) and not torch.nn.parameter.is_lazy(b)]
 
     def __enter__(self):
-        self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self._hook)
+        self.calls.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self.handle.remove()
+        self.calls.__exit__(*exc)
         if self.kept:
             for pairs in self.kept.values():
                 for b, c in pairs:
