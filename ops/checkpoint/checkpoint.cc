@@ -252,6 +252,9 @@ class CheckpointBackward : public torch::autograd::Node {
   std::string name() const override { return "memlean::CheckpointBackward"; }
 
   void release_variables() override {
+    // Serialised with apply (torch's generated nodes do the same): a backward that frees the
+    // graph must not free it under a backward running through it on another thread.
+    std::lock_guard<std::mutex> lock(mutex_);
     released_ = true;
     saved_.clear();
     // The function (and whatever its closure holds) is not needed again.
@@ -274,6 +277,9 @@ class CheckpointBackward : public torch::autograd::Node {
 };
 
 variable_list CheckpointBackward::apply(variable_list&& grad_outputs) {
+  // Two backward passes through one retained graph on two threads recompute one at a time.
+  // The recompute takes the GIL only inside the function (a Python segment), after this lock.
+  std::lock_guard<std::mutex> lock(mutex_);
   const SegmentState& state = state_;
   const std::string& name = state.segment.name;
   TORCH_CHECK(!released_, name, ": backward ran through this checkpoint a second time, but the "

@@ -11,7 +11,10 @@
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/linear.h>
 
+#include <atomic>
+#include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ops/checkpoint/checkpoint.h"
@@ -406,6 +409,44 @@ TEST(Checkpoint, BackwardTwiceWithRetainGraphRecomputesAgain) {
       checkpoint([&](const Tensors& in) { return Tensors{block(in[0])}; }, 1, {x, block.w, block.b})[0];
   y.sum().backward({}, /*retain_graph=*/true);
   y.sum().backward();
+  const Tensors twice = take_grads({x, block.w});
+  EXPECT_TRUE(at::allclose(twice[0], 2 * once[0], 1e-14, 0));
+  EXPECT_TRUE(at::allclose(twice[1], 2 * once[1], 1e-14, 0));
+}
+
+TEST(Checkpoint, BackwardOnTwoThreadsThroughOneGraphRecomputesOneAtATime) {
+  // Two threads run backward through one retained graph at the same time (the second frees
+  // it). The node serialises them: the recomputes never overlap, nothing is used after the
+  // second backward freed it, and the gradients are twice one backward's.
+  Block block;
+  const at::Tensor x = leaf({3, 8});
+  block(x).sum().backward();
+  const Tensors once = take_grads({x, block.w});
+  std::atomic<int> inside{0}, most_inside{0}, recomputes{0};
+  const at::Tensor y = checkpoint(
+      [&](const Tensors& in) {
+        if (at::GradMode::is_enabled() && is_recomputing()) {
+          const int now = ++inside;
+          int seen = most_inside.load();
+          while (now > seen && !most_inside.compare_exchange_weak(seen, now)) {
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          ++recomputes;
+          --inside;
+        }
+        return Tensors{block(in[0])};
+      },
+      1, {x, block.w, block.b})[0];
+  const at::Tensor loss = y.sum();
+  std::thread first([&] { loss.backward({}, /*retain_graph=*/true); });
+  std::thread second([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    loss.backward({}, /*retain_graph=*/true);
+  });
+  first.join();
+  second.join();
+  EXPECT_EQ(recomputes.load(), 2);
+  EXPECT_EQ(most_inside.load(), 1) << "two recomputes of one checkpoint ran at once";
   const Tensors twice = take_grads({x, block.w});
   EXPECT_TRUE(at::allclose(twice[0], 2 * once[0], 1e-14, 0));
   EXPECT_TRUE(at::allclose(twice[1], 2 * once[1], 1e-14, 0));

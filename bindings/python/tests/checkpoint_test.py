@@ -231,6 +231,53 @@ def test_backward_twice_with_retain_graph_recomputes():
         torch.testing.assert_close(a, 2 * b, rtol=1e-14, atol=0)
 
 
+def test_backward_on_two_threads_through_one_graph_recomputes_one_at_a_time():
+    # The node holds its lock while the Python function recomputes (taking the GIL inside):
+    # two threads' backward passes through one retained graph neither overlap nor deadlock.
+    import threading
+    import time
+
+    lin = nn.Linear(4, 4).to(D)
+    x = torch.randn(2, 4, dtype=D, requires_grad=True)
+    lin(x).sum().backward()
+    once = grads([x, lin.weight])
+    state = {"inside": 0, "most": 0, "recomputes": 0}
+    lock = threading.Lock()
+
+    def segment(t):
+        if memlean.is_recomputing():
+            with lock:
+                state["inside"] += 1
+                state["most"] = max(state["most"], state["inside"])
+            time.sleep(0.05)  # releases the GIL: the other thread may run
+            with lock:
+                state["inside"] -= 1
+                state["recomputes"] += 1
+        return lin(t)
+
+    loss = memlean.checkpoint(segment, x, params=list(lin.parameters())).sum()
+    errors = []
+
+    def run(delay):
+        time.sleep(delay)
+        try:
+            loss.backward(retain_graph=True)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(d,)) for d in (0.0, 0.01)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "backward on two threads deadlocked"
+    assert not errors, errors
+    assert state == {"inside": 0, "most": 1, "recomputes": 2}
+    twice = grads([x, lin.weight])
+    for a, b in zip(twice, once):
+        torch.testing.assert_close(a, 2 * b, rtol=1e-14, atol=0)
+
+
 def test_create_graph_gives_first_order_gradients_only():
     lin = nn.Linear(4, 4).to(D)
     x = torch.randn(2, 4, dtype=D, requires_grad=True)
