@@ -1,8 +1,8 @@
 // memlean._C: the checkpoint of //ops/checkpoint run with a Python function
 // (memlean.checkpoint is a thin layer over _C.checkpoint: one implementation for C++ and
 // Python), the segment planner (memlean.plan_segments), the segment-argument checks of
-// checkpoint_sequential and the recompute flag (memlean.is_recomputing): one specification
-// for both languages.
+// checkpoint_sequential, the recompute flag (memlean.is_recomputing) and the layer-cost
+// measurement (memlean.measure_layer_costs): one specification for both languages.
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -123,6 +123,34 @@ void init_checkpoint(pybind11::module_& m) {
       py::arg("run"), py::arg("inputs"), py::arg("params"), py::arg("preserve_rng_state"),
       py::arg("buffers"), py::arg("name"), py::arg("how_to_list"),
       "memlean::checkpoint of a Python segment: memlean.checkpoint's core (private).");
+  // memlean.measure_layer_costs's core: memlean::measure_layer_costs's measurement
+  // (detail::measure_chain_costs) over a Python chain: run(i, h) runs layer i on h and
+  // returns a tensor (it raises the TypeError for anything else). Returns
+  // [(input_bytes, activation_bytes)] per layer.
+  m.def(
+      "measure_layer_costs",
+      torch::wrap_pybind_function([](py::object run, int64_t n_layers,
+                                     const std::vector<at::Tensor>& buffers,
+                                     const at::Tensor& sample, const std::string& op) {
+        const detail::ChainLayer layer = [&run](int64_t i, const at::Tensor& h) {
+          try {
+            py::object out = run(i, py::reinterpret_steal<py::object>(THPVariable_Wrap(h)));
+            TORCH_INTERNAL_ASSERT(THPVariable_Check(out.ptr()), "memlean._C.measure_layer_costs: "
+                                  "layer ", i, " returned a ", Py_TYPE(out.ptr())->tp_name);
+            return THPVariable_Unpack(out.ptr());
+          } catch (py::error_already_set& e) {
+            e.restore();
+            throw python_error();
+          }
+        };
+        std::vector<std::pair<int64_t, int64_t>> costs;
+        for (const LayerCost& c : detail::measure_chain_costs(n_layers, layer, buffers, sample, op.c_str())) {
+          costs.emplace_back(c.input_bytes, c.activation_bytes);
+        }
+        return costs;
+      }),
+      py::arg("run"), py::arg("n_layers"), py::arg("buffers"), py::arg("sample"), py::arg("op"),
+      "memlean::measure_layer_costs over Python layers: memlean.measure_layer_costs's core (private).");
   m.def(
       "plan_segments",
       [](const std::vector<int64_t>& input_bytes, const std::vector<int64_t>& activation_bytes,

@@ -85,27 +85,6 @@ class RngFork {
   detail::RngState previous_;
 };
 
-// Copies the buffers before the recompute and puts the copies back after it, so that a
-// module that updates a buffer in forward (torch's BatchNorm2d) updates it once. The copy
-// goes back without bumping the buffers' version counters (like the in-kernel updates of
-// batch norm's running statistics, which do not bump them either), so that graphs that
-// saved a buffer stay valid.
-class BufferRestore {
- public:
-  explicit BufferRestore(const std::vector<at::Tensor>& buffers) : buffers_(buffers) {
-    at::NoGradGuard no_grad;
-    for (const auto& b : buffers_) copies_.push_back(b.clone());
-  }
-  ~BufferRestore() {
-    at::NoGradGuard no_grad;
-    for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].variable_data().copy_(copies_[i]);
-  }
-
- private:
-  const std::vector<at::Tensor>& buffers_;
-  std::vector<at::Tensor> copies_;
-};
-
 // ---- values ----------------------------------------------------------------------
 
 bool is_defined_tensor(const c10::IValue& v) { return v.isTensor() && v.toTensor().defined(); }
@@ -307,7 +286,7 @@ variable_list CheckpointBackward::apply(variable_list&& grad_outputs) {
   {
     RngFork rng(state.rng ? &*state.rng : nullptr);
     AutocastRestore autocast(state.autocast);
-    BufferRestore buffers(state.segment.buffers);
+    detail::BufferRestore buffers(state.segment.buffers);
     RecomputeGuard recomputing;
     at::AutoGradMode grad_mode(true);
     outputs = state.segment.function(inputs);

@@ -5,6 +5,7 @@
 #include <ATen/core/MT19937RNGEngine.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/core/Device.h>
 
 #include <cstdint>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "ops/checkpoint/checkpoint.h"
+#include "ops/checkpoint/sequential.h"
 
 namespace memlean::detail {
 
@@ -34,6 +36,43 @@ struct RngState {
 
 // The CPU, and every CUDA device that holds one of the tensors.
 std::vector<at::Device> rng_devices(at::TensorList tensors);
+
+// Copies the buffers on construction and puts the copies back on destruction, so that a
+// module that updates a buffer in forward (torch's BatchNorm2d) is not updated by a recompute
+// or a measurement. The copies go back without bumping the buffers' version counters (like
+// the in-kernel updates of batch norm's running statistics, which do not bump them either),
+// so that graphs that saved a buffer stay valid.
+class BufferRestore {
+ public:
+  explicit BufferRestore(const std::vector<at::Tensor>& buffers) : buffers_(buffers) {
+    at::NoGradGuard no_grad;
+    copies_.reserve(buffers_.size());
+    for (const auto& b : buffers_) copies_.push_back(b.clone());
+  }
+  ~BufferRestore() {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].variable_data().copy_(copies_[i]);
+  }
+  BufferRestore(const BufferRestore&) = delete;
+  BufferRestore& operator=(const BufferRestore&) = delete;
+
+ private:
+  const std::vector<at::Tensor>& buffers_;
+  std::vector<at::Tensor> copies_;
+};
+
+// One layer of a chain: layer(i, h) runs layer i on h and returns its output.
+using ChainLayer = std::function<at::Tensor(int64_t, const at::Tensor&)>;
+
+// measure_layer_costs for any chain of n_layers layers: the public form runs a
+// torch::nn::Sequential, the Python one (memlean.measure_layer_costs) Python callables. One
+// specification: per layer, its input's storage bytes, and the bytes allocated while it ran
+// that are still alive after the whole chain ran (LiveBytes: exact; its output's storage
+// bytes alone where LiveBytes cannot run, e.g. under the profiler). `buffers` and the RNG
+// states of the CPU and the sample's device are left as they were. Errors name `op`.
+std::vector<LayerCost> measure_chain_costs(int64_t n_layers, const ChainLayer& layer,
+                                           const std::vector<at::Tensor>& buffers,
+                                           const at::Tensor& sample, const char* op);
 
 inline constexpr const char* kCheckpointName = "memlean::checkpoint";
 

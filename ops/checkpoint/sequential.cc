@@ -166,20 +166,16 @@ at::Tensor run_layers(torch::nn::Sequential& sequential, int64_t begin, int64_t 
 
 }  // namespace
 
-std::vector<LayerCost> measure_layer_costs(torch::nn::Sequential sequential,
-                                           const at::Tensor& sample) {
-  TORCH_CHECK(sample.defined(), "memlean::measure_layer_costs: sample is an undefined tensor");
+namespace detail {
+
+std::vector<LayerCost> measure_chain_costs(int64_t n_layers, const ChainLayer& layer,
+                                           const std::vector<at::Tensor>& buffers,
+                                           const at::Tensor& sample, const char* op) {
+  TORCH_CHECK(sample.defined(), op, ": sample is an undefined tensor");
+  TORCH_CHECK(n_layers >= 0, op, ": n_layers must be >= 0, got ", n_layers);
   // Leave the chain and the RNG as they were: measuring is not a training step.
-  std::vector<at::Tensor> buffers, copies;
-  {
-    at::NoGradGuard no_grad;
-    for (const auto& b : sequential->buffers()) {
-      if (!b.defined()) continue;
-      buffers.push_back(b);
-      copies.push_back(b.clone());
-    }
-  }
-  const auto rng = detail::RngState::capture(detail::rng_devices({sample}));
+  BufferRestore kept(buffers);
+  const auto rng = RngState::capture(rng_devices({sample}));
 
   std::vector<LayerCost> costs;
   {
@@ -188,23 +184,34 @@ std::vector<LayerCost> measure_layer_costs(torch::nn::Sequential sequential,
     if (LiveBytes::available()) live = std::make_unique<LiveBytes>();
     std::vector<at::Tensor> outputs;  // keeps every layer's graph alive until the end
     at::Tensor h = sample;
-    const auto n = static_cast<int64_t>(sequential->size());
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = 0; i < n_layers; ++i) {
       LayerCost cost;
       cost.input_bytes = storage_bytes(h);
       const int64_t before = live ? live->live() : 0;
-      at::Tensor out = run_layers(sequential, i, i + 1, h);
+      at::Tensor out = layer(i, h);
+      TORCH_CHECK(out.defined(), op, ": layer ", i, " returned an undefined tensor");
       cost.activation_bytes = live ? live->live() - before : storage_bytes(out);
       costs.push_back(cost);
       outputs.push_back(out);
-      h = out;
+      h = std::move(out);
     }
   }
-
-  at::NoGradGuard no_grad;
-  for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(copies[i]);
   rng.restore();
   return costs;
+}
+
+}  // namespace detail
+
+std::vector<LayerCost> measure_layer_costs(torch::nn::Sequential sequential,
+                                           const at::Tensor& sample) {
+  std::vector<at::Tensor> buffers;
+  for (const auto& b : sequential->buffers()) {
+    if (b.defined()) buffers.push_back(b);
+  }
+  return detail::measure_chain_costs(
+      static_cast<int64_t>(sequential->size()),
+      [&](int64_t i, const at::Tensor& h) { return run_layers(sequential, i, i + 1, h); },
+      buffers, sample, "memlean::measure_layer_costs");
 }
 
 at::Tensor checkpoint_sequential(torch::nn::Sequential sequential,

@@ -26,8 +26,8 @@ namespace memlean {
 struct LayerCost {
   // Bytes of the layer's input: what a checkpoint starting at this layer keeps.
   int64_t input_bytes = 0;
-  // Bytes that the layer's forward allocates and keeps alive for backward (its saved
-  // tensors and its output), measured with grad mode on.
+  // Bytes that the layer's forward allocates and that stay alive after it (its saved
+  // tensors, its output, anything else it keeps), measured with grad mode on.
   int64_t activation_bytes = 0;
 };
 
@@ -73,9 +73,12 @@ std::vector<int64_t> equal_segment_starts(int64_t n_layers, int64_t segments,
 void check_segment_starts(const std::vector<int64_t>& starts, int64_t n_layers,
                           const char* op = "memlean::checkpoint_sequential");
 
-// Runs the chain once on `sample` with grad mode on and measures every layer's cost, with
-// LiveBytes (exact) where it can run, else from the output sizes alone. The buffers of the
-// chain (e.g. running statistics) and the RNG state are left as they were.
+// Runs the chain once on `sample` with grad mode on and measures every layer's cost: the
+// bytes allocated while the layer ran that are still alive after the chain ran (its saved
+// tensors, its output, whatever else it keeps), counted exactly by LiveBytes where it can run
+// (not under the profiler: there, from the output sizes alone). The buffers of the chain
+// (e.g. running statistics) and the RNG state are left as they were. memlean.
+// measure_layer_costs is the same measurement (one implementation) over Python layers.
 std::vector<LayerCost> measure_layer_costs(torch::nn::Sequential sequential,
                                            const at::Tensor& sample);
 

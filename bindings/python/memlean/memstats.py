@@ -444,8 +444,9 @@ def saved_storages():
             y = model(x)
         print(len(saved), saved.nbytes, saved.without(y).nbytes)
 
-    The one way memlean's Python side counts saved bytes (memlean.measure_layer_costs uses
-    it too)."""
+    The one way memlean's Python side counts saved bytes (the experiments and tests use
+    it; memlean.measure_layer_costs counts every allocation that stays alive instead, with
+    the C++ measurement)."""
     saved = SavedStorages()
 
     def pack(t):

@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from memlean import _C, memstats
+from memlean import _C
 from memlean.checkpoint import _describe, _run, module_parameters
 
 __all__ = [
@@ -101,35 +101,6 @@ def plan_segments(costs: Sequence[LayerCost], budget_bytes: Optional[int] = None
     return SegmentPlan(list(starts), int(peak), bool(fits))
 
 
-def _cuda_devices(tensors):
-    devices = []
-    for t in tensors:
-        if t.is_cuda and t.get_device() not in devices:
-            devices.append(t.get_device())
-    return devices
-
-
-class _BuffersKept:
-    """`with _BuffersKept(buffers):` copies the buffers, and puts the copies back on exit
-    without bumping their version counters (as batch norm's in-kernel statistics updates do
-    not), so saved graphs stay valid."""
-
-    def __init__(self, buffers):
-        self.buffers = buffers
-        self.copies = None
-
-    def __enter__(self):
-        with torch.no_grad():
-            self.copies = [b.clone() for b in self.buffers]
-        return self
-
-    def __exit__(self, *exc):
-        with torch.no_grad():
-            for b, c in zip(self.buffers, self.copies):
-                b.data.copy_(c)
-        return False
-
-
 def measure_layer_costs(functions, input: torch.Tensor) -> List[LayerCost]:
     """Run the chain once on ``input`` with grad mode on and measure each layer's cost.
 
@@ -139,45 +110,38 @@ def measure_layer_costs(functions, input: torch.Tensor) -> List[LayerCost]:
         input (Tensor): a sample input, of the size the chain will train on.
 
     Returns:
-        List[LayerCost]: per layer, its input's bytes, and the bytes of the storages it
-        creates that its backward keeps (saved tensors, recorded by
-        :func:`memlean.memstats.saved_storages`) or that it returns.
+        List[LayerCost]: per layer, its input's storage bytes, and the bytes allocated
+        while it ran that are still alive after the whole chain ran: its saved tensors, its
+        output and whatever else it keeps.
 
     Raises:
         TypeError: an input or a layer output that is not a tensor.
 
     .. note::
-        Parameters and buffers are not counted, nor a storage counted for an earlier
-        layer. The chain's buffers (e.g. running statistics) and the RNG state are left as
-        they were. The C++ memlean::measure_layer_costs counts the bytes allocated during
-        the layer that are still alive after it instead (exact on the CPU); the two agree
-        for layers that keep nothing besides saved tensors and their output.
+        This is the C++ ``memlean::measure_layer_costs``'s measurement (one
+        implementation): the allocations are counted exactly by the allocators' memory
+        reports. Parameters and buffers already allocated are not counted, nor a storage
+        allocated by an earlier layer. The chain's buffers (e.g. running statistics) and the
+        RNG state are left as they were.
+
+    .. warning::
+        Under ``torch.profiler`` with ``profile_memory`` (which takes the same allocator
+        reports) the allocations cannot be counted: each layer's cost is then its output's
+        storage bytes alone.
     """
     layers = list(functions)
+    name = "memlean.measure_layer_costs"
     if not isinstance(input, torch.Tensor):
-        raise TypeError(f"memlean.measure_layer_costs: input must be a tensor, got {_describe(input)}")
-    modules = [m for m in layers if isinstance(m, torch.nn.Module)]
-    state = [t for m in modules for t in list(m.parameters()) + list(m.buffers())]
-    buffers = [b for m in modules for b in m.buffers()]
-    counted = {memstats.storage_key(t) for t in state}
-    costs, keep = [], []
-    devices = _cuda_devices([input])
-    with torch.random.fork_rng(devices=devices, device_type="cuda"), _BuffersKept(buffers), \
-            torch.enable_grad():
-        h = input
-        counted.add(memstats.storage_key(h))
-        for layer in layers:
-            with memstats.saved_storages() as saved:
-                out = layer(h)
-            if not isinstance(out, torch.Tensor):
-                raise TypeError(f"memlean.measure_layer_costs: a layer returned {_describe(out)}, not a tensor")
-            saved.add(out)
-            new = {k: v for k, v in saved.items() if k not in counted and v > 0}
-            costs.append(LayerCost(h.untyped_storage().nbytes(), sum(new.values())))
-            counted.update(new)
-            keep.append(out)
-            h = out
-    return costs
+        raise TypeError(f"{name}: input must be a tensor, got {_describe(input)}")
+    buffers = [b for m in layers if isinstance(m, torch.nn.Module) for b in m.buffers()]
+
+    def run(i, h):
+        out = layers[i](h)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"{name}: layer {i} returned {_describe(out)}, not a tensor")
+        return out
+
+    return [LayerCost(*c) for c in _C.measure_layer_costs(run, len(layers), buffers, input, name)]
 
 
 def _segment_starts(segments, n):

@@ -474,6 +474,34 @@ def test_measure_layer_costs_is_exact_and_has_no_side_effects():
     assert plan.starts == [0, 2]
 
 
+class _KeepsACopy(nn.Module):
+    """A layer that keeps a copy of its output outside autograd (a cache)."""
+
+    def forward(self, h):
+        self.cache = h.detach().clone()
+        return torch.tanh(h)
+
+
+def test_measure_layer_costs_counts_what_a_layer_keeps_outside_autograd():
+    # One measurement for C++ and Python: every allocation of the layer still alive counts
+    # (the cache, the saved output), not only what autograd saves.
+    layer = _KeepsACopy()
+    x = torch.randn(10, 8, dtype=D)
+    (cost,) = memlean.measure_layer_costs([layer], x)
+    assert cost.input_bytes == 10 * 8 * 8
+    assert cost.activation_bytes == 2 * 10 * 8 * 8  # the tanh output (saved) + the cache
+    # A temporary the layer frees is not counted.
+    (cost,) = memlean.measure_layer_costs([lambda h: torch.tanh(h * 2)], x)
+    assert cost.activation_bytes == 10 * 8 * 8
+
+
+def test_measure_layer_costs_names_a_layer_that_returns_no_tensor():
+    with pytest.raises(TypeError, match=r"memlean.measure_layer_costs: layer 1 returned a tuple"):
+        memlean.measure_layer_costs([nn.Identity(), lambda h: (h, h)], torch.randn(2))
+    with pytest.raises(TypeError, match=r"memlean.measure_layer_costs: input must be a tensor"):
+        memlean.measure_layer_costs([nn.Identity()], [1.0])
+
+
 # ---- BatchNorm2d -------------------------------------------------------------------------
 
 
