@@ -104,7 +104,7 @@ TEST(Choices, ActivationsHaveTheSameForward) {
 
 // ---- Mlp -------------------------------------------------------------------------------
 
-TEST(Mlp, DefaultsAreSeed000Sizes) {
+TEST(Mlp, DefaultsAreTheSwishBlogPostSizes) {
   const MlpOptions o;
   EXPECT_EQ(o.in_features(), 128);
   EXPECT_EQ(o.hidden_features(), 1 << 20);
@@ -166,7 +166,7 @@ TEST(Mlp, CheckpointingGivesTheSameLossCurveAndWeights) {
 
 DenseNetBCOptions tiny_densenet() { return DenseNetBCOptions().depth(10).growth_rate(4); }
 
-TEST(DenseNetBC, DefaultsAreSeed003) {
+TEST(DenseNetBC, DefaultsArePytorchCheckpointsDenseNet) {
   DenseNetBC m;  // depth 100, k = 12: DenseNet-BC (L=100, k=12), 0.8M parameters
   EXPECT_EQ(m->options.depth(), 100);
   EXPECT_EQ(m->options.growth_rate(), 12);

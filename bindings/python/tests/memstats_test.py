@@ -141,7 +141,7 @@ def expected_table(rows, steps_peaks, unit_bytes):
     return "\n".join(out) + "\n"
 
 
-def test_seed_000_mlp_phase_table(no_gc):
+def test_swish_blog_post_mlp_phase_table(no_gc):
     """The Swish blog post's loop (data, forw, loss, back, step; SGD; gradients persist) on
     a small MLP. Every row is what the shapes predict, to the byte."""
     B, D, H, C = 512, 256, 512, 10

@@ -1,5 +1,5 @@
-"""Builds a fresh venv (system site-packages, for torch), installs memlean's wheel into it
-and runs forward + backward from a folder outside the repository."""
+"""Builds a fresh venv (seeing the running torch's site-packages), installs memlean's wheel
+into it and runs forward + backward from a folder outside the repository."""
 import glob
 import os
 import subprocess
@@ -61,14 +61,17 @@ def test_wheel_installs_and_runs_outside_the_repository():
     with tempfile.TemporaryDirectory(dir=os.environ.get("TEST_TMPDIR")) as tmp:
         venv = os.path.join(tmp, "venv")
         # No pip inside the venv: ensurepip's old setuptools would shadow the one torch needs.
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv],
-                       check=True)
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
         py = os.path.join(venv, "bin", "python")
+        site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['platlib'])"],
+                              check=True, capture_output=True, text=True).stdout.strip()
+        # The venv sees the site-packages of the torch this test runs with (a venv's
+        # --system-site-packages are its base interpreter's, which may hold another torch).
+        with open(os.path.join(site, "torch_site.pth"), "w") as f:
+            f.write(os.path.dirname(os.path.dirname(torch.__file__)) + "\n")
         # Without --no-deps: pip must find the pinned torch already installed.
         subprocess.run([sys.executable, "-m", "pip", "--python", py, "install", "--no-index", "-q", wheel],
                        check=True)
-        site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['platlib'])"],
-                              check=True, capture_output=True, text=True).stdout.strip()
         work = os.path.join(tmp, "elsewhere")
         os.makedirs(work)
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

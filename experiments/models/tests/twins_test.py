@@ -86,7 +86,7 @@ def test_densenet_torch_checkpoint_updates_batchnorm_twice(tmp_path_factory, che
     assert d["buffer_after/features.denseblock1.denselayer1.norm1.num_batches_tracked"].item() == 1
 
 
-def test_densenet_defaults_are_seed_003():
+def test_densenet_defaults_are_pytorch_checkpoints_densenet():
     m = DenseNetBC()
     assert num_parameters(m) == 769162
     assert len(m.features) == 7
