@@ -15,10 +15,13 @@ Declares, unless the workspace already has a repository of that name:
   @python, @torch              the configured Python ($MEMLEAN_PYTHON, else python3) and
                                the torch it imports (third_party/torch/torch.bzl)
   @cuda                        the CUDA toolkit, when there is one (third_party/cuda/cuda.bzl)
+  @absl                        Debian's absl, linked as pkg-config says (the trainer's flags;
+                               third_party/absl/absl.bzl)
 The shims are copied out of memlean's own tree, wherever it is, so a consumer needs no path
 into memlean besides its local_repository.
 """
 
+load("//third_party/absl:absl.bzl", "local_absl")
 load("//third_party/cuda:cuda.bzl", "local_cuda")
 load("//third_party/torch:torch.bzl", "local_python", "local_torch")
 
@@ -64,3 +67,5 @@ def memlean_dependencies():
         local_torch(name = "torch")
     if "cuda" not in existing:
         local_cuda(name = "cuda")
+    if "absl" not in existing:
+        local_absl(name = "absl")
