@@ -53,13 +53,25 @@ std::shared_ptr<py::object> hold(py::object object) {
   });
 }
 
+// Runs f (which calls Python); a Python exception crosses the C++ frames (and the autograd
+// engine's threads) as itself (torch's python_error), not as a C++ error.
+template <typename F>
+auto keeping_python_errors(F&& f) {
+  try {
+    return f();
+  } catch (py::error_already_set& e) {
+    e.restore();
+    throw python_error();
+  }
+}
+
 // The Python segment as a memlean::IValueFunction: `run` is called with a list holding the
 // input tensors in their slots (None elsewhere) and returns a list of tensors. Its Python
 // exceptions cross the C++ frames (and the autograd engine's threads) as themselves.
 IValueFunction python_function(const std::shared_ptr<py::object>& run) {
   return [run](const std::vector<c10::IValue>& in) {
     py::gil_scoped_acquire gil;
-    try {
+    return keeping_python_errors([&] {
       py::list args(in.size());
       for (size_t i = 0; i < in.size(); ++i) {
         // (Every item is set: a new list holds NULLs.)
@@ -75,10 +87,7 @@ IValueFunction python_function(const std::shared_ptr<py::object>& run) {
         out.emplace_back(THPVariable_Unpack(h.ptr()));
       }
       return out;
-    } catch (py::error_already_set& e) {
-      e.restore();
-      throw python_error();
-    }
+    });
   };
 }
 
@@ -133,15 +142,12 @@ void init_checkpoint(pybind11::module_& m) {
                                      const std::vector<at::Tensor>& buffers,
                                      const at::Tensor& sample, const std::string& op) {
         const detail::ChainLayer layer = [&run](int64_t i, const at::Tensor& h) {
-          try {
+          return keeping_python_errors([&] {
             py::object out = run(i, py::reinterpret_steal<py::object>(THPVariable_Wrap(h)));
             TORCH_INTERNAL_ASSERT(THPVariable_Check(out.ptr()), "memlean._C.measure_layer_costs: "
                                   "layer ", i, " returned a ", Py_TYPE(out.ptr())->tp_name);
             return THPVariable_Unpack(out.ptr());
-          } catch (py::error_already_set& e) {
-            e.restore();
-            throw python_error();
-          }
+          });
         };
         std::vector<std::pair<int64_t, int64_t>> costs;
         for (const LayerCost& c : detail::measure_chain_costs(n_layers, layer, buffers, sample, op.c_str())) {
