@@ -33,8 +33,9 @@ class FitSlopeTest(unittest.TestCase):
         # each piece of g' may add 1e-5 at most.
         for name in ("R1", "R2", "R3", "L1", "L2"):
             self.assertLess(self.errors[name], 1e-5, name)
-        # The left tail needs log(-u) to ~1e-3 (g' = u * L2(1 / log(-u)), |u| < 0.05).
-        self.assertLess(self.errors["LOG"], 1e-4)
+        # L2's error above is measured through the CPU kernel's own log; the log itself only
+        # needs to be near 1e-3 (g' = u * L2(1 / log(-u)), |u| < 0.1, log(-u) < -2.3).
+        self.assertLess(self.errors["LOG"], 2e-3)
 
 
 if __name__ == "__main__":

@@ -56,9 +56,9 @@ MEMLEAN_HOST_DEVICE float inplace_slope(float u, bool left) {
                     fmaf(s, static_cast<float>(kSlopeL1Scale), static_cast<float>(kSlopeL1Shift)));
   }
   if (u > static_cast<float>(kSlopeRightSplit)) {
-    if (u > static_cast<float>(kSlopeRightEnd)) return 1.f;
+    // Past kSlopeRightEnd (z > 1), R2(1), within 1e-5 of g' there, as the CPU kernel does.
     return horner_float<kSlopeR2>(
-        fmaf(s, static_cast<float>(kSlopeR2Scale), static_cast<float>(kSlopeR2Shift)));
+        fminf(fmaf(s, static_cast<float>(kSlopeR2Scale), static_cast<float>(kSlopeR2Shift)), 1.f));
   }
   return s * horner_float<kSlopeR1>(
                  fmaf(s, static_cast<float>(kSlopeR1Scale), static_cast<float>(kSlopeR1Shift)));

@@ -46,19 +46,19 @@ constexpr double kInverseSeries[6] = {kSeries1, kSeries2, kSeries3, kSeries4, kS
 // The float path of the in-place backward on the CPU (cpu/swish_kernel.cc): g'(t) as
 // piecewise polynomials of (u, side), no t. The pieces: ops/swish/tools/fit_slope.py.
 // BEGIN fit_slope.py output (ops/swish/tools/fit_slope.py; do not edit by hand)
-// Max |g' error| of each piece in float32 Horner, from 40-digit truth: R1 3.1e-06, R2 3.5e-06, R3 1.6e-06, L1 1.9e-06, L2 6.8e-09; log(1 + f) 2.2e-05.
+// Max |g' error| of each piece in float32 Horner, from 40-digit truth: R1 3.1e-06, R2 3.5e-06, R3 4.5e-06, L1 4.7e-06, L2 5.3e-06; log(1 + f) 9.3e-04.
 constexpr double kSlopeRightSplit = 3.0;  // u
-constexpr double kSlopeRightEnd = 16.0;    // u beyond: g' = 1
-constexpr double kSlopeLeftSplit = -0.05;  // u
+constexpr double kSlopeRightEnd = 16.0;    // u beyond: R2(1) (g' within 2e-6 of 1)
+constexpr double kSlopeLeftSplit = -0.1;  // u
 constexpr double kSlopeSR1 = 1.8106530707899495;  // s at kSlopeRightSplit
 constexpr double kSlopeSR2 = 4.034657921405614;  // s at kSlopeRightEnd
-constexpr double kSlopeSL1 = 0.47797964680629845;  // -s at kSlopeLeftSplit
-constexpr double kSlopeV0 = -0.33380820069533407;  // 1 / log(-kSlopeLeftSplit)
+constexpr double kSlopeSL1 = 0.4224506394374067;  // -s at kSlopeLeftSplit
+constexpr double kSlopeV0 = -0.43429448190325187;  // 1 / log(-kSlopeLeftSplit)
 constexpr double kSlopeR1[10] = {0.9460731332334729, -0.17134775184709602, -0.3461970460885663, 0.15061696380312206, 0.03478287430469162, -0.008235923797733915, -0.00564576278453335, -0.0021796693012392492, 0.0002490887706613118, 0.00039094886860787845};
 constexpr double kSlopeR2[11] = {1.0018681103529237, -0.010454477639153446, 0.026366621838370335, -0.03818382459051913, 0.032862967704216026, -0.011980628726350017, -0.01282372194922872, 0.024360028958397957, -0.010957032350703444, -0.0055841949113721884, 0.004531940418217596};
-constexpr double kSlopeL1[9] = {0.4074208033402151, -0.2900500504090512, -0.036809797166954664, 0.0005191130229217763, -0.00026693451882665794, -6.55657939313717e-05, -6.505478699491656e-05, -0.00035084491878038034, -0.00020866883705040679};
-constexpr double kSlopeL2[6] = {0.8759368031409333, 0.10685712145187645, 0.004450130344932041, 0.01025511028638996, 0.003185331936149216, 0.0005560909957921819};
-constexpr double kSlopeLog1p[6] = {2.2117031200197257e-05, 0.9990104466294588, -0.48915684720230435, 0.28330432451740856, -0.13011941539126315, 0.03010262501167511};
+constexpr double kSlopeL1[6] = {0.4406177678186381, -0.24877375019389444, -0.028885874682903125, 0.00045904476085062754, -0.00016616855788719584, -0.00013747592000811648};
+constexpr double kSlopeL2[4] = {0.8439556450449678, 0.1384993006201956, -0.008268695926365114, 0.008170732587452243};
+constexpr double kSlopeLog1p[4] = {0.0009250321113060123, 0.9797534129748467, -0.39353580230191654, 0.10668473260368821};
 // END fit_slope.py output
 
 // Each piece's polynomial variable, z = x * Scale + Shift, mapping its interval onto [-1, 1]

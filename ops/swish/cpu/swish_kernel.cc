@@ -109,17 +109,19 @@ constexpr int kInterleave = 4;  // vectors per step of the in-place backward
 template <typename scalar_t>
 using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
-// Row b holds the 8 bits of the byte b as 0/1 values, for unpacking the mask 8 at a time.
-template <typename T>
-struct BitsToValues {
-  T rows[256][8];
-  constexpr BitsToValues() : rows() {
+// Row b holds the 8 bits of the byte b as lane masks (all bits set, or none) of the integer
+// type U (as wide as the math type), for unpacking the side mask 8 lanes at a time: a row,
+// loaded as a vector, is a blend mask as a comparison makes one.
+template <typename U>
+struct BitsToMasks {
+  U rows[256][8];
+  constexpr BitsToMasks() : rows() {
     for (int b = 0; b < 256; ++b)
-      for (int j = 0; j < 8; ++j) rows[b][j] = (b >> j) & 1 ? T(1) : T(0);
+      for (int j = 0; j < 8; ++j) rows[b][j] = (b >> j) & 1 ? ~U(0) : U(0);
   }
 };
 template <typename T>
-constexpr BitsToValues<T> kBitsToValues{};
+constexpr BitsToMasks<at::vec::int_same_size_t<T>> kBitsToMasks{};
 
 template <typename scalar_t, typename acc_t>
 void load_block(const scalar_t* src, acc_t* buf, int64_t n) {
@@ -159,6 +161,15 @@ bool any_lane(const V& m) {
   return m.zero_mask() != (1 << V::size()) - 1;
 }
 
+// Whether any lane of any of the K masks is set (one test for all K).
+template <typename V, int K>
+bool any_lane(const V (&m)[K]) {
+  V all = m[0];
+#pragma GCC unroll 8
+  for (int k = 1; k < K; ++k) all = all | m[k];
+  return any_lane(all);
+}
+
 // Horner's scheme on K vectors at once, step by step: K independent chains of fused
 // multiply-adds keep the FMA units busy where one chain would wait on each step's latency.
 template <typename V, size_t N, int K>
@@ -174,9 +185,10 @@ void horner_fma(const double (&c)[N], const V (&z)[K], V (&r)[K]) {
   }
 }
 
-// Two polynomials, a on za and b on zb (a of no lower degree), as 2K interleaved chains.
+// Two polynomials, a on za and -b on zb (a of no lower degree; b's coefficients negated at
+// compile time), as 2K interleaved chains.
 template <typename V, size_t Na, size_t Nb, int K>
-void horner_fma2(const double (&a)[Na], const V (&za)[K], V (&ra)[K], const double (&b)[Nb],
+void horner_fma2_neg_b(const double (&a)[Na], const V (&za)[K], V (&ra)[K], const double (&b)[Nb],
                  const V (&zb)[K], V (&rb)[K]) {
   static_assert(Na >= Nb, "the first polynomial is the longer one");
   using T = typename V::value_type;
@@ -189,10 +201,10 @@ void horner_fma2(const double (&a)[Na], const V (&za)[K], V (&ra)[K], const doub
     for (int k = 0; k < K; ++k) ra[k] = at::vec::fmadd(ra[k], za[k], aj);
   }
 #pragma GCC unroll 8
-  for (int k = 0; k < K; ++k) rb[k] = V(static_cast<T>(b[Nb - 1]));
+  for (int k = 0; k < K; ++k) rb[k] = V(static_cast<T>(-b[Nb - 1]));
 #pragma GCC unroll 16
   for (int j = static_cast<int>(Nb) - 2; j >= 0; --j) {
-    const V aj(static_cast<T>(a[j])), bj(static_cast<T>(b[j]));
+    const V aj(static_cast<T>(a[j])), bj(static_cast<T>(-b[j]));
 #pragma GCC unroll 8
     for (int k = 0; k < K; ++k) {
       ra[k] = at::vec::fmadd(ra[k], za[k], aj);
@@ -219,49 +231,51 @@ inline Vectorized<float> log_fast(const Vectorized<float>& x) {
 // The float path: the slope g'(t) straight from (u, side), without recovering t. Piecewise
 // polynomials fitted by ops/swish/tools/fit_slope.py (the pieces and their errors are listed
 // there and in swish_constants.h): in s = ±sqrt(u - g*) on each side of t*, in u's log in the
-// left tail, 1 far right. No exp, no division, no iteration; the left tail's log and the
-// right's second piece run only for steps where some lane needs them. NaN stays NaN (every
-// comparison with it is false, so it keeps the s-polynomial, which propagates it).
+// left tail; far right, R2 at the end of its interval (within 1e-5 of 1). No exp, no
+// division, no iteration; the left tail's log and the right's second piece run only for steps
+// where some lane needs them. NaN stays NaN (every comparison with it is false, so it keeps
+// the s-polynomial, which propagates it).
+//
+// Written for the instruction count: on the cores this runs on it is bound by the number of
+// vector instructions (square roots run beside them in their own unit), not by the chains'
+// latency; hence one clamp instruction (clamp_min keeps a NaN), the side's sign folded into
+// L1's coefficients, one test for the K vectors' tails.
 template <int K>
 void slope_fast(const Vectorized<float> (&u)[K], const Vectorized<float> (&left)[K],
                 Vectorized<float> (&slope)[K]) {
   namespace sc = swish_constants;
   using V = Vectorized<float>;
   const V zero(0.f), one(1.f), gs(float(sc::kGStar));
-  const V r_split(float(sc::kSlopeRightSplit)), r_end(float(sc::kSlopeRightEnd)),
-      l_split(float(sc::kSlopeLeftSplit));
+  const V r_split(float(sc::kSlopeRightSplit)), l_split(float(sc::kSlopeLeftSplit));
   // Both sides' polynomials for every lane, as 2K chains, then the side picks one.
   V s[K], zr[K], zl[K], pr[K], pl[K];
 #pragma GCC unroll 8
   for (int k = 0; k < K; ++k) {
-    s[k] = at::vec::maximum(u[k] - gs, zero).sqrt();
+    s[k] = at::vec::clamp_min(u[k] - gs, zero).sqrt();
     zr[k] = at::vec::fmadd(s[k], V(float(sc::kSlopeR1Scale)), V(float(sc::kSlopeR1Shift)));
     zl[k] = at::vec::fmadd(s[k], V(float(sc::kSlopeL1Scale)), V(float(sc::kSlopeL1Shift)));
   }
-  horner_fma2(sc::kSlopeR1, zr, pr, sc::kSlopeL1, zl, pl);
+  horner_fma2_neg_b(sc::kSlopeR1, zr, pr, sc::kSlopeL1, zl, pl);  // pl: -L1
   V right_far[K], left_tail[K];
-  bool any_right_far = false, any_left_tail = false;
 #pragma GCC unroll 8
   for (int k = 0; k < K; ++k) {
-    slope[k] = V::blendv(s[k] * pr[k], s[k].neg() * pl[k], left[k]);
+    slope[k] = s[k] * V::blendv(pr[k], pl[k], left[k]);
     right_far[k] = V::blendv(u[k] > r_split, zero, left[k]);
     left_tail[k] = left[k] & (u[k] > l_split);
-    any_right_far |= any_lane(right_far[k]);
-    any_left_tail |= any_lane(left_tail[k]);
   }
-  if (any_right_far) {
+  if (any_lane(right_far)) {
     V z2[K], r2[K];
 #pragma GCC unroll 8
     for (int k = 0; k < K; ++k) {
-      z2[k] = at::vec::fmadd(s[k], V(float(sc::kSlopeR2Scale)), V(float(sc::kSlopeR2Shift)));
+      // Past kSlopeRightEnd (z > 1), R2(1): g' is within 2e-6 of 1 there and R2(1) within 1e-5.
+      z2[k] = at::vec::clamp_max(
+          at::vec::fmadd(s[k], V(float(sc::kSlopeR2Scale)), V(float(sc::kSlopeR2Shift))), one);
     }
     horner_fma(sc::kSlopeR2, z2, r2);
 #pragma GCC unroll 8
-    for (int k = 0; k < K; ++k) {
-      slope[k] = V::blendv(slope[k], V::blendv(r2[k], one, u[k] > r_end), right_far[k]);
-    }
+    for (int k = 0; k < K; ++k) slope[k] = V::blendv(slope[k], r2[k], right_far[k]);
   }
-  if (any_left_tail) {
+  if (any_lane(left_tail)) {
     V zt[K], l2[K];
 #pragma GCC unroll 8
     for (int k = 0; k < K; ++k) {
@@ -389,15 +403,15 @@ void inplace_forward_typed(const at::Tensor& x, const at::Tensor& mask, double b
 template <typename V>
 V side_mask(const uint8_t* bits, int64_t first) {
   using T = typename V::value_type;
-  const V half(T(0.5));
+  const auto& rows = kBitsToMasks<T>.rows;
   if constexpr (V::size() <= 8) {
-    return V::loadu(kBitsToValues<T>.rows[bits[first / 8]] + first % 8) > half;
+    return V::loadu(rows[bits[first / 8]] + first % 8);
   } else {
-    alignas(64) T values[V::size()];
+    alignas(64) at::vec::int_same_size_t<T> masks[V::size()];
     for (int j = 0; j < V::size() / 8; ++j) {
-      std::copy_n(kBitsToValues<T>.rows[bits[first / 8 + j]], 8, values + 8 * j);
+      std::copy_n(rows[bits[first / 8 + j]], 8, masks + 8 * j);
     }
-    return V::loadu(values) > half;
+    return V::loadu(masks);
   }
 }
 
@@ -416,8 +430,8 @@ void backward_block(const acc_t* g, const acc_t* y, const uint8_t* bits, acc_t* 
     for (int k = 0; k < K; ++k) {
       // Right of t*, t = u once u > L (g(t) = t there): a u that overflowed to inf
       // becomes L, whose slope is 1, instead of inf * 0 = NaN. NaN stays NaN.
-      u[k] = at::vec::minimum(V(beta) * V::loadu(y + i + k * V::size()),
-                              V(swish_constants::slope_clamp<acc_t>()));
+      u[k] = at::vec::clamp_max(V(beta) * V::loadu(y + i + k * V::size()),
+                                V(swish_constants::slope_clamp<acc_t>()));
       left[k] = side_mask<V>(bits, i + k * V::size());
     }
     if constexpr (std::is_same_v<acc_t, float>) {
