@@ -52,7 +52,7 @@ MEMLEAN_HOST_DEVICE float inplace_slope(float u, bool left) {
       return u * horner_float<kSlopeL2>(
                      fmaf(v, static_cast<float>(kSlopeL2Scale), static_cast<float>(kSlopeL2Shift)));
     }
-    return -s * horner_float<kSlopeL1>(
+    return s * horner_float<kSlopeL1>(
                     fmaf(s, static_cast<float>(kSlopeL1Scale), static_cast<float>(kSlopeL1Shift)));
   }
   if (u > static_cast<float>(kSlopeRightSplit)) {

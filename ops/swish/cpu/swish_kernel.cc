@@ -185,10 +185,9 @@ void horner_fma(const double (&c)[N], const V (&z)[K], V (&r)[K]) {
   }
 }
 
-// Two polynomials, a on za and -b on zb (a of no lower degree; b's coefficients negated at
-// compile time), as 2K interleaved chains.
+// Two polynomials, a on za and b on zb (a of no lower degree), as 2K interleaved chains.
 template <typename V, size_t Na, size_t Nb, int K>
-void horner_fma2_neg_b(const double (&a)[Na], const V (&za)[K], V (&ra)[K], const double (&b)[Nb],
+void horner_fma2(const double (&a)[Na], const V (&za)[K], V (&ra)[K], const double (&b)[Nb],
                  const V (&zb)[K], V (&rb)[K]) {
   static_assert(Na >= Nb, "the first polynomial is the longer one");
   using T = typename V::value_type;
@@ -201,10 +200,10 @@ void horner_fma2_neg_b(const double (&a)[Na], const V (&za)[K], V (&ra)[K], cons
     for (int k = 0; k < K; ++k) ra[k] = at::vec::fmadd(ra[k], za[k], aj);
   }
 #pragma GCC unroll 8
-  for (int k = 0; k < K; ++k) rb[k] = V(static_cast<T>(-b[Nb - 1]));
+  for (int k = 0; k < K; ++k) rb[k] = V(static_cast<T>(b[Nb - 1]));
 #pragma GCC unroll 16
   for (int j = static_cast<int>(Nb) - 2; j >= 0; --j) {
-    const V aj(static_cast<T>(a[j])), bj(static_cast<T>(-b[j]));
+    const V aj(static_cast<T>(a[j])), bj(static_cast<T>(b[j]));
 #pragma GCC unroll 8
     for (int k = 0; k < K; ++k) {
       ra[k] = at::vec::fmadd(ra[k], za[k], aj);
@@ -238,8 +237,8 @@ inline Vectorized<float> log_fast(const Vectorized<float>& x) {
 //
 // Written for the instruction count: on the cores this runs on it is bound by the number of
 // vector instructions (square roots run beside them in their own unit), not by the chains'
-// latency; hence one clamp instruction (clamp_min keeps a NaN), the side's sign folded into
-// L1's coefficients, one test for the K vectors' tails.
+// latency; hence one clamp instruction (clamp_min keeps a NaN), one product s * (the side's
+// polynomial: R1 and L1 are both per |s|), one test for the K vectors' tails.
 template <int K>
 void slope_fast(const Vectorized<float> (&u)[K], const Vectorized<float> (&left)[K],
                 Vectorized<float> (&slope)[K]) {
@@ -255,7 +254,7 @@ void slope_fast(const Vectorized<float> (&u)[K], const Vectorized<float> (&left)
     zr[k] = at::vec::fmadd(s[k], V(float(sc::kSlopeR1Scale)), V(float(sc::kSlopeR1Shift)));
     zl[k] = at::vec::fmadd(s[k], V(float(sc::kSlopeL1Scale)), V(float(sc::kSlopeL1Shift)));
   }
-  horner_fma2_neg_b(sc::kSlopeR1, zr, pr, sc::kSlopeL1, zl, pl);  // pl: -L1
+  horner_fma2(sc::kSlopeR1, zr, pr, sc::kSlopeL1, zl, pl);
   V right_far[K], left_tail[K];
 #pragma GCC unroll 8
   for (int k = 0; k < K; ++k) {

@@ -8,7 +8,7 @@ in s = ±sqrt(u - g(t*)) (the sign: the side), smooth through t* where g is flat
   right of t*, u <= 3:        g' = s * R1(z),  z = s / (SR1 / 2) - 1
   right of t*, 3 < u <= 16:   g' = R2(z),      z = (s - (SR1 + SR2) / 2) / ((SR2 - SR1) / 2)
   right of t*, u > 16:        g' = R2(1) (g' is within 2e-6 of 1 there)
-  left of t*, u <= -0.1:      g' = s * L1(z),  z = -s / (SL1 / 2) - 1
+  left of t*, u <= -0.1:      g' = |s| * L1(z), z = -s / (SL1 / 2) - 1
   left of t*, -0.1 < u < 0:   g' = u * L2(z),  z = 2 v / |V0| + 1, v = 1 / log(-u), V0 = 1 / log(0.1)
 
 The log there is the CPU kernel's own (exponent bits plus LOG(f), f = mantissa - 1 in
@@ -115,8 +115,9 @@ def fit_all():
     u, s, y = left
     m = u <= L_SPLIT
     z = -s[m] / (sl1 / 2) - 1
-    pieces["L1"] = fit(z, y[m] / s[m], DEGREES["L1"])
-    errors["L1"] = np.abs(s[m] * horner_float32(pieces["L1"], z) - y[m]).max()
+    # Per |s| (s < 0 here), as R1 is per s: both kernels multiply by sqrt(u - g*) >= 0.
+    pieces["L1"] = fit(z, y[m] / -s[m], DEGREES["L1"])
+    errors["L1"] = np.abs(-s[m] * horner_float32(pieces["L1"], z) - y[m]).max()
     f = np.linspace(0, 1, 20001)
     pieces["LOG"] = fit(2 * f - 1, np.log1p(f), DEGREES["LOG"])
     # As monomials in f itself (f in [0, 1) is well scaled): compose with z = 2f - 1.
