@@ -40,24 +40,30 @@ def test_consumer_workspace_builds_and_runs():
         "TMPDIR": os.environ.get("TEST_TMPDIR", tempfile.gettempdir()),
     }
     with tempfile.TemporaryDirectory(dir=os.environ.get("TEST_TMPDIR")) as tmp:
-        cmd = [
-            bazel, "--batch", f"--output_user_root={tmp}/bazel",
-            "run", "//:train",
-            "--symlink_prefix=/",  # leave no bazel-* links in the source tree
-            f"--disk_cache={home}/.cache/memlean/bazel-disk",
-            "--incompatible_strict_action_env",
-            "--strategy=CppCompile=local", "--strategy=CppLink=local",
-            "--curses=no", "--color=no", "--noshow_progress",
-        ]
-        res = subprocess.run(cmd, cwd=consumer, env=env, capture_output=True, text=True,
-                             timeout=1500)
-        log = f"$ {' '.join(cmd)}\n--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-20000:]}"
-        assert res.returncode == 0, log
-        assert "Downloading" not in res.stderr, log
-        out = res.stdout
+        def bazel_run(target):
+            cmd = [
+                bazel, "--batch", f"--output_user_root={tmp}/bazel",
+                "run", target,
+                "--symlink_prefix=/",  # leave no bazel-* links in the source tree
+                f"--disk_cache={home}/.cache/memlean/bazel-disk",
+                "--incompatible_strict_action_env",
+                "--strategy=CppCompile=local", "--strategy=CppLink=local",
+                "--curses=no", "--color=no", "--noshow_progress",
+            ]
+            res = subprocess.run(cmd, cwd=consumer, env=env, capture_output=True, text=True,
+                                 timeout=1500)
+            log = f"$ {' '.join(cmd)}\n--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-20000:]}"
+            assert res.returncode == 0, log
+            assert "Downloading" not in res.stderr, log
+            return res.stdout, log
+
+        out, log = bazel_run("//:train")
         assert "loss " in out and "\nok\n" in out, log
         for phase in ("data", "forward", "backward", "step", "(peak)"):
             assert phase in out, log
+        # All public libraries linked, one called: links in the default link order.
+        out, log = bazel_run("//:link_only")
+        assert "linked: swish(1) = 0.731059" in out, log
         # (Not a recursive glob: the output root links to the torch and Python trees.)
         objects = glob.glob(f"{tmp}/bazel/*/execroot/bazel_consumer/bazel-out/*/bin/"
                             "external/memlean/ops/swish/*.pic.o")

@@ -38,20 +38,23 @@ def test_plot_of_peak_and_time_beside_the_table(table):
     assert os.path.getsize(plot) > 0 and os.path.basename(plot) in table.markdown()
 
 
-@pytest.mark.parametrize("config", efficientnet_swish.CONFIGS[1:])
+@pytest.mark.parametrize("config", efficientnet_swish.CONFIGS)
 def test_cuda_configs_run_a_step_on_the_cpu(config):
-    # The CUDA table's precisions and memory formats: one step each, measured as on CUDA
-    # (bf16 autocast keeps half-size activations: less memory than fp32).
-    act = efficientnet_swish.memlean_act("inplace")
-    fn = efficientnet_swish.step(act, 2, 64, config=config)
-    fn()
-    peak, _ = common.peak_of(fn)
-    fn = efficientnet_swish.step(act, 2, 64)
-    fn()
-    fp32, _ = common.peak_of(fn)
-    assert 0 < peak
-    if config[0].startswith("bf16"):
-        assert peak < fp32
+    # The CUDA table's precisions and memory formats, one step each, measured as on CUDA.
+    # The claim is memlean's: in-place Swish never peaks above nn.SiLU in the same
+    # configuration. The absolute figures are oneDNN's (its channels_last convolutions peak
+    # at 35-49 MB here on an AVX512 CPU with either activation, above fp32 contiguous), so
+    # both are measured in the same warm state: each warmed up, then measured alternately.
+    steps = {name: efficientnet_swish.step(act, 2, 64, config=config)
+             for name, act in (("silu", torch.nn.SiLU),
+                               ("inplace", efficientnet_swish.memlean_act("inplace")))}
+    for fn in steps.values():
+        fn()
+    peaks = {name: [] for name in steps}
+    for _ in range(2):
+        for name, fn in steps.items():
+            peaks[name].append(common.peak_of(fn)[0])
+    assert 0 < min(peaks["inplace"]) <= min(peaks["silu"]), (config, peaks)
 
 
 def test_memlean_activation_plugs_into_timm():

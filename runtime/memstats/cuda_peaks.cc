@@ -57,6 +57,18 @@ std::array<DevicePeak, kMaxDevices>& device_peaks() {
 }
 
 void on_event(const cca::TraceEntry& event) {
+  // Only what changes allocated bytes. The others carry no figure of their own, and one,
+  // SNAPSHOT, is recorded as device 0 from every device's allocator under that device's
+  // lock: acting on it, a torch.cuda.memory_snapshot() racing an allocation on cuda:0 could
+  // resolve a pending allocation with a stale figure.
+  switch (event.action_) {
+    case cca::TraceEntry::ALLOC:
+    case cca::TraceEntry::FREE_REQUESTED:
+    case cca::TraceEntry::FREE_COMPLETED:
+      break;
+    default:
+      return;
+  }
   if (event.device_ < 0 || event.device_ >= kMaxDevices) return;
   DevicePeak& p = device_peaks()[event.device_];
   if (!p.observed.load(std::memory_order_acquire)) return;

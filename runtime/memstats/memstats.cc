@@ -23,6 +23,7 @@
 #include <mutex>
 #include <optional>
 #include <sstream>
+#include <thread>
 #include <unordered_set>
 
 #include "runtime/memstats/cpu_accounting.h"
@@ -30,29 +31,6 @@
 #include "runtime/memstats/report.h"
 
 namespace memlean::memstats {
-
-namespace detail {
-
-namespace {
-std::optional<CudaPeaks>& registered_cuda_peaks() {
-  static std::optional<CudaPeaks> peaks;
-  return peaks;
-}
-}  // namespace
-
-bool register_cuda_peaks(CudaPeaks peaks) {
-  registered_cuda_peaks() = peaks;
-  return true;
-}
-
-const CudaPeaks& cuda_peaks() {
-  const auto& peaks = registered_cuda_peaks();
-  TORCH_CHECK(peaks.has_value(),
-              "memstats: this memlean was built against a torch without CUDA: no CUDA peaks");
-  return *peaks;
-}
-
-}  // namespace detail
 
 namespace {
 
@@ -71,7 +49,11 @@ c10::DeviceAllocator* cuda_allocator() {
 }
 
 CudaFigures cuda_figures(c10::DeviceIndex index) {
-  const auto stats = cuda_allocator()->getDeviceStats(index);
+  // Before anything has initialised CUDA's allocator nothing is allocated, and asking it
+  // for statistics raises ("did you call init?"): 0, as torch.cuda.memory_allocated() says.
+  c10::DeviceAllocator* allocator = cuda_allocator();
+  if (!allocator->initialized()) return {};
+  const auto stats = allocator->getDeviceStats(index);
   return {stats.allocated_bytes[kAggregate].current, stats.reserved_bytes[kAggregate].current,
           stats.requested_bytes[kAggregate].current};
 }
@@ -172,6 +154,7 @@ struct Tracker::Impl {
   Watch phase{c10::Device(c10::DeviceType::CPU)};
   bool running = false;
   uint32_t phase_first_epoch = 0;
+  std::thread::id thread;  // the thread that started it (the free mark() finds it by this)
   std::vector<Mark> marks;
   std::vector<std::pair<uint32_t, uint32_t>> mark_epochs;  // [first, last] of each phase
   std::vector<std::string> step_names;                     // names seen in the current step
@@ -281,6 +264,7 @@ Tracker::Tracker(c10::Device device) : impl_(std::make_unique<Impl>()) {
   t.total.device = device;
   t.phase.device = device;
   t.t0 = std::chrono::steady_clock::now();
+  t.thread = std::this_thread::get_id();
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   new_epoch(r, device);
@@ -374,10 +358,16 @@ Mark mark(const std::string& name) {
   check_mark_name(name);
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
-  TORCH_CHECK(!r.running.empty(), "memstats: mark(\"", name,
-              "\") with no tracker running; start one first (memstats::Tracker in C++, "
-              "`with memlean.memstats.track():` in Python)");
-  return mark_locked(r, *r.running.back(), name);
+  // The innermost tracker this thread started: a tracker another thread runs (a data
+  // loader's, a second training loop's) is never marked from here.
+  const auto self = std::this_thread::get_id();
+  const auto it = std::find_if(r.running.rbegin(), r.running.rend(),
+                               [&](const Tracker::Impl* t) { return t->thread == self; });
+  TORCH_CHECK(it != r.running.rend(), "memstats: mark(\"", name,
+              "\") with no tracker running on this thread; start one first "
+              "(memstats::Tracker in C++, `with memlean.memstats.track():` in Python), or "
+              "mark another thread's tracker through its handle (Tracker::mark)");
+  return mark_locked(r, **it, name);
 }
 
 TableValue parse_table_value(const std::string& value) {

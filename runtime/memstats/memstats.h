@@ -144,7 +144,8 @@ class Tracker {
   std::unique_ptr<Impl> impl_;
 };
 
-// Marks the innermost running tracker (the one started last); an error when none runs.
+// Marks the innermost running tracker of this thread (the one this thread started last); an
+// error when this thread runs none. Another thread's tracker: mark it through its handle.
 Mark mark(const std::string& name);
 
 }  // namespace memlean::memstats

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <mutex>
 #include <regex>
 #include <set>
@@ -284,6 +285,46 @@ TEST(Memstats, MarksRecordCurrentPeakAndKept) {
   EXPECT_EQ(b2.step, 2);
   EXPECT_EQ(b2.kept, 20);  // z died with its scope
   EXPECT_EQ(b2.current - base, 420);
+}
+
+// The free mark() acts on the innermost tracker of the calling thread: a tracker another
+// thread started later (innermost process-wide) is not marked from here.
+TEST(Memstats, FreeMarkFindsTheTrackerOfItsOwnThread) {
+  Tracker mine;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool other_started = false, marked = false;
+  std::string other_error;
+  size_t other_marks = 0;
+  std::thread other([&] {
+    Tracker theirs;  // started after `mine`: the process-wide innermost
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      other_started = true;
+      cv.notify_all();
+      cv.wait(lock, [&] { return marked; });
+    }
+    mark("theirs");  // this thread's own tracker
+    other_marks = theirs.marks().size();
+  });
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return other_started; });
+  }
+  const Mark m = mark("mine");
+  EXPECT_EQ(m.name, "mine");
+  EXPECT_EQ(mine.marks().size(), 1u);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    marked = true;
+    cv.notify_all();
+  }
+  other.join();
+  EXPECT_EQ(other_marks, 1u);  // only its own mark, not "mine"
+  EXPECT_EQ(mine.marks().size(), 1u);
+  // A thread that started no tracker has none to mark, whatever other threads run.
+  std::thread third([] { expect_error([] { mark("x"); }, "no tracker running on this thread"); });
+  third.join();
 }
 
 TEST(Memstats, TableCsvAndJson) {

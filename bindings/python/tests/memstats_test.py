@@ -444,6 +444,42 @@ def test_saved_storages_counts_each_storage_once():
     y.sum().backward()
 
 
+def test_free_mark_goes_to_this_threads_tracker():
+    # memstats.mark() marks the innermost tracker of the calling thread, as documented, even
+    # when another thread started one later.
+    started, marked, seen = threading.Event(), threading.Event(), {}
+
+    def other():
+        with memstats.track() as theirs:
+            started.set()
+            marked.wait(60)
+            memstats.mark("theirs")
+            seen["names"] = [m.name for m in theirs.marks]
+
+    with memstats.track() as mine:
+        thread = threading.Thread(target=other)
+        thread.start()
+        assert started.wait(60)
+        memstats.mark("mine")
+        marked.set()
+        thread.join(60)
+        assert [m.name for m in mine.marks] == ["mine"]
+    assert seen["names"] == ["theirs"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_cuda_figures_before_cuda_is_initialised_are_zero():
+    # A fresh process: nothing has initialised CUDA's allocator; memstats says 0, as torch does,
+    # and initialises nothing (it once raised "Invalid device argument 0: did you call init?").
+    code = ("import torch, memlean.memstats as m\n"
+            "assert torch.cuda.memory_allocated() == 0\n"
+            "assert m.memory_allocated('cuda') == 0 and m.memory_reserved('cuda') == 0\n"
+            "assert not torch.cuda.is_initialized()\n"
+            "print('ok')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 def test_torch_cuda_peak_counter_is_left_alone():
     # Users read torch.cuda.max_memory_allocated(): memstats' scoped peaks must not reset it.

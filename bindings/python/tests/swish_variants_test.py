@@ -255,5 +255,16 @@ def test_cuda_matches_float64_reference(dtype, variant):
     assert err <= max(BOUND[dtype], tol), (dtype, variant, err)
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inplace_backward_keeps_nan(device, dtype):
+    # A NaN input gives a NaN gradient on every device and dtype (the CUDA double path once
+    # turned it into t* and a finite slope: device max() on doubles is fmax, which drops NaN).
+    x = torch.tensor([float("nan"), 1.0], dtype=dtype, device=device, requires_grad=True)
+    memlean.swish(x * 1, 2.0, "inplace").sum().backward()
+    assert torch.isnan(x.grad[0]).item()
+    assert torch.isfinite(x.grad[1]).item()
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

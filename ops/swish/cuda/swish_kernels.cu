@@ -97,6 +97,10 @@ __device__ __forceinline__ A swish_grad(A x, A beta) {
 // inplace_slope.h.
 template <typename A>
 __device__ A inverse_g(A u, bool left) {
+  // Device max/min on doubles are fmax/fmin, which drop a NaN operand (fmax(NaN, 0) == 0):
+  // without this a NaN y would come out as t* and a finite slope. NaN in, NaN out, as on
+  // the CPU (at::vec::maximum keeps NaN).
+  if (isnan(u)) return u;
   const A ts = A(sc::kTStar), gs = A(sc::kGStar);
   const A d = max(u - gs, A(0));
   const A b = sqrt(d);

@@ -20,9 +20,12 @@ fit_slope_test.py): on the CPU the kernel's time is its instruction count.
 The truth is 40-digit mpmath, sampled by t. Prints the constants as C++; run with the
 Python that has mpmath (torch's dependencies include it):
   python3 ops/swish/tools/fit_slope.py
-and ops/swish:fit_slope_test checks swish_constants.h holds what it prints.
+and ops/swish:fit_slope_test checks swish_constants.h holds a fit of the same pieces: the same
+functions to 1e-9 (the coefficients' last digits come from LAPACK, and differ between
+machines), each within its error budget, its error comment true.
 """
 import math
+import re
 import sys
 
 import mpmath as mp
@@ -86,56 +89,86 @@ def log_float32(x, log_coef):
     return (exponent.astype(np.float64) * np.float32(0.6931471805599453) + p).astype(np.float32)
 
 
-def fit_all():
-    """Fits every piece; returns (pieces: name -> monomial coefficients, errors: name -> max
-    error in float32 evaluation (of g', or of log(1 + f) for LOG), lines of C++)."""
+def _data():
+    """The 40-digit truth sampled on each side, and the pieces' interval constants."""
     ts = float(T_STAR)
     right = samples(np.geomspace(1e-6, 17.5, 6000), +1)
     left = samples(np.geomspace(1e-6, 104.0 + ts, 6000), -1)
-    sr1 = math.sqrt(R_SPLIT - float(G_STAR))
-    sr2 = math.sqrt(R_END - float(G_STAR))
-    sl1 = math.sqrt(L_SPLIT - float(G_STAR))
-    v0 = 1 / math.log(-L_SPLIT)
+    scalars = {
+        "SR1": math.sqrt(R_SPLIT - float(G_STAR)),
+        "SR2": math.sqrt(R_END - float(G_STAR)),
+        "SL1": math.sqrt(L_SPLIT - float(G_STAR)),
+        "V0": 1 / math.log(-L_SPLIT),
+    }
+    return right, left, scalars
 
+
+def fit_pieces(data=None):
+    """Least-squares fits of every piece: name -> monomial coefficients. Goes through
+    numpy's LAPACK, so the last digits depend on the machine's BLAS kernels."""
+    right, left, c = data or _data()
     pieces = {}
+    u, s, y = right
+    m = u <= R_SPLIT
+    pieces["R1"] = fit(s[m] / (c["SR1"] / 2) - 1, y[m] / s[m], DEGREES["R1"])
+    m = (u > R_SPLIT) & (u <= R_END)
+    pieces["R2"] = fit((s[m] - (c["SR1"] + c["SR2"]) / 2) / ((c["SR2"] - c["SR1"]) / 2), y[m],
+                       DEGREES["R2"])
+    u, s, y = left
+    m = u <= L_SPLIT
+    # Per |s| (s < 0 here), as R1 is per s: both kernels multiply by sqrt(u - g*) >= 0.
+    pieces["L1"] = fit(-s[m] / (c["SL1"] / 2) - 1, y[m] / -s[m], DEGREES["L1"])
+    f = np.linspace(0, 1, 20001)
+    log = fit(2 * f - 1, np.log1p(f), DEGREES["LOG"])
+    # As monomials in f itself (f in [0, 1) is well scaled): compose with z = 2f - 1.
+    pieces["LOG"] = np.polynomial.polynomial.Polynomial(log)(
+        np.polynomial.polynomial.Polynomial([-1, 2])).coef
+    m = (u > L_SPLIT) & (u < 0)
+    z = 2 * (1 / np.log(-u[m])) / abs(c["V0"]) + 1
+    # Weighted by |u|: the error of g' = u * L2 is |u| times L2's.
+    pieces["L2"] = fit(z, y[m] / u[m], DEGREES["L2"], weight=np.abs(u[m]))
+    return pieces
+
+
+def piece_errors(pieces, data=None):
+    """Max error of each piece as the kernels evaluate it (float32 Horner), against the
+    40-digit truth: of g' for R1, R2, R3 (R2(1) past R_END), L1 and L2, and of log(1 + f)
+    for LOG. Elementwise float arithmetic only: the same on every machine."""
+    right, left, c = data or _data()
     errors = {}
     u, s, y = right
     m = u <= R_SPLIT
-    z = s[m] / (sr1 / 2) - 1
-    pieces["R1"] = fit(z, y[m] / s[m], DEGREES["R1"])
+    z = s[m] / (c["SR1"] / 2) - 1
     errors["R1"] = np.abs(s[m] * horner_float32(pieces["R1"], z) - y[m]).max()
     m = (u > R_SPLIT) & (u <= R_END)
-    z = (s[m] - (sr1 + sr2) / 2) / ((sr2 - sr1) / 2)
-    pieces["R2"] = fit(z, y[m], DEGREES["R2"])
+    z = (s[m] - (c["SR1"] + c["SR2"]) / 2) / ((c["SR2"] - c["SR1"]) / 2)
     errors["R2"] = np.abs(horner_float32(pieces["R2"], z) - y[m]).max()
     # Past R_END: R2 at the end of its interval (z clamped to 1).
     r2_end = horner_float32(pieces["R2"], np.array([1.0]))[0]
     errors["R3"] = np.abs(r2_end - y[u > R_END]).max()
-
     u, s, y = left
     m = u <= L_SPLIT
-    z = -s[m] / (sl1 / 2) - 1
-    # Per |s| (s < 0 here), as R1 is per s: both kernels multiply by sqrt(u - g*) >= 0.
-    pieces["L1"] = fit(z, y[m] / -s[m], DEGREES["L1"])
+    z = -s[m] / (c["SL1"] / 2) - 1
     errors["L1"] = np.abs(-s[m] * horner_float32(pieces["L1"], z) - y[m]).max()
     f = np.linspace(0, 1, 20001)
-    pieces["LOG"] = fit(2 * f - 1, np.log1p(f), DEGREES["LOG"])
-    # As monomials in f itself (f in [0, 1) is well scaled): compose with z = 2f - 1.
-    pieces["LOG"] = np.polynomial.polynomial.Polynomial(pieces["LOG"])(
-        np.polynomial.polynomial.Polynomial([-1, 2])).coef
     errors["LOG"] = np.abs(horner_float32(pieces["LOG"], f) - np.log1p(f)).max()
-
     m = (u > L_SPLIT) & (u < 0)
-    v = 1 / np.log(-u[m])
-    z = 2 * v / abs(v0) + 1
-    # Weighted by |u|: the error of g' = u * L2 is |u| times L2's.
-    pieces["L2"] = fit(z, y[m] / u[m], DEGREES["L2"], weight=np.abs(u[m]))
+    z = 2 * (1 / np.log(-u[m])) / abs(c["V0"]) + 1
     # Measured as the CPU kernel computes it: through its own log (a GPU takes the exact one).
     v_kernel = 1 / log_float32(-u[m], pieces["LOG"]).astype(np.float64)
     errors["L2"] = max(
         np.abs(u[m] * horner_float32(pieces["L2"], z) - y[m]).max(),
-        np.abs(u[m] * horner_float32(pieces["L2"], 2 * v_kernel / abs(v0) + 1) - y[m]).max())
+        np.abs(u[m] * horner_float32(pieces["L2"], 2 * v_kernel / abs(c["V0"]) + 1) - y[m]).max())
+    return errors
 
+
+SCALAR_NAMES = {"SR1": "kSlopeSR1", "SR2": "kSlopeSR2", "SL1": "kSlopeSL1", "V0": "kSlopeV0"}
+PIECE_NAMES = {"R1": "kSlopeR1", "R2": "kSlopeR2", "L1": "kSlopeL1", "L2": "kSlopeL2",
+               "LOG": "kSlopeLog1p"}
+
+
+def render(pieces, errors, scalars):
+    """The C++ block of swish_constants.h for these pieces."""
     out = []
     out.append("// BEGIN fit_slope.py output (ops/swish/tools/fit_slope.py; do not edit by hand)")
     out.append("// Max |g' error| of each piece in float32 Horner, from 40-digit truth: " +
@@ -144,16 +177,45 @@ def fit_all():
     out.append(f"constexpr double kSlopeRightSplit = {R_SPLIT!r};  // u")
     out.append(f"constexpr double kSlopeRightEnd = {R_END!r};    // u beyond: R2(1) (g' within 2e-6 of 1)")
     out.append(f"constexpr double kSlopeLeftSplit = {L_SPLIT!r};  // u")
-    out.append(f"constexpr double kSlopeSR1 = {sr1!r};  // s at kSlopeRightSplit")
-    out.append(f"constexpr double kSlopeSR2 = {sr2!r};  // s at kSlopeRightEnd")
-    out.append(f"constexpr double kSlopeSL1 = {sl1!r};  // -s at kSlopeLeftSplit")
-    out.append(f"constexpr double kSlopeV0 = {v0!r};  // 1 / log(-kSlopeLeftSplit)")
+    out.append(f"constexpr double kSlopeSR1 = {scalars['SR1']!r};  // s at kSlopeRightSplit")
+    out.append(f"constexpr double kSlopeSR2 = {scalars['SR2']!r};  // s at kSlopeRightEnd")
+    out.append(f"constexpr double kSlopeSL1 = {scalars['SL1']!r};  // -s at kSlopeLeftSplit")
+    out.append(f"constexpr double kSlopeV0 = {scalars['V0']!r};  // 1 / log(-kSlopeLeftSplit)")
     for name in ("R1", "R2", "L1", "L2", "LOG"):
         coef = ", ".join(repr(float(c)) for c in pieces[name])
-        cname = "kSlopeLog1p" if name == "LOG" else f"kSlope{name}"
-        out.append(f"constexpr double {cname}[{len(pieces[name])}] = {{{coef}}};")
+        out.append(f"constexpr double {PIECE_NAMES[name]}[{len(pieces[name])}] = {{{coef}}};")
     out.append("// END fit_slope.py output")
-    return pieces, errors, "\n".join(out) + "\n"
+    return "\n".join(out) + "\n"
+
+
+def parse(header):
+    """(pieces, scalars, block) as written in a swish_constants.h: the inverse of render."""
+    begin = header.index("// BEGIN fit_slope.py output")
+    end = header.index("// END fit_slope.py output") + len("// END fit_slope.py output\n")
+    block = header[begin:end]
+
+    def value(cname, array):
+        pattern = (rf"constexpr double {cname}\[\d+\] = \{{([^}}]*)\}};" if array
+                   else rf"constexpr double {cname} = ([-+0-9.e]+);")
+        found = re.search(pattern, block)
+        if found is None:
+            raise ValueError(f"{cname} is missing from the fit_slope.py block")
+        if array:
+            return np.array([float(v) for v in found.group(1).split(",")])
+        return float(found.group(1))
+
+    pieces = {name: value(cname, True) for name, cname in PIECE_NAMES.items()}
+    scalars = {name: value(cname, False) for name, cname in SCALAR_NAMES.items()}
+    return pieces, scalars, block
+
+
+def fit_all():
+    """Fits every piece; returns (pieces: name -> monomial coefficients, errors: name -> max
+    error in float32 evaluation (of g', or of log(1 + f) for LOG), lines of C++)."""
+    data = _data()
+    pieces = fit_pieces(data)
+    errors = piece_errors(pieces, data)
+    return pieces, errors, render(pieces, errors, data[2])
 
 
 def main():
