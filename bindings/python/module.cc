@@ -1,7 +1,10 @@
 // memlean._C: the pybind11 extension. Linking the op libraries registers their operators
-// (torch.ops.memlean.*: the Swish kernels are reached only through them); the checkpoint and
-// memstats add their functions through an init_* function.
-#include "bindings/python/bindings.h"
+// (torch.ops.memlean.*: the Swish kernels are reached only through them); each library
+// that has Python-facing functions adds them from its own python/ binding.
+#include <torch/csrc/utils/pybind.h>
+
+#include "ops/checkpoint/python/checkpoint_bindings.h"
+#include "runtime/memstats/python/memstats_bindings.h"
 
 #ifndef MEMLEAN_TORCH_VERSION
 #error "MEMLEAN_TORCH_VERSION must name the torch version this extension is built against"

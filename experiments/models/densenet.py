@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 
 import memlean
-from experiments.models.common import check_segments, parse_segments, run_stages
+from experiments.models.shared import check_segments, parse_segments, run_stages
 
 CHECKPOINTS = ("none", "memlean", "torch", "torch_reentrant", "segments:K")
 

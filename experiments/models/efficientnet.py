@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import memlean
-from experiments.models.common import check_segments, make_activation, parse_segments, run_stages
+from experiments.models.shared import check_segments, make_activation, parse_segments, run_stages
 
 # repeats, kernel, stride of the first block, expand ratio, out channels.
 B0 = ((1, 3, 1, 1, 16), (2, 3, 2, 6, 24), (2, 5, 2, 6, 40), (3, 3, 2, 6, 80),

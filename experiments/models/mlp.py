@@ -3,7 +3,7 @@ Linear(in -> hidden) -> Swish -> Linear(hidden -> out); docs/sources.md); same p
 names."""
 import torch
 
-from experiments.models.common import check_segments, make_activation, parse_segments, run_stages
+from experiments.models.shared import check_segments, make_activation, parse_segments, run_stages
 
 
 class Mlp(torch.nn.Module):

@@ -21,7 +21,7 @@
 #include <unordered_set>
 #include <utility>
 
-#include "ops/checkpoint/checkpoint_internal.h"
+#include "ops/checkpoint/internal/checkpoint.h"
 #include "third_party/torch/compat.h"
 
 namespace memlean {

@@ -94,25 +94,4 @@ at::Tensor checkpoint(const torch::nn::ModuleHolder<ModuleType>& module, const a
 // update its running statistics while this is true.
 bool is_recomputing();
 
-// Marks the current thread as recomputing while alive (checkpoint implementations use it;
-// nests).
-class RecomputeGuard {
- public:
-  RecomputeGuard();
-  ~RecomputeGuard();
-  RecomputeGuard(const RecomputeGuard&) = delete;
-  RecomputeGuard& operator=(const RecomputeGuard&) = delete;
-};
-
-// The gradients of a recomputed segment, as every checkpoint implementation (C++, and the
-// Python one through memlean._C) computes them: first a walk of `outputs`' graph, which must
-// reach no leaf requiring grad besides `targets` (such a leaf would silently get no gradient:
-// an error naming `op`, then `how_to_list`, the caller's remedy), then
-// torch::autograd::grad(outputs, targets, grads) with allow_unused (undefined for a target
-// the outputs do not use).
-std::vector<at::Tensor> recomputed_grad(const std::vector<at::Tensor>& outputs,
-                                        const std::vector<at::Tensor>& targets,
-                                        const std::vector<at::Tensor>& grads, const char* op,
-                                        const char* how_to_list);
-
 }  // namespace memlean

@@ -10,7 +10,7 @@
 #include <memory>
 #include <unordered_set>
 
-#include "ops/checkpoint/checkpoint_internal.h"
+#include "ops/checkpoint/internal/checkpoint.h"
 #include "runtime/memstats/live_bytes.h"
 
 namespace memlean {

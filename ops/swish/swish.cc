@@ -1,6 +1,6 @@
-// Swish-β: the operators' schema and Meta kernels, their typed handles (ops.h) and the
-// public C++ API (swish.h). The CPU kernels are registered in cpu/swish_cpu.cc, the CUDA
-// ones in cuda/swish_cuda.cc, the Autograd and ADInplaceOrView kernels in
+// Swish-β: the operators' schema and Meta kernels, their typed handles (internal/op_handles.h) and the
+// public C++ API (swish.h). The CPU kernels are registered in cpu/register.cc, the CUDA
+// ones in cuda/register.cc, the Autograd and ADInplaceOrView kernels in
 // autograd/swish_autograd.cc (the layout torchvision's ops use).
 #include "ops/swish/swish.h"
 
@@ -10,9 +10,9 @@
 
 #include <string>
 
-#include "ops/swish/ops.h"
-#include "ops/swish/swish_checks.h"
-#include "ops/swish/swish_constants.h"
+#include "ops/swish/internal/op_handles.h"
+#include "ops/swish/internal/checks.h"
+#include "ops/swish/internal/constants.h"
 
 namespace memlean {
 namespace swish_detail {
@@ -128,6 +128,8 @@ at::Tensor swish_backward(const at::Tensor& grad, const at::Tensor& x, double be
   at::AutoDispatchBelowADInplaceOrView guard;
   return swish_detail::backward_op().call(grad, x, beta);
 }
+
+int64_t swish_inplace_mask_bytes(int64_t numel) { return swish_constants::mask_bytes(numel); }
 
 }  // namespace memlean
 

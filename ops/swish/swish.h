@@ -18,8 +18,6 @@
 #include <string>
 #include <string_view>
 
-#include "ops/swish/swish_constants.h"
-
 namespace memlean {
 
 enum class SwishVariant { kNaive, kMemoryEfficient, kInplace };
@@ -44,8 +42,6 @@ at::Tensor swish_forward(const at::Tensor& x, double beta = 1.0);
 at::Tensor swish_backward(const at::Tensor& grad, const at::Tensor& x, double beta = 1.0);
 
 // Bytes of the mask the in-place variant saves for a tensor of numel elements.
-inline int64_t swish_inplace_mask_bytes(int64_t numel) {
-  return swish_constants::mask_bytes(numel);
-}
+int64_t swish_inplace_mask_bytes(int64_t numel);
 
 }  // namespace memlean

@@ -9,7 +9,7 @@
 
 #include "ops/swish/cpu/swish_kernel.h"
 #include "ops/swish/swish.h"
-#include "ops/swish/swish_constants.h"
+#include "ops/swish/internal/constants.h"
 #include "testing/expect_error.h"
 
 namespace memlean {
@@ -71,7 +71,7 @@ TEST(SwishInplace, GradientWithinBoundOverTheRealLine) {
 // The in-place kernels split their blocks with at::parallel_for, a header template: built
 // without -fopenmp against torch's OpenMP backend it runs everything on one thread.
 TEST(SwishInplace, KernelsUseAtenThreads) {
-  EXPECT_TRUE(swish_cpu::runs_in_parallel())
+  EXPECT_TRUE(swish_cpu::kernels().runs_in_parallel())
       << "the CPU kernels' at::parallel_for is serial: compile them with OPENMP_COPTS";
 }
 

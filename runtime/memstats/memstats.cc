@@ -26,8 +26,8 @@
 #include <thread>
 #include <unordered_set>
 
-#include "runtime/memstats/cpu_accounting.h"
-#include "runtime/memstats/cuda_peaks.h"
+#include "runtime/memstats/internal/cpu_accounting.h"
+#include "runtime/memstats/internal/cuda_peaks.h"
 #include "runtime/memstats/report.h"
 
 namespace memlean::memstats {
@@ -88,7 +88,7 @@ struct Watch {
 struct Registry {
   std::mutex mu;
   std::vector<Watch*> watches;             // every watch of every running tracker + process
-  std::vector<Tracker::Impl*> running;     // in start order
+  std::vector<detail::TrackerState*> running;     // in start order
   std::vector<std::unique_ptr<Watch>> process;  // one per device, process-wide peaks
 };
 
@@ -148,7 +148,7 @@ std::string format_value(int64_t v, bool bytes) {
 
 }  // namespace
 
-struct Tracker::Impl {
+struct detail::TrackerState {
   c10::Device device{c10::DeviceType::CPU};
   Watch total{c10::Device(c10::DeviceType::CPU)};
   Watch phase{c10::Device(c10::DeviceType::CPU)};
@@ -166,7 +166,7 @@ struct Tracker::Impl {
 namespace {
 
 // Records a mark on a running tracker (holds mu).
-Mark mark_locked(Registry& r, Tracker::Impl& t, const std::string& name) {
+Mark mark_locked(Registry& r, detail::TrackerState& t, const std::string& name) {
   TORCH_CHECK(t.running, "memstats: mark(\"", name, "\") on a stopped tracker");
   const c10::Device d = t.device;
   Mark m;
@@ -255,11 +255,11 @@ int64_t memory_reserved(c10::Device device) {
 
 Tracker::Tracker(const std::string& device) : Tracker(parse_device(device)) {}
 
-Tracker::Tracker(c10::Device device) : impl_(std::make_unique<Impl>()) {
+Tracker::Tracker(c10::Device device) : impl_(std::make_unique<detail::TrackerState>()) {
   check_device(device);
   device = canonical(device);
   if (device.is_cpu()) enable();
-  Impl& t = *impl_;
+  detail::TrackerState& t = *impl_;
   t.device = device;
   t.total.device = device;
   t.phase.device = device;
@@ -330,7 +330,7 @@ std::vector<Mark> Tracker::marks() const {
 void Tracker::stop() {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
-  Impl& t = *impl_;
+  detail::TrackerState& t = *impl_;
   if (!t.running) return;
   t.running = false;
   int64_t current = 0, peak = 0, reserved = 0;
@@ -362,7 +362,7 @@ Mark mark(const std::string& name) {
   // loader's, a second training loop's) is never marked from here.
   const auto self = std::this_thread::get_id();
   const auto it = std::find_if(r.running.rbegin(), r.running.rend(),
-                               [&](const Tracker::Impl* t) { return t->thread == self; });
+                               [&](const detail::TrackerState* t) { return t->thread == self; });
   TORCH_CHECK(it != r.running.rend(), "memstats: mark(\"", name,
               "\") with no tracker running on this thread; start one first "
               "(memstats::Tracker in C++, `with memlean.memstats.track():` in Python), or "
@@ -476,7 +476,7 @@ std::string Tracker::json() const {
 Categories Tracker::categories(const Tensors& tensors, const std::string& forward_mark) const {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
-  const Impl& t = *impl_;
+  const detail::TrackerState& t = *impl_;
   const c10::Device d = t.device;
 
   // The epochs of the forward phase, if any.

@@ -101,6 +101,10 @@ struct TableOptions {
 // process on first CUDA use) and never resets its counters, so
 // torch.cuda.max_memory_allocated() reads the same with or without trackers. The
 // cudaMallocAsync backend cannot be observed: CUDA trackers fail there with a clear error.
+namespace detail {
+struct TrackerState;  // memstats.cc
+}  // namespace detail
+
 class Tracker {
  public:
   explicit Tracker(c10::Device device = c10::kCPU);
@@ -138,10 +142,8 @@ class Tracker {
   };
   Categories categories(const Tensors& tensors, const std::string& forward_mark = "") const;
 
-  struct Impl;
-
  private:
-  std::unique_ptr<Impl> impl_;
+  std::unique_ptr<detail::TrackerState> impl_;
 };
 
 // Marks the innermost running tracker of this thread (the one this thread started last); an

@@ -19,7 +19,7 @@
 #include <chrono>
 #include <vector>
 
-#include "runtime/memstats/cpu_accounting.h"
+#include "runtime/memstats/internal/cpu_accounting.h"
 #include "runtime/memstats/memstats.h"
 
 namespace memlean::memstats {

@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/memstats/cpu_accounting.h"
+#include "runtime/memstats/internal/cpu_accounting.h"
 #include "runtime/memstats/memstats.h"
 #include "testing/expect_error.h"
 

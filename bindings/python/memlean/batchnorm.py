@@ -1,56 +1,22 @@
-"""memlean.BatchNorm2d: torch.nn.BatchNorm2d whose running statistics are updated exactly
-once per training forward, also when a memlean checkpoint recomputes that forward.
+"""memlean.BatchNorm2d: torch.nn.BatchNorm2d, kept for code written against pytorch-checkpoint's
+cp_BatchNorm2d (docs/sources.md).
 
-It is no longer needed: a memlean checkpoint's recompute now keeps the running statistics of
-every torch BatchNorm it calls (any torch.nn.modules.batchnorm._BatchNorm: BatchNorm1d, 2d,
-3d, SyncBatchNorm, and subclasses such as timm's BatchNormAct2d), so each is updated once per
-training step as it is. memlean.BatchNorm2d and its convert() stay for code that uses them."""
+A memlean checkpoint's recompute keeps the running statistics of every torch BatchNorm it
+calls (any torch.nn.modules.batchnorm._BatchNorm: BatchNorm1d, 2d, 3d, SyncBatchNorm, and
+subclasses such as timm's BatchNormAct2d): the checkpoint puts their buffers back after the
+recompute, in C++ (ops/checkpoint), so each is updated once per training step as it is. That
+is the one implementation of "updated once"; this class adds nothing to torch's forward."""
 import torch
-import torch.nn.functional as F
-
-from memlean.checkpoint import is_recomputing
 
 
 class BatchNorm2d(torch.nn.BatchNorm2d):
     """A drop-in for torch.nn.BatchNorm2d (same arguments, parameters, buffers and
-    state-dict keys; an instance of it too).
-
-    (No longer needed, see the module docstring.) While a memlean checkpoint recomputes a
-    forward in backward (memlean.is_recomputing()), it normalizes with the batch statistics
-    as before but leaves running_mean, running_var and num_batches_tracked alone: the
-    forward being recomputed updated them already. In
-    every other case it behaves as torch's, including a train-mode forward under no_grad
-    (which updates the statistics). This is pytorch-checkpoint's cp_BatchNorm2d
-    (docs/sources.md), done right: that one updated the statistics in the recompute instead,
-    so never under no_grad.
+    state-dict keys; an instance of it too), and its forward: under a memlean checkpoint its
+    running statistics are updated once per training step, as every torch BatchNorm's are
+    (see the module docstring). This is pytorch-checkpoint's cp_BatchNorm2d (docs/sources.md)
+    done right: that one updated the statistics in the recompute instead, so never under
+    no_grad.
     """
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        self._check_input_dim(input)
-        factor = 0.0 if self.momentum is None else self.momentum
-        update = self.training and self.track_running_stats and not is_recomputing()
-        if update and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            if self.momentum is None:  # cumulative moving average
-                factor = 1.0 / float(self.num_batches_tracked)
-            else:
-                factor = self.momentum
-        if self.training:
-            batch_stats = True
-        else:
-            batch_stats = self.running_mean is None and self.running_var is None
-        # In training, pass the running statistics only when they are to be updated.
-        use_running = not self.training or update
-        return F.batch_norm(
-            input,
-            self.running_mean if use_running else None,
-            self.running_var if use_running else None,
-            self.weight,
-            self.bias,
-            batch_stats,
-            factor,
-            self.eps,
-        )
 
     @classmethod
     def convert(cls, module: torch.nn.Module) -> torch.nn.Module:

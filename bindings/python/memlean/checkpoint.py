@@ -239,7 +239,7 @@ def _check_outputs(name, leaves):
 
 
 # The remedy named when the recomputed graph reaches a leaf the checkpoint was not given
-# (memlean._C.recomputed_grad checks it, as the C++ checkpoint does).
+# (the C++ checkpoint behind _C.checkpoint checks it and names this remedy).
 _HOW_TO_LIST = ("Pass it in params= (memlean.checkpoint) or among the parameters after the n "
                 "inputs (CheckpointFunction.apply).")
 

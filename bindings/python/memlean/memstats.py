@@ -44,7 +44,7 @@ from typing import Iterable
 
 import torch
 
-from memlean import _C
+from memlean import _C, _plot
 
 _M = _C.memstats
 
@@ -334,16 +334,7 @@ class Tracker:
         names stay readable: the labels turn vertical ("step: name"), names over 24
         characters are shortened in the middle, the figure widens with the number of marks
         (up to 60 inches; beyond that only every k-th mark is labelled)."""
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError as e:
-            raise ImportError(
-                "memlean.memstats: Tracker.plot() needs matplotlib, an optional dependency "
-                "of memlean; install it (pip install matplotlib) or use to_csv()/to_json()"
-            ) from e
+        plt = _plot.pyplot("memlean.memstats: Tracker.plot()", " or use to_csv()/to_json()")
         marks = self.marks
         if not marks:
             raise RuntimeError("memlean.memstats: plot(): the tracker has no marks")
@@ -382,9 +373,7 @@ class Tracker:
         ax.set_title(title or f"memory on {self._t.device}")
         ax.legend(loc="best")
         fig.tight_layout()
-        fig.savefig(os.fspath(path), format="png")
-        plt.close(fig)
-        return os.fspath(path)
+        return _plot.save(fig, path)
 
 
 _PLOT_NAME_CHARS = 24  # longer mark names are shortened in the middle on the plot

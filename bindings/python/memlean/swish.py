@@ -76,17 +76,21 @@ def _check_x(x):
         raise TypeError(f"memlean.swish: x must be a torch.Tensor, got {type(x).__name__}")
 
 
-def _check_naive(x: torch.Tensor, beta: float) -> None:
+_FLOAT_MAX = torch.finfo(torch.float32).max
+
+
+def _check_naive(x: torch.Tensor, beta: float, float_max: float = _FLOAT_MAX) -> None:
     # The same dtypes and beta range, and the same errors, as the operators behind the other
     # variants: the composition alone would promote integers to float32, accept complex
-    # numbers, and turn a beta beyond float's range into inf (and inf * 0 into NaN).
-    if not (x.dtype == torch.float32 or x.dtype == torch.float64 or x.dtype == torch.bfloat16
-            or x.dtype == torch.float16):
-        raise RuntimeError("memlean::swish: x must be float32, float64, bfloat16 or float16, "
-                           "got " + str(x.dtype))
-    if x.dtype != torch.float64 and abs(beta) > 3.4028234663852886e38:  # float's largest
-        raise RuntimeError("memlean::swish: beta=" + str(beta) + " is beyond float's range, in "
-                           "which a " + str(x.dtype) + " x is computed")
+    # numbers, and turn a beta beyond float's range into inf (and inf * 0 into NaN). The
+    # errors are the operator's own (ops/swish/internal/checks.cc): an input it refuses is
+    # handed to it, empty, to raise them; valid input costs two comparisons, no call.
+    # (Comparisons and a default argument, not a tuple and a global: TorchScript compiles
+    # this too.)
+    dtype = x.dtype
+    if not (dtype == torch.float32 or dtype == torch.float64 or dtype == torch.bfloat16
+            or dtype == torch.float16) or (dtype != torch.float64 and abs(beta) > float_max):
+        torch.ops.memlean.swish(x.new_empty(0), beta)  # raises the operator's error
 
 
 def _exporting_to_onnx() -> bool:
@@ -100,8 +104,7 @@ def _swish_inplace(x: torch.Tensor, beta: float) -> torch.Tensor:
     # Under torch.compile too: torch's own in-place silu_/mul_ fail there when x is a graph
     # input (AOTAutograd saves x, then copies the new value into it); memlean::swish_ saves
     # only y and its bits, and keeps its one-bit saving compiled.
-    torch.ops.memlean.swish_(x, beta)
-    return x
+    return _ops(x, beta, "inplace")
 
 
 def _compiled(x: torch.Tensor, beta: float) -> torch.Tensor:
@@ -139,12 +142,24 @@ def _swish(x: torch.Tensor, beta: float, variant: str) -> torch.Tensor:
     """memlean.swish and memlean.Swish.forward in Python (beta and variant checked)."""
     if variant == "inplace":
         return _swish_inplace(x, beta)
+    if variant != "naive" and torch.compiler.is_compiling():  # see _compiled: torch's ops,
+        _check_naive(x, beta)                                   # fused by the compiler
+        return _compiled(x, beta)
+    return _ops(x, beta, variant)
+
+
+def _ops(x: torch.Tensor, beta: float, variant: str) -> torch.Tensor:
+    """Each variant as torch's ops or memlean's operator: what eager mode runs once the
+    special cases (ONNX export, torch.compile) are out of the way, and all of it that
+    TorchScript compiles (Swish.forward's scripted branch)."""
     if variant == "naive":
         _check_naive(x, beta)
-        return x * torch.sigmoid(x if beta == 1.0 else x * beta)
-    if torch.compiler.is_compiling():  # see _compiled: torch's ops, fused by the compiler
-        _check_naive(x, beta)
-        return _compiled(x, beta)
+        if beta == 1.0:
+            return x * torch.sigmoid(x)
+        return x * torch.sigmoid(x * beta)
+    if variant == "inplace":
+        torch.ops.memlean.swish_(x, beta)
+        return x
     return torch.ops.memlean.swish(x, beta)
 
 
@@ -196,15 +211,7 @@ class Swish(torch.nn.Module):
                 return _compiled(x, self.beta)
             return _swish(x, self.beta, self.variant)
         # TorchScript compiles this part only (it prunes the branch above).
-        if self.variant == "naive":
-            _check_naive(x, self.beta)
-            if self.beta == 1.0:
-                return x * torch.sigmoid(x)
-            return x * torch.sigmoid(x * self.beta)
-        if self.variant == "inplace":
-            torch.ops.memlean.swish_(x, self.beta)
-            return x
-        return torch.ops.memlean.swish(x, self.beta)
+        return _ops(x, self.beta, self.variant)
 
     def extra_repr(self) -> str:
         if self.variant == "memory_efficient":

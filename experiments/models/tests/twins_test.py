@@ -11,7 +11,7 @@ import torch
 import torch.jit._pickle
 
 import memlean  # noqa: F401  (registers torch.ops.memlean)
-from experiments.models.common import ACTIVATIONS, num_parameters
+from experiments.models.shared import ACTIVATIONS, num_parameters
 from experiments.models.densenet import DenseNetBC
 from experiments.models.efficientnet import EfficientNetB0
 from experiments.models.mlp import Mlp

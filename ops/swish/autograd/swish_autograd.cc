@@ -1,12 +1,12 @@
 // Swish-β's Autograd and ADInplaceOrView kernels: the autograd function that saves only x
 // (memory_efficient), the in-place one that saves y and one bit per element, and the
 // version bumps of the in-place ops. They call the operators below autograd through the
-// typed handles of ops.h.
+// typed handles of internal/op_handles.h.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
-#include "ops/swish/ops.h"
+#include "ops/swish/internal/op_handles.h"
 
 namespace memlean {
 namespace {

@@ -17,7 +17,7 @@
 #include <limits>
 #include <type_traits>
 
-#include "ops/swish/swish_constants.h"
+#include "ops/swish/internal/constants.h"
 
 #ifndef CPU_CAPABILITY
 #error "CPU_CAPABILITY must be defined (DEFAULT, AVX2 or AVX512)"
@@ -513,8 +513,6 @@ void inplace_backward_typed(const at::Tensor& grad, const at::Tensor& y, const a
   });
 }
 
-}  // namespace
-
 bool runs_in_parallel() {
 #ifdef INTRA_OP_PARALLEL  // ATen/Parallel.h: set by its OpenMP header under -fopenmp, or native
   return true;
@@ -546,5 +544,11 @@ void backward_kernel(at::TensorIteratorBase& iter, double beta) {
                                   "memlean_swish_backward_cpu",
                                   [&] { backward_typed<scalar_t>(iter, beta); });
 }
+
+}  // namespace
+
+// This copy's entry points, found by capability.cc.
+extern const Kernels kKernels = {&runs_in_parallel, &forward_kernel, &backward_kernel,
+                                 &inplace_forward_kernel, &inplace_backward_kernel};
 
 }  // namespace memlean::swish_cpu::CPU_CAPABILITY

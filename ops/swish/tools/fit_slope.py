@@ -1,4 +1,4 @@
-"""Fits the polynomials of the in-place Swish backward's float path (ops/swish/swish_constants.h).
+"""Fits the polynomials of the in-place Swish backward's float path (ops/swish/internal/constants.h).
 
 The in-place variant keeps y = g(t) / beta (g(t) = t * sigmoid(t), t = beta * x) and one bit:
 the side of t* (the minimum of g). Its backward needs the slope g'(t) as a function of
@@ -20,7 +20,7 @@ fit_slope_test.py): on the CPU the kernel's time is its instruction count.
 The truth is 40-digit mpmath, sampled by t. Prints the constants as C++; run with the
 Python that has mpmath (torch's dependencies include it):
   python3 ops/swish/tools/fit_slope.py
-and ops/swish:fit_slope_test checks swish_constants.h holds a fit of the same pieces: the same
+and ops/swish:fit_slope_test checks internal/constants.h holds a fit of the same pieces: the same
 functions to 1e-9 (the coefficients' last digits come from LAPACK, and differ between
 machines), each within its error budget, its error comment true.
 """
@@ -168,7 +168,7 @@ PIECE_NAMES = {"R1": "kSlopeR1", "R2": "kSlopeR2", "L1": "kSlopeL1", "L2": "kSlo
 
 
 def render(pieces, errors, scalars):
-    """The C++ block of swish_constants.h for these pieces."""
+    """The C++ block of internal/constants.h for these pieces."""
     out = []
     out.append("// BEGIN fit_slope.py output (ops/swish/tools/fit_slope.py; do not edit by hand)")
     out.append("// Max |g' error| of each piece in float32 Horner, from 40-digit truth: " +
@@ -189,7 +189,7 @@ def render(pieces, errors, scalars):
 
 
 def parse(header):
-    """(pieces, scalars, block) as written in a swish_constants.h: the inverse of render."""
+    """(pieces, scalars, block) as written in a internal/constants.h: the inverse of render."""
     begin = header.index("// BEGIN fit_slope.py output")
     end = header.index("// END fit_slope.py output") + len("// END fit_slope.py output\n")
     block = header[begin:end]

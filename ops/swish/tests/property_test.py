@@ -469,7 +469,7 @@ def test_inner_inplace_on_an_expanded_tensor_is_refused(case):
 @inner
 def test_inner_runs_where_asked():
     if DEVICE == "cpu":
-        # memlean's kernels follow at::get_cpu_capability() too (ops/swish/cpu/dispatch.cc).
+        # memlean's kernels follow at::get_cpu_capability() too (ops/swish/cpu/capability.cc).
         asked = os.environ.get("MEMLEAN_PROPERTY_CAPABILITY")
         if asked is None:
             pytest.skip("MEMLEAN_PROPERTY_CAPABILITY names the capability the parent asked for")

@@ -7,7 +7,7 @@ import torch
 
 class PluginTest(unittest.TestCase):
     def test_load_library_registers_the_op(self):
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libmemlean_swish.so")
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "libmemlean_swish.so")
         torch.ops.load_library(path)
         x = torch.linspace(-6, 6, 101, dtype=torch.float64, requires_grad=True)
         y = torch.ops.memlean.swish(x, 1.5)

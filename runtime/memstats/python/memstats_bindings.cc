@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "bindings/python/bindings.h"
+#include "runtime/memstats/python/memstats_bindings.h"
 #include "runtime/memstats/memstats.h"
 
 namespace memlean::python {

@@ -6,9 +6,9 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "ops/swish/cuda/swish_kernels.h"
-#include "ops/swish/inplace_slope.h"
-#include "ops/swish/swish_constants.h"
+#include "ops/swish/cuda/swish_kernel.h"
+#include "ops/swish/internal/inplace_slope.h"
+#include "ops/swish/internal/constants.h"
 
 namespace memlean::swish_cuda {
 namespace {
@@ -138,11 +138,20 @@ __device__ A inverse_g(A u, bool left) {
   return t;
 }
 
+// The grid-stride walk of every kernel: each thread takes groups of kGroup elements (one
+// mask byte), starting at group_first() and stepping by group_stride() until n; a grid
+// smaller than n / kGroup threads makes further passes.
+__device__ __forceinline__ int64_t group_first() {
+  return (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * kGroup;
+}
+__device__ __forceinline__ int64_t group_stride() {
+  return int64_t(gridDim.x) * blockDim.x * kGroup;
+}
+
 template <typename T>
 __global__ void forward_kernel(const T* x, T* y, int64_t n, acc_t<T> beta) {
   using A = acc_t<T>;
-  for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * kGroup; i < n;
-       i += int64_t(gridDim.x) * blockDim.x * kGroup) {
+  for (int64_t i = group_first(); i < n; i += group_stride()) {
     A a[kGroup];
     const int c = load_group(x, i, n, a);
 #pragma unroll
@@ -154,8 +163,7 @@ __global__ void forward_kernel(const T* x, T* y, int64_t n, acc_t<T> beta) {
 template <typename T>
 __global__ void backward_kernel(const T* grad, const T* x, T* grad_x, int64_t n, acc_t<T> beta) {
   using A = acc_t<T>;
-  for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * kGroup; i < n;
-       i += int64_t(gridDim.x) * blockDim.x * kGroup) {
+  for (int64_t i = group_first(); i < n; i += group_stride()) {
     A g[kGroup], a[kGroup];
     const int c = load_group(grad, i, n, g);
     load_group(x, i, n, a);
@@ -168,8 +176,7 @@ __global__ void backward_kernel(const T* grad, const T* x, T* grad_x, int64_t n,
 template <typename T>
 __global__ void inplace_forward_kernel(T* x, uint8_t* mask, int64_t n, acc_t<T> beta) {
   using A = acc_t<T>;
-  for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * kGroup; i < n;
-       i += int64_t(gridDim.x) * blockDim.x * kGroup) {
+  for (int64_t i = group_first(); i < n; i += group_stride()) {
     A a[kGroup];
     const int c = load_group(x, i, n, a);
     uint8_t bits = 0;
@@ -187,8 +194,7 @@ template <typename T>
 __global__ void inplace_backward_kernel(const T* grad, const T* y, const uint8_t* mask, T* grad_x,
                                         int64_t n, acc_t<T> beta) {
   using A = acc_t<T>;
-  for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * kGroup; i < n;
-       i += int64_t(gridDim.x) * blockDim.x * kGroup) {
+  for (int64_t i = group_first(); i < n; i += group_stride()) {
     A g[kGroup], a[kGroup];
     const int c = load_group(grad, i, n, g);
     load_group(y, i, n, a);

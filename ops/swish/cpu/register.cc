@@ -1,13 +1,13 @@
 // Swish-β's CPU kernels as the dispatcher calls them: checks, outputs, and the vectorized
-// kernels of cpu/swish_kernel.cc (picked per CPU capability by cpu/dispatch.cc).
+// kernels of cpu/swish_kernel.cc (picked per CPU capability by cpu/capability.cc).
 #include <ATen/ATen.h>
 #include <ATen/TensorIterator.h>
 #include <torch/library.h>
 
 #include "ops/swish/cpu/swish_kernel.h"
-#include "ops/swish/layout.h"
+#include "ops/swish/internal/layout.h"
 #include "ops/swish/swish.h"
-#include "ops/swish/swish_checks.h"
+#include "ops/swish/internal/checks.h"
 
 namespace memlean::swish_detail {
 namespace {
@@ -17,7 +17,7 @@ at::Tensor forward_cpu(const at::Tensor& x, double beta) {
   check_beta(beta, x, "memlean::swish");
   at::Tensor y = at::empty_like(x);
   auto iter = at::TensorIteratorConfig().add_output(y).add_const_input(x).build();
-  swish_cpu::forward_kernel(iter, beta);
+  swish_cpu::kernels().forward(iter, beta);
   return y;
 }
 
@@ -29,14 +29,14 @@ at::Tensor backward_cpu(const at::Tensor& grad, const at::Tensor& x, double beta
                   .add_const_input(grad)
                   .add_const_input(x)
                   .build();
-  swish_cpu::backward_kernel(iter, beta);
+  swish_cpu::kernels().backward(iter, beta);
   return grad_x;
 }
 
 // The in-place kernels walk memory order (layout.h): no copy for any dense layout.
 void run_inplace_cpu(at::Tensor& x, const at::Tensor& mask, double beta) {
   swish_detail::inplace_in_memory_order(
-      x, [&](const at::Tensor& flat) { swish_cpu::inplace_forward_kernel(flat, mask, beta); });
+      x, [&](const at::Tensor& flat) { swish_cpu::kernels().inplace_forward(flat, mask, beta); });
 }
 
 void inplace_cpu(at::Tensor& x, double beta) {
@@ -57,7 +57,7 @@ at::Tensor inplace_backward_cpu(const at::Tensor& grad, const at::Tensor& y, con
   const at::Tensor m = mask.contiguous();
   return swish_detail::backward_in_memory_order(
       grad, y, [&](const at::Tensor& g, const at::Tensor& yf, const at::Tensor& out) {
-        swish_cpu::inplace_backward_kernel(g, yf, m, out, beta);
+        swish_cpu::kernels().inplace_backward(g, yf, m, out, beta);
       });
 }
 

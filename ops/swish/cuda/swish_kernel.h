@@ -1,5 +1,5 @@
 // CUDA kernels of //ops/swish, on raw contiguous memory (no torch headers: nvcc compiles
-// this quickly; ops/swish/cuda/swish_cuda.cc adapts tensors and streams).
+// this quickly; ops/swish/cuda/register.cc adapts tensors and streams).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,4 +1,4 @@
-"""swish_constants.h holds a fit of the polynomials ops/swish/tools/fit_slope.py fits, and
+"""internal/constants.h holds a fit of the polynomials ops/swish/tools/fit_slope.py fits, and
 each piece, as written in the header, is accurate well inside the in-place variant's float
 bound.
 
@@ -11,7 +11,7 @@ import unittest
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ops/swish
 
 
 def load_fit_slope():
@@ -27,7 +27,7 @@ class FitSlopeTest(unittest.TestCase):
     def setUpClass(cls):
         cls.fs = load_fit_slope()
         cls.data = cls.fs._data()
-        with open(os.path.join(HERE, "swish_constants.h")) as f:
+        with open(os.path.join(HERE, "internal/constants.h")) as f:
             cls.pieces, cls.scalars, cls.block = cls.fs.parse(f.read())
         cls.errors = cls.fs.piece_errors(cls.pieces, cls.data)
 

@@ -8,7 +8,7 @@
 // uncounted at its own event is resolved at the device's next event, where active_bytes
 // (which grows by the block's size after ALLOC and shrinks only after FREE_COMPLETED) has
 // grown by exactly that block's size. Between events, allocated_bytes read directly is exact.
-#include "runtime/memstats/cuda_peaks.h"
+#include "runtime/memstats/internal/cuda_peaks.h"
 
 #include <ATen/Context.h>
 #include <c10/cuda/CUDACachingAllocator.h>

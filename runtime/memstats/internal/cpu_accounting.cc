@@ -2,7 +2,7 @@
 // header in front of each allocation, and keeps the counters. Hot path: one atomic add on
 // the global current bytes, a load (a CAS when it grows) of the epoch peak, and a plain
 // load + store in the calling thread's own ring of live bytes per epoch.
-#include "runtime/memstats/cpu_accounting.h"
+#include "runtime/memstats/internal/cpu_accounting.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>

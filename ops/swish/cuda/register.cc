@@ -1,15 +1,15 @@
 // CUDA kernels of the memlean swish operators: tensors and the current stream in, raw
-// kernels (swish_kernels.cu) out. Registered for the CUDA dispatch key.
+// kernels (swish_kernel.cu) out. Registered for the CUDA dispatch key.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include "ops/swish/cuda/swish_kernels.h"
-#include "ops/swish/layout.h"
-#include "ops/swish/swish_checks.h"
-#include "ops/swish/swish_constants.h"
+#include "ops/swish/cuda/swish_kernel.h"
+#include "ops/swish/internal/layout.h"
+#include "ops/swish/internal/checks.h"
+#include "ops/swish/internal/constants.h"
 
 namespace memlean {
 namespace {

@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <utility>
 
-#include "ops/swish/swish_constants.h"
+#include "ops/swish/internal/constants.h"
 
 #if defined(__CUDACC__)
 #define MEMLEAN_HOST_DEVICE __host__ __device__ __forceinline__

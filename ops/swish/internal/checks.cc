@@ -1,5 +1,5 @@
 // Argument checks shared by the CPU, Meta and CUDA kernels of //ops/swish.
-#include "ops/swish/swish_checks.h"
+#include "ops/swish/internal/checks.h"
 
 #include <ATen/MemoryOverlap.h>
 #include <c10/core/SymInt.h>
@@ -7,7 +7,7 @@
 #include <cmath>
 #include <limits>
 
-#include "ops/swish/swish_constants.h"
+#include "ops/swish/internal/constants.h"
 
 namespace memlean::swish_detail {
 

@@ -5,7 +5,7 @@
 
 #include <optional>
 
-#include "runtime/memstats/cuda_peaks.h"
+#include "runtime/memstats/internal/cuda_peaks.h"
 
 namespace memlean::memstats::detail {
 

@@ -13,9 +13,9 @@
 #include <utility>
 #include <vector>
 
-#include "bindings/python/bindings.h"
+#include "ops/checkpoint/python/checkpoint_bindings.h"
 #include "ops/checkpoint/checkpoint.h"
-#include "ops/checkpoint/checkpoint_internal.h"
+#include "ops/checkpoint/internal/checkpoint.h"
 #include "ops/checkpoint/sequential.h"
 
 namespace memlean::python {
@@ -29,12 +29,6 @@ std::vector<LayerCost> to_costs(const std::vector<int64_t>& input_bytes,
   for (size_t i = 0; i < costs.size(); ++i) costs[i] = {input_bytes[i], activation_bytes[i]};
   return costs;
 }
-
-// A memlean::RecomputeGuard held from __enter__ to __exit__ (on one thread: the flag is
-// thread-local, and a `with` block enters and exits on its thread).
-struct RecomputingScope {
-  std::optional<RecomputeGuard> guard;
-};
 
 namespace py = pybind11;
 
@@ -166,14 +160,6 @@ void init_checkpoint(pybind11::module_& m) {
       },
       py::arg("input_bytes"), py::arg("activation_bytes"), py::arg("budget_bytes") = py::none(),
       "memlean::plan_segments: (starts, estimated_peak_bytes, fits_budget).");
-  m.def(
-      "estimate_peak_bytes",
-      [](const std::vector<int64_t>& input_bytes, const std::vector<int64_t>& activation_bytes,
-         const std::vector<int64_t>& starts) {
-        return estimate_peak_bytes(to_costs(input_bytes, activation_bytes), starts);
-      },
-      py::arg("input_bytes"), py::arg("activation_bytes"), py::arg("starts"),
-      "memlean::estimate_peak_bytes: the modelled activation peak of a segmentation.");
   m.def("sqrt_segment_starts", &sqrt_segment_starts, py::arg("n_layers"),
         "round(sqrt(n)) (nearly) equal segments over n layers.");
   // The argument checks of checkpoint_sequential, shared with memlean.checkpoint_sequential
@@ -191,32 +177,8 @@ void init_checkpoint(pybind11::module_& m) {
             }),
         py::arg("starts"), py::arg("n_layers"), py::arg("op"),
         "memlean::check_segment_starts: 0 first, increasing, < n_layers.");
-  // The Python checkpoint's backward core: the unlisted-leaf check and the recompute's
-  // gradients, in C++ (a fraction of torch.autograd.grad's Python cost per segment). The
-  // GIL is released while the engine runs (it may run Python nodes on other threads).
-  m.def("recomputed_grad",
-        torch::wrap_pybind_function([](const std::vector<at::Tensor>& outputs,
-                                       const std::vector<at::Tensor>& targets,
-                                       const std::vector<at::Tensor>& grads, const std::string& op,
-                                       const std::string& how_to_list) {
-          py::gil_scoped_release no_gil;
-          return recomputed_grad(outputs, targets, grads, op.c_str(), how_to_list.c_str());
-        }),
-        py::arg("outputs"), py::arg("targets"), py::arg("grads"), py::arg("op"),
-        py::arg("how_to_list"),
-        "memlean::recomputed_grad: gradients of outputs w.r.t. targets (None where unused), "
-        "after checking that the graph reaches no other leaf that requires grad.");
   m.def("is_recomputing", &is_recomputing,
         "memlean::is_recomputing: a checkpoint (C++ or Python) recomputes on this thread.");
-  // `with _C.Recomputing():` holds a memlean::RecomputeGuard on this thread.
-  py::class_<RecomputingScope>(m, "Recomputing")
-      .def(py::init<>())
-      .def("__enter__",
-           [](RecomputingScope& self) {
-             TORCH_CHECK(!self.guard, "memlean: a Recomputing scope is entered once");
-             self.guard.emplace();
-           })
-      .def("__exit__", [](RecomputingScope& self, const py::args&) { self.guard.reset(); });
 }
 
 }  // namespace memlean::python

@@ -1,0 +1,396 @@
+// memlean::fit planner: the checkpoint-selection programs behind plan() and least_peak_plan().
+#include "ops/fit/planner.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+
+namespace memlean::fit {
+namespace {
+
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// A validated problem with the sums every program needs.
+struct Prepared {
+  const Problem& problem;
+  int n = 0;
+  std::vector<int64_t> prefix;              // prefix[k] = sum of atom_saved_bytes[0, k)
+  std::vector<int64_t> freed;               // freed_bytes clamped to [0, range_sum]
+  std::vector<std::vector<int>> ending_at;  // candidate indices by end, ascending
+
+  int64_t range_sum(int c) const {
+    const Candidate& cand = problem.candidates[c];
+    return prefix[cand.end] - prefix[cand.begin];
+  }
+  int64_t kept(int c) const { return range_sum(c) - freed[c]; }
+};
+
+std::string candidate_field(size_t i, const char* field) {
+  return "candidates[" + std::to_string(i) + "]." + field;
+}
+
+Prepared prepare(const Problem& problem) {
+  Prepared prep{problem, 0, {}, {}, {}};
+  if (problem.base_bytes < 0) throw std::invalid_argument("base_bytes must be >= 0");
+  if (problem.atom_saved_bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
+    throw std::invalid_argument("atom_saved_bytes: too many atoms");
+  }
+  prep.n = static_cast<int>(problem.atom_saved_bytes.size());
+  prep.prefix.assign(prep.n + 1, 0);
+  for (int k = 0; k < prep.n; ++k) {
+    const int64_t bytes = problem.atom_saved_bytes[k];
+    if (bytes < 0) {
+      throw std::invalid_argument("atom_saved_bytes[" + std::to_string(k) + "] must be >= 0");
+    }
+    if (bytes > kInt64Max - prep.prefix[k]) {
+      throw std::invalid_argument("atom_saved_bytes: the sum overflows int64");
+    }
+    prep.prefix[k + 1] = prep.prefix[k] + bytes;
+  }
+  if (problem.base_bytes > kInt64Max - prep.prefix[prep.n]) {
+    throw std::invalid_argument("base_bytes + sum(atom_saved_bytes) overflows int64");
+  }
+  prep.ending_at.resize(prep.n + 1);
+  prep.freed.resize(problem.candidates.size());
+  for (size_t i = 0; i < problem.candidates.size(); ++i) {
+    const Candidate& c = problem.candidates[i];
+    if (c.begin < 0 || c.end > prep.n || c.begin >= c.end) {
+      throw std::invalid_argument(candidate_field(i, "begin/end") + ": need 0 <= begin (" +
+                                  std::to_string(c.begin) + ") < end (" + std::to_string(c.end) +
+                                  ") <= " + std::to_string(prep.n) + " atoms");
+    }
+    if (c.freed_bytes < 0) {
+      throw std::invalid_argument(candidate_field(i, "freed_bytes") + " must be >= 0");
+    }
+    if (!std::isfinite(c.seconds) || c.seconds < 0) {
+      throw std::invalid_argument(candidate_field(i, "seconds") + " must be finite and >= 0");
+    }
+    prep.freed[i] = std::min(c.freed_bytes, prep.range_sum(static_cast<int>(i)));
+    prep.ending_at[c.end].push_back(static_cast<int>(i));
+  }
+  return prep;
+}
+
+// predicted_peak on prepared data; `chosen` must be sorted by begin and disjoint.
+int64_t peak_of_sorted(const Prepared& prep, const std::vector<int>& chosen) {
+  const int64_t base = prep.problem.base_bytes;
+  int64_t freed_before = 0;  // freed by the chosen candidates already passed
+  int64_t peak = base;
+  for (int c : chosen) {
+    const int64_t kept_before = prep.prefix[prep.problem.candidates[c].begin] - freed_before;
+    peak = std::max(peak, base + kept_before + prep.range_sum(c));
+    freed_before += prep.freed[c];
+  }
+  return std::max(peak, base + prep.prefix[prep.n] - freed_before);
+}
+
+// The Plan for a disjoint chosen set: forward order, exact peak, seconds summed in that order.
+Plan make_plan(const Prepared& prep, std::vector<int> chosen) {
+  const auto& cands = prep.problem.candidates;
+  std::sort(chosen.begin(), chosen.end(),
+            [&](int a, int b) { return cands[a].begin < cands[b].begin; });
+  Plan result;
+  result.feasible = true;
+  for (int c : chosen) result.recompute_seconds += cands[c].seconds;
+  result.predicted_peak_bytes = peak_of_sorted(prep, chosen);
+  result.chosen = std::move(chosen);
+  return result;
+}
+
+// The plan order: less time, then a lower peak, then fewer candidates.
+bool better(double seconds_a, int64_t peak_a, size_t count_a, double seconds_b, int64_t peak_b,
+            size_t count_b) {
+  if (seconds_a != seconds_b) return seconds_a < seconds_b;
+  if (peak_a != peak_b) return peak_a < peak_b;
+  return count_a < count_b;
+}
+
+bool better(const Plan& a, const Plan& b) {
+  return better(a.recompute_seconds, a.predicted_peak_bytes, a.chosen.size(),
+                b.recompute_seconds, b.predicted_peak_bytes, b.chosen.size());
+}
+
+// The exact feasibility program: the least kept bytes with which each position can be reached
+// under the budget (ties to less time). The constraints only tighten as kept grows, so the least
+// kept dominates, and a fitting plan exists iff position n is reachable. Needs budget >= base.
+// Returns the chosen candidates of that path, or nothing.
+std::optional<std::vector<int>> least_kept_path(const Prepared& prep, int64_t budget) {
+  const int n = prep.n;
+  const int64_t room = budget - prep.problem.base_bytes;  // kept + recompute bytes must fit
+  std::vector<int64_t> kept(n + 1, -1);                   // -1: unreachable
+  std::vector<double> seconds(n + 1, 0);
+  std::vector<int> choice(n + 1, -1);  // candidate that ends here, or -1: atom p-1 kept
+  kept[0] = 0;
+  for (int p = 1; p <= n; ++p) {
+    auto relax = [&](int64_t k, double s, int c) {
+      if (k <= room && (kept[p] < 0 || k < kept[p] || (k == kept[p] && s < seconds[p]))) {
+        kept[p] = k;
+        seconds[p] = s;
+        choice[p] = c;
+      }
+    };
+    if (kept[p - 1] >= 0) {
+      relax(kept[p - 1] + prep.problem.atom_saved_bytes[p - 1], seconds[p - 1], -1);
+    }
+    for (int c : prep.ending_at[p]) {
+      const int b = prep.problem.candidates[c].begin;
+      if (kept[b] >= 0 && prep.range_sum(c) <= room - kept[b]) {
+        relax(kept[b] + prep.kept(c), seconds[b] + prep.problem.candidates[c].seconds, c);
+      }
+    }
+  }
+  if (kept[n] < 0) return std::nullopt;
+  std::vector<int> chosen;
+  for (int p = n; p > 0;) {
+    if (choice[p] < 0) {
+      --p;
+    } else {
+      chosen.push_back(choice[p]);
+      p = prep.problem.candidates[choice[p]].begin;
+    }
+  }
+  return chosen;
+}
+
+// The quantised program (see planner.h): state (position p, kept bucket b), value the least
+// (seconds, partial peak, count) reaching it, where the partial peak is the exact peak of the
+// path so far. Position p is computed from p - 1 and from the begins of the candidates ending at
+// p; a position's values are dropped (their buffers reused) after its last such use, so a
+// nested family keeps about its depth of positions in memory. Needs budget >= base. Returns the
+// chosen candidates of the best plan, or nothing.
+std::optional<std::vector<int>> quantised_path(const Prepared& prep, int64_t budget,
+                                               int resolution) {
+  const int n = prep.n;
+  const std::vector<Candidate>& cands = prep.problem.candidates;
+  const int64_t base = prep.problem.base_bytes;
+  const int64_t room = budget - base;
+  const int64_t q = std::max<int64_t>(1, room / resolution + (room % resolution != 0));
+  const int64_t max_bucket = room / q;  // base + b * q <= budget, and max_bucket <= resolution
+  const size_t width = static_cast<size_t>(max_bucket) + 1;
+  auto buckets = [q](int64_t bytes) { return bytes / q + (bytes % q != 0); };  // rounded up
+
+  // The values of one position's states, by bucket; lo..hi bounds the reached ones.
+  struct Layer {
+    std::vector<double> seconds;  // kInf: unreached (then the rest is not read)
+    std::vector<int64_t> kept;    // exact kept bytes
+    std::vector<int64_t> peak;    // exact partial peak
+    std::vector<int32_t> count;
+    int64_t lo = 0, hi = -1;
+  };
+  std::vector<std::unique_ptr<Layer>> layers(n + 1), pool;
+  auto acquire = [&] {
+    std::unique_ptr<Layer> layer;
+    if (pool.empty()) {
+      layer = std::make_unique<Layer>();
+      layer->kept.resize(width);
+      layer->peak.resize(width);
+      layer->count.resize(width);
+    } else {
+      layer = std::move(pool.back());
+      pool.pop_back();
+    }
+    layer->seconds.assign(width, kInf);
+    layer->lo = max_bucket + 1;
+    layer->hi = -1;
+    return layer;
+  };
+  // released_at[e]: the positions whose last use is computing position e.
+  std::vector<int> last_use(n + 1, n);
+  for (int p = 0; p < n; ++p) last_use[p] = p + 1;
+  for (const Candidate& c : cands) last_use[c.begin] = std::max(last_use[c.begin], c.end);
+  std::vector<std::vector<int>> released_at(n + 1);
+  for (int p = 0; p < n; ++p) released_at[last_use[p]].push_back(p);
+  // The move into each state (a candidate, or -1: atom p-1 kept), indexed p * width + b.
+  auto choice = std::make_unique_for_overwrite<int32_t[]>((static_cast<size_t>(n) + 1) * width);
+
+  layers[0] = acquire();
+  layers[0]->seconds[0] = 0;
+  layers[0]->kept[0] = 0;
+  layers[0]->peak[0] = base;
+  layers[0]->count[0] = 0;
+  layers[0]->lo = layers[0]->hi = 0;
+
+  // Moves every reached state of `from` with b <= last by `w` buckets into `to` (position p),
+  // adding `add` kept bytes; c >= 0 checkpoints candidate c (recomputing `range` bytes).
+  auto relax = [&](const Layer& from, Layer& to, int p, int64_t w, int64_t add, int c,
+                   int64_t range, double cost, int64_t last) {
+    last = std::min({last, from.hi, max_bucket - w});
+    int32_t* to_choice = choice.get() + static_cast<size_t>(p) * width;
+    for (int64_t b = from.lo; b <= last; ++b) {
+      const double s = from.seconds[b];
+      if (s == kInf) continue;
+      const double ns = s + cost;
+      const int64_t nk = from.kept[b] + add;
+      const int64_t np = std::max(from.peak[b], base + (c < 0 ? nk : from.kept[b] + range));
+      const int32_t nc = from.count[b] + (c >= 0);
+      const int64_t t = b + w;
+      if (to.seconds[t] == kInf || better(ns, np, nc, to.seconds[t], to.peak[t], to.count[t])) {
+        to.seconds[t] = ns;
+        to.kept[t] = nk;
+        to.peak[t] = np;
+        to.count[t] = nc;
+        to_choice[t] = c;
+        to.lo = std::min(to.lo, t);
+        to.hi = std::max(to.hi, t);
+      }
+    }
+  };
+
+  for (int p = 1; p <= n; ++p) {
+    layers[p] = acquire();
+    const int64_t saved = prep.problem.atom_saved_bytes[p - 1];
+    relax(*layers[p - 1], *layers[p], p, buckets(saved), saved, -1, 0, 0.0, max_bucket);
+    for (int c : prep.ending_at[p]) {
+      const int64_t range = prep.range_sum(c);
+      if (range > room) continue;
+      // Recompute fits while base + b * q + range <= budget (b * q bounds the kept bytes).
+      relax(*layers[cands[c].begin], *layers[p], p, buckets(prep.kept(c)), prep.kept(c), c, range,
+            cands[c].seconds, (room - range) / q);
+    }
+    for (int s : released_at[p]) pool.push_back(std::move(layers[s]));
+  }
+
+  const Layer& last = *layers[n];
+  int64_t best = -1;
+  for (int64_t b = last.lo; b <= last.hi; ++b) {
+    if (last.seconds[b] == kInf) continue;
+    if (best < 0 || better(last.seconds[b], last.peak[b], last.count[b], last.seconds[best],
+                           last.peak[best], last.count[best])) {
+      best = b;
+    }
+  }
+  if (best < 0) return std::nullopt;
+  std::vector<int> chosen;
+  for (int p = n, b = static_cast<int>(best); p > 0;) {
+    const int c = choice[static_cast<size_t>(p) * width + b];
+    if (c < 0) {
+      b -= static_cast<int>(buckets(prep.problem.atom_saved_bytes[p - 1]));
+      --p;
+    } else {
+      chosen.push_back(c);
+      b -= static_cast<int>(buckets(prep.kept(c)));
+      p = cands[c].begin;
+    }
+  }
+  return chosen;
+}
+
+void check_resolution(int resolution) {
+  if (resolution < 1) throw std::invalid_argument("resolution must be >= 1");
+}
+
+}  // namespace
+
+void validate(const Problem& problem) { prepare(problem); }
+
+int64_t predicted_peak(const Problem& problem, const std::vector<int>& chosen) {
+  const Prepared prep = prepare(problem);
+  std::vector<int> sorted = chosen;
+  for (int c : sorted) {
+    if (c < 0 || static_cast<size_t>(c) >= problem.candidates.size()) {
+      throw std::invalid_argument("chosen: index " + std::to_string(c) + " out of range");
+    }
+  }
+  const auto& cands = problem.candidates;
+  std::sort(sorted.begin(), sorted.end(),
+            [&](int a, int b) { return cands[a].begin < cands[b].begin; });
+  for (size_t i = 1; i < sorted.size(); ++i) {
+    if (cands[sorted[i - 1]].end > cands[sorted[i]].begin) {
+      throw std::invalid_argument("chosen: candidates " + std::to_string(sorted[i - 1]) +
+                                  " and " + std::to_string(sorted[i]) + " overlap");
+    }
+  }
+  return peak_of_sorted(prep, sorted);
+}
+
+Plan plan(const Problem& problem, int64_t budget_bytes, int resolution) {
+  check_resolution(resolution);
+  const Prepared prep = prepare(problem);
+  if (budget_bytes < problem.base_bytes) return Plan{};
+  // The best of: the exact least-kept path (it exists iff any plan fits), the eager step when
+  // it fits (the quantised program may not see it when q > 1), and the quantised optimum.
+  const std::optional<std::vector<int>> exact = least_kept_path(prep, budget_bytes);
+  if (!exact) return Plan{};
+  Plan best = make_plan(prep, *exact);
+  if (problem.base_bytes + prep.prefix[prep.n] <= budget_bytes) {  // the eager step fits
+    Plan eager = make_plan(prep, {});
+    if (better(eager, best)) best = std::move(eager);
+  }
+  if (std::optional<std::vector<int>> quantised = quantised_path(prep, budget_bytes, resolution)) {
+    Plan candidate = make_plan(prep, std::move(*quantised));
+    if (better(candidate, best)) best = std::move(candidate);
+  }
+  if (best.predicted_peak_bytes > budget_bytes) {  // both programs are conservative
+    throw std::logic_error("memlean::fit::plan: a plan exceeds its budget");
+  }
+  return best;
+}
+
+Plan least_peak_plan(const Problem& problem, int resolution) {
+  check_resolution(resolution);
+  const Prepared prep = prepare(problem);
+  // Every peak is >= base, and the empty plan reaches the eager peak.
+  int64_t infeasible = problem.base_bytes - 1;
+  int64_t feasible = problem.base_bytes + prep.prefix[prep.n];
+  while (feasible - infeasible > 1) {
+    const int64_t mid = infeasible + (feasible - infeasible) / 2;
+    if (least_kept_path(prep, mid)) {
+      feasible = mid;
+    } else {
+      infeasible = mid;
+    }
+  }
+  return plan(problem, feasible, resolution);
+}
+
+std::vector<Candidate> chain_candidates(const std::vector<int64_t>& saved_bytes,
+                                        const std::vector<int64_t>& output_bytes,
+                                        const std::vector<double>& seconds) {
+  const size_t n = saved_bytes.size();
+  if (output_bytes.size() != n || seconds.size() != n) {
+    throw std::invalid_argument("chain_candidates: saved_bytes, output_bytes and seconds differ "
+                                "in size");
+  }
+  int64_t total = 0;
+  for (size_t k = 0; k < n; ++k) {
+    if (saved_bytes[k] < 0 || saved_bytes[k] > kInt64Max - total || output_bytes[k] < 0) {
+      throw std::invalid_argument("chain_candidates: saved_bytes or output_bytes negative, or "
+                                  "saved_bytes overflowing");
+    }
+    total += saved_bytes[k];
+  }
+  std::vector<Candidate> result;
+  result.reserve(n * (n + 1) / 2);
+  for (size_t i = 0; i < n; ++i) {
+    int64_t bytes = 0;
+    double time = 0;
+    for (size_t j = i + 1; j <= n; ++j) {
+      bytes += saved_bytes[j - 1];
+      time += seconds[j - 1];
+      result.push_back(Candidate{static_cast<int>(i), static_cast<int>(j),
+                                 std::max<int64_t>(0, bytes - output_bytes[j - 1]), time});
+    }
+  }
+  return result;
+}
+
+std::string to_json(const Plan& plan) {
+  std::string out = std::string("{\"feasible\": ") + (plan.feasible ? "true" : "false") +
+                    ", \"chosen\": [";
+  for (size_t i = 0; i < plan.chosen.size(); ++i) {
+    out += (i ? ", " : "") + std::to_string(plan.chosen[i]);
+  }
+  char seconds[32];  // the shortest round-trip form: valid JSON for every finite double
+  const std::to_chars_result written =
+      std::to_chars(seconds, seconds + sizeof seconds, plan.recompute_seconds);
+  out += "], \"predicted_peak_bytes\": " + std::to_string(plan.predicted_peak_bytes) +
+         ", \"recompute_seconds\": " + std::string(seconds, written.ptr) + "}";
+  return out;
+}
+
+}  // namespace memlean::fit

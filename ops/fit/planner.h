@@ -1,0 +1,87 @@
+// memlean::fit planner: choose which modules to checkpoint so that a training step's predicted
+// peak memory fits a budget at the least recompute time.
+//
+// The model. A step's forward runs n atoms (the finest measured modules, in forward order); atom
+// k leaves atom_saved_bytes[k] alive for backward, and everything else at the step's peak is
+// base_bytes, so the eager peak is base_bytes + sum(atom_saved_bytes). A candidate covers atoms
+// [begin, end); checkpointing it frees freed_bytes (clamped to [0, its atoms' bytes]) and costs
+// `seconds` of recompute. A chosen set S is pairwise disjoint; a chosen c keeps
+// range_sum(c) - freed_bytes, every other atom its saved bytes, and
+//   predicted_peak(S) = max(base + sum of all kept,
+//                           max over c in S of base + kept_before(c.begin) + range_sum(c))
+// (while c is recomputed in backward its whole activation memory is back, and everything after
+// it has been freed). plan() minimises the sum of seconds over S subject to
+// predicted_peak(S) <= budget; ties go to the lower peak, then to fewer candidates.
+//
+// The algorithm and its caveat. A dynamic program over atom positions and kept bytes quantised
+// into `resolution` buckets of q = max(1, ceil((budget - base) / resolution)) bytes, every
+// addition rounded up, so each plan it finds truly fits (the exact peak is recomputed and
+// checked). It is optimal under the model except that it may miss plans whose peak is within
+// n * (q - 1) bytes of the budget: its time is at most that of the best plan with
+// predicted_peak <= budget - n * (q - 1), and exactly optimal (ties included) when q == 1.
+// Feasibility is exact: when the quantised program finds nothing, or something slower, an exact
+// least-kept-bytes program supplies a fitting plan, so plan() is infeasible only when no choice
+// of candidates fits; and a budget >= the eager peak always gets the empty plan unless an
+// equally fast (zero-second) choice has a lower peak. Time O((n + candidates) * resolution),
+// memory O(n * resolution) at most (about the nesting depth * resolution for nested modules).
+//
+// Candidates need not be laminar: any intervals are accepted (chain_candidates gives every run
+// of layers, which overlap without nesting); only the chosen ones must be disjoint.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace memlean::fit {
+
+// A module that may be checkpointed: atoms [begin, end).
+struct Candidate {
+  int begin = 0;
+  int end = 0;
+  int64_t freed_bytes = 0;  // clamped to the sum of its atoms' saved bytes
+  double seconds = 0;       // its forward time: the cost of recomputing it
+};
+
+struct Problem {
+  int64_t base_bytes = 0;
+  std::vector<int64_t> atom_saved_bytes;
+  std::vector<Candidate> candidates;
+};
+
+struct Plan {
+  bool feasible = false;
+  std::vector<int> chosen;           // indices into Problem::candidates, in forward order
+  int64_t predicted_peak_bytes = 0;  // predicted_peak(problem, chosen), exact
+  double recompute_seconds = 0;      // sum of the chosen candidates' seconds
+};
+
+// Throws std::invalid_argument, naming the field, for: negative base_bytes, atom_saved_bytes or
+// freed_bytes; a candidate with begin >= end or outside [0, n]; negative or non-finite seconds;
+// base_bytes + sum(atom_saved_bytes) overflowing int64.
+void validate(const Problem& problem);
+
+// The exact predicted peak of a set of candidates (any order). Throws std::invalid_argument if
+// an index is out of range or two of them overlap.
+int64_t predicted_peak(const Problem& problem, const std::vector<int>& chosen);
+
+// The least-time plan whose predicted peak fits budget_bytes (see the caveat above). Infeasible:
+// feasible == false and chosen empty. Throws std::invalid_argument for resolution < 1.
+Plan plan(const Problem& problem, int64_t budget_bytes, int resolution = 4096);
+
+// The least predicted peak that any disjoint choice reaches, exactly (a bisection over budgets
+// with the exact feasibility test), with plan(problem, that peak, resolution): the least time
+// that reaches it, up to the caveat above.
+Plan least_peak_plan(const Problem& problem, int resolution = 4096);
+
+// The chain case (torch::nn::Sequential): every run [i, j) of the n layers, ordered by i then j,
+// with freed_bytes = max(0, sum(saved_bytes[i..j)) - output_bytes[j-1]) and seconds =
+// sum(seconds[i..j)). Throws std::invalid_argument if the three sizes differ.
+std::vector<Candidate> chain_candidates(const std::vector<int64_t>& saved_bytes,
+                                        const std::vector<int64_t>& output_bytes,
+                                        const std::vector<double>& seconds);
+
+// {"feasible": true, "chosen": [0, 3], "predicted_peak_bytes": 123, "recompute_seconds": 0.5}
+std::string to_json(const Plan& plan);
+
+}  // namespace memlean::fit

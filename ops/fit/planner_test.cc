@@ -1,0 +1,529 @@
+// Tests of the memlean::fit planner: a hand-checked example, a brute-force reference on random
+// small instances, monotonicity, the chain candidates, validation, JSON, and a speed run.
+#include "ops/fit/planner.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <cstdio>
+#include <limits>
+#include <optional>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace memlean::fit {
+namespace {
+
+// ---- Reference: an independent exact peak and an enumeration of every disjoint choice. ----
+
+// The model's formula, written per atom: kept[k] is what atom k (or a chosen candidate ending at
+// k) keeps.
+int64_t reference_peak(const Problem& p, const std::vector<int>& chosen) {
+  const int n = static_cast<int>(p.atom_saved_bytes.size());
+  std::vector<int64_t> kept = p.atom_saved_bytes;
+  auto range = [&](const Candidate& c) {
+    int64_t sum = 0;
+    for (int k = c.begin; k < c.end; ++k) sum += p.atom_saved_bytes[k];
+    return sum;
+  };
+  for (int i : chosen) {
+    const Candidate& c = p.candidates[i];
+    for (int k = c.begin; k < c.end; ++k) kept[k] = 0;
+    kept[c.end - 1] = range(c) - std::min(c.freed_bytes, range(c));
+  }
+  int64_t total = 0;
+  for (int k = 0; k < n; ++k) total += kept[k];
+  int64_t peak = p.base_bytes + total;
+  for (int i : chosen) {
+    const Candidate& c = p.candidates[i];
+    int64_t before = 0;
+    for (int k = 0; k < c.begin; ++k) before += kept[k];
+    peak = std::max(peak, p.base_bytes + before + range(c));
+  }
+  return peak;
+}
+
+struct Outcome {
+  double seconds = 0;
+  int64_t peak = 0;
+  size_t count = 0;
+};
+
+// Every set of pairwise-disjoint candidates (n <= 31 atoms).
+std::vector<Outcome> enumerate_all(const Problem& p) {
+  std::vector<Outcome> out;
+  std::vector<int> chosen;
+  std::function<void(size_t, uint32_t)> visit = [&](size_t i, uint32_t used) {
+    if (i == p.candidates.size()) {
+      double seconds = 0;
+      for (int c : chosen) seconds += p.candidates[c].seconds;
+      out.push_back({seconds, reference_peak(p, chosen), chosen.size()});
+      return;
+    }
+    visit(i + 1, used);
+    const Candidate& c = p.candidates[i];
+    const uint32_t mask = ((1u << (c.end - c.begin)) - 1) << c.begin;
+    if ((used & mask) == 0) {
+      chosen.push_back(static_cast<int>(i));
+      visit(i + 1, used | mask);
+      chosen.pop_back();
+    }
+  };
+  visit(0, 0);
+  return out;
+}
+
+// The lexicographically least (seconds, peak, count) among the outcomes within `budget`.
+std::optional<Outcome> best_within(const std::vector<Outcome>& all, int64_t budget) {
+  std::optional<Outcome> best;
+  for (const Outcome& o : all) {
+    if (o.peak > budget) continue;
+    if (!best || o.seconds < best->seconds ||
+        (o.seconds == best->seconds &&
+         (o.peak < best->peak || (o.peak == best->peak && o.count < best->count)))) {
+      best = o;
+    }
+  }
+  return best;
+}
+
+int64_t bucket_bytes(const Problem& p, int64_t budget, int resolution) {
+  const int64_t room = budget - p.base_bytes;
+  return std::max<int64_t>(1, (room + resolution - 1) / resolution);
+}
+
+// ---- Random instances. Seconds are small integers: sums are exact and ties are common. ----
+
+// A random binary nesting of [b, e): each interval kept with probability 0.6, sometimes twice
+// (a wrapper module over the same atoms).
+void nested_intervals(std::mt19937_64& rng, int b, int e, std::vector<std::pair<int, int>>* out) {
+  std::uniform_real_distribution<double> u(0, 1);
+  if (u(rng) < 0.6) out->push_back({b, e});
+  if (u(rng) < 0.1) out->push_back({b, e});
+  if (e - b < 2) return;
+  const int cut = std::uniform_int_distribution<int>(b + 1, e - 1)(rng);
+  nested_intervals(rng, b, cut, out);
+  nested_intervals(rng, cut, e, out);
+}
+
+std::vector<int64_t> random_bytes(std::mt19937_64& rng, int n, int64_t max_bytes) {
+  std::vector<int64_t> bytes(n);
+  for (int64_t& b : bytes) b = std::uniform_int_distribution<int64_t>(0, max_bytes)(rng);
+  return bytes;
+}
+
+Problem random_laminar(std::mt19937_64& rng, int n, int64_t max_bytes) {
+  Problem p;
+  p.base_bytes = std::uniform_int_distribution<int64_t>(0, 3 * max_bytes)(rng);
+  p.atom_saved_bytes = random_bytes(rng, n, max_bytes);
+  std::vector<std::pair<int, int>> intervals;
+  nested_intervals(rng, 0, n, &intervals);
+  for (auto [b, e] : intervals) {
+    int64_t range = 0;
+    for (int k = b; k < e; ++k) range += p.atom_saved_bytes[k];
+    // Up to 1.3x the range, to exercise the clamp.
+    const int64_t freed = std::uniform_int_distribution<int64_t>(0, range + range / 3)(rng);
+    p.candidates.push_back({b, e, freed, double(std::uniform_int_distribution<int>(0, 6)(rng))});
+  }
+  return p;
+}
+
+Problem random_chain(std::mt19937_64& rng, int n, int64_t max_bytes) {
+  Problem p;
+  p.base_bytes = std::uniform_int_distribution<int64_t>(0, 3 * max_bytes)(rng);
+  p.atom_saved_bytes = random_bytes(rng, n, max_bytes);
+  std::vector<double> seconds(n);
+  for (double& s : seconds) s = std::uniform_int_distribution<int>(0, 4)(rng);
+  p.candidates = chain_candidates(p.atom_saved_bytes, random_bytes(rng, n, max_bytes), seconds);
+  return p;
+}
+
+// Budgets from below the base to above the eager peak, with every reachable peak and its
+// neighbours (the tight cases).
+std::vector<int64_t> budgets_for(std::mt19937_64& rng, const Problem& p,
+                                 const std::vector<Outcome>& all) {
+  int64_t eager = p.base_bytes;
+  for (int64_t b : p.atom_saved_bytes) eager += b;
+  std::vector<int64_t> budgets = {p.base_bytes - 1, p.base_bytes, eager + 7};
+  for (const Outcome& o : all) {
+    budgets.insert(budgets.end(), {o.peak - 1, o.peak, o.peak + 1});
+  }
+  for (int i = 0; i < 5; ++i) {
+    budgets.push_back(std::uniform_int_distribution<int64_t>(p.base_bytes, eager)(rng));
+  }
+  std::sort(budgets.begin(), budgets.end());
+  budgets.erase(std::unique(budgets.begin(), budgets.end()), budgets.end());
+  return budgets;
+}
+
+// What every plan must satisfy, whatever the budget: its fields are those of its chosen set.
+void expect_consistent(const Problem& p, const Plan& plan, int64_t budget) {
+  if (!plan.feasible) {
+    EXPECT_TRUE(plan.chosen.empty());
+    return;
+  }
+  double seconds = 0;
+  for (size_t i = 0; i < plan.chosen.size(); ++i) {
+    ASSERT_GE(plan.chosen[i], 0);
+    ASSERT_LT(plan.chosen[i], static_cast<int>(p.candidates.size()));
+    seconds += p.candidates[plan.chosen[i]].seconds;
+    if (i > 0) {  // forward order and disjoint
+      EXPECT_LE(p.candidates[plan.chosen[i - 1]].end, p.candidates[plan.chosen[i]].begin);
+    }
+  }
+  EXPECT_EQ(plan.recompute_seconds, seconds);
+  EXPECT_EQ(plan.predicted_peak_bytes, reference_peak(p, plan.chosen));
+  EXPECT_EQ(plan.predicted_peak_bytes, predicted_peak(p, plan.chosen));
+  EXPECT_LE(plan.predicted_peak_bytes, budget);
+}
+
+// ---- A hand-checked example. ----
+
+// base 100, atoms 10 20 30 40 (eager peak 200). Candidates:
+//   0: [0,2) frees 25, 1 s     {0}: kept 5+30+40 -> 175; recompute 100+0+30 = 130    -> 175
+//   1: [2,4) frees 60, 2 s     {1}: recompute 100+30+70 = 200                          -> 200
+//   2: [0,4) frees 90, 2.5 s   {2}: recompute 100+0+100 = 200                          -> 200
+//   3: [1,2) frees 20, 0.5 s   {3}: kept 10+0+30+40 -> 180; recompute 100+10+20        -> 180
+//   {0,1}: kept 5+10 -> 115; recompute 1: 100+5+70 = 175 -> 175, 3 s
+//   {3,1}: kept 10+0+10 -> 120; recompute 1: 100+10+70 = 180 -> 180, 2.5 s
+Problem example() {
+  Problem p;
+  p.base_bytes = 100;
+  p.atom_saved_bytes = {10, 20, 30, 40};
+  p.candidates = {{0, 2, 25, 1.0}, {2, 4, 60, 2.0}, {0, 4, 90, 2.5}, {1, 2, 20, 0.5}};
+  return p;
+}
+
+TEST(Planner, HandCheckedExample) {
+  const Problem p = example();
+  EXPECT_EQ(predicted_peak(p, {}), 200);
+  EXPECT_EQ(predicted_peak(p, {0}), 175);
+  EXPECT_EQ(predicted_peak(p, {1}), 200);
+  EXPECT_EQ(predicted_peak(p, {3}), 180);
+  EXPECT_EQ(predicted_peak(p, {1, 0}), 175);
+  EXPECT_EQ(predicted_peak(p, {3, 1}), 180);
+
+  struct Case {
+    int64_t budget;
+    bool feasible;
+    std::vector<int> chosen;
+    int64_t peak;
+    double seconds;
+  };
+  for (const Case& c : std::vector<Case>{{250, true, {}, 200, 0},
+                                         {200, true, {}, 200, 0},
+                                         {199, true, {3}, 180, 0.5},
+                                         {180, true, {3}, 180, 0.5},
+                                         {179, true, {0}, 175, 1},
+                                         {175, true, {0}, 175, 1},
+                                         {174, false, {}, 0, 0},
+                                         {50, false, {}, 0, 0}}) {
+    SCOPED_TRACE("budget " + std::to_string(c.budget));
+    const Plan plan_ = plan(p, c.budget);
+    EXPECT_EQ(plan_.feasible, c.feasible);
+    EXPECT_EQ(plan_.chosen, c.chosen);
+    EXPECT_EQ(plan_.predicted_peak_bytes, c.peak);
+    EXPECT_EQ(plan_.recompute_seconds, c.seconds);
+  }
+  const Plan least = least_peak_plan(p);
+  EXPECT_TRUE(least.feasible);
+  EXPECT_EQ(least.chosen, std::vector<int>{0});
+  EXPECT_EQ(least.predicted_peak_bytes, 175);
+}
+
+// ---- Against brute force. ----
+
+// For every random instance, budget and resolution (q = the bucket size, n the atoms):
+//  - plan() is feasible exactly when some disjoint choice has peak <= budget;
+//  - a feasible plan is consistent (expect_consistent) and never faster than the optimum;
+//  - it is at least as fast as every choice with peak <= budget - n * (q - 1);
+//  - with q == 1 it is the exact lexicographic optimum (seconds, then peak, then count).
+// least_peak_plan() reaches exactly the least peak of any choice (and with q == 1 at that
+// budget, the least time among the choices that reach it).
+TEST(Planner, MatchesBruteForce) {
+  std::mt19937_64 rng(20240611);
+  int checked = 0, coarse = 0, coarse_slower = 0;
+  for (int instance = 0; instance < 400; ++instance) {
+    const bool chain = instance % 2 == 1;
+    // Small bytes: q == 1 at resolution 4096. Large bytes: q > 1 everywhere.
+    const int64_t max_bytes = instance % 4 < 2 ? 40 : 1'000'000'000;
+    const int n = std::uniform_int_distribution<int>(1, chain ? 6 : 8)(rng);
+    const Problem p = chain ? random_chain(rng, n, max_bytes) : random_laminar(rng, n, max_bytes);
+    SCOPED_TRACE("instance " + std::to_string(instance));
+    const std::vector<Outcome> all = enumerate_all(p);
+    int64_t least = all.front().peak;  // the empty choice comes first
+    for (const Outcome& o : all) least = std::min(least, o.peak);
+
+    for (int resolution : {4096, 5}) {
+      SCOPED_TRACE("resolution " + std::to_string(resolution));
+      for (int64_t budget : budgets_for(rng, p, all)) {
+        SCOPED_TRACE("budget " + std::to_string(budget));
+        const Plan got = plan(p, budget, resolution);
+        expect_consistent(p, got, budget);
+        const std::optional<Outcome> opt = best_within(all, budget);
+        ASSERT_EQ(got.feasible, opt.has_value());
+        ++checked;
+        if (!opt) continue;
+        EXPECT_GE(got.recompute_seconds, opt->seconds);
+        const int64_t q = bucket_bytes(p, budget, resolution);
+        if (const std::optional<Outcome> slack = best_within(all, budget - n * (q - 1))) {
+          EXPECT_LE(got.recompute_seconds, slack->seconds);
+        }
+        if (q == 1) {
+          EXPECT_EQ(got.recompute_seconds, opt->seconds);
+          EXPECT_EQ(got.predicted_peak_bytes, opt->peak);
+          EXPECT_EQ(got.chosen.size(), opt->count);
+        } else {
+          ++coarse;
+          coarse_slower += got.recompute_seconds > opt->seconds;
+        }
+      }
+
+      const Plan least_plan = least_peak_plan(p, resolution);
+      expect_consistent(p, least_plan, least);
+      ASSERT_TRUE(least_plan.feasible);
+      EXPECT_EQ(least_plan.predicted_peak_bytes, least);
+      const std::optional<Outcome> at_least = best_within(all, least);
+      EXPECT_GE(least_plan.recompute_seconds, at_least->seconds);
+      if (bucket_bytes(p, least, resolution) == 1) {
+        EXPECT_EQ(least_plan.recompute_seconds, at_least->seconds);
+      }
+    }
+  }
+  // Both regimes were exercised (the counts are deterministic for the seed).
+  EXPECT_GT(coarse, 1000);
+  EXPECT_GT(checked - coarse, 1000);
+  std::printf("checked %d plans, %d with q > 1, %d of those slower than the optimum\n", checked,
+              coarse, coarse_slower);
+}
+
+// ---- Monotonicity. ----
+
+// Sweeps the budget down from the eager peak by `step`. With q == 1 (small bytes) plan() is
+// exact, so its time never falls as the budget falls, at any step. With q > 1 the caveat gives
+// it for steps of at least n * (q - 1), q taken at the eager peak (the largest).
+void expect_monotonic(const Problem& p, int64_t step, int resolution) {
+  const int64_t eager = predicted_peak(p, {});
+  double last_seconds = 0;
+  bool last_feasible = true;
+  int feasible_count = 0;
+  for (int64_t budget = eager; budget >= p.base_bytes - step; budget -= step) {
+    SCOPED_TRACE("budget " + std::to_string(budget));
+    const Plan got = plan(p, budget, resolution);
+    expect_consistent(p, got, budget);
+    if (got.feasible) {
+      ++feasible_count;
+      ASSERT_TRUE(last_feasible);
+      EXPECT_GE(got.recompute_seconds, last_seconds);
+      last_seconds = got.recompute_seconds;
+    }
+    last_feasible = got.feasible;
+  }
+  EXPECT_FALSE(last_feasible);
+  EXPECT_GT(feasible_count, 0);  // the eager peak fits
+}
+
+TEST(Planner, TimeNeverFallsAsBudgetFalls) {
+  std::mt19937_64 rng(7);
+  for (int instance = 0; instance < 60; ++instance) {
+    SCOPED_TRACE("small instance " + std::to_string(instance));
+    const int n = std::uniform_int_distribution<int>(2, 8)(rng);
+    expect_monotonic(instance % 2 ? random_chain(rng, n, 40) : random_laminar(rng, n, 40), 1,
+                     4096);
+  }
+  for (int instance = 0; instance < 4; ++instance) {
+    SCOPED_TRACE("large instance " + std::to_string(instance));
+    const int n = 40;
+    const Problem p = random_laminar(rng, n, 1'000'000'000);
+    expect_monotonic(p, n * bucket_bytes(p, predicted_peak(p, {}), 4096), 4096);
+  }
+}
+
+// ---- Boundaries. ----
+
+TEST(Planner, GenerousBudgetChoosesNothing) {
+  std::mt19937_64 rng(11);
+  for (int instance = 0; instance < 50; ++instance) {
+    Problem p = random_laminar(rng, 8, 1'000'000);
+    for (Candidate& c : p.candidates) c.seconds += 0.25;  // positive: any choice costs time
+    const int64_t eager = predicted_peak(p, {});
+    for (int64_t budget : {eager, eager + 1, 2 * eager}) {
+      const Plan got = plan(p, budget);
+      EXPECT_TRUE(got.feasible);
+      EXPECT_TRUE(got.chosen.empty());
+      EXPECT_EQ(got.recompute_seconds, 0);
+      EXPECT_EQ(got.predicted_peak_bytes, eager);
+    }
+  }
+}
+
+TEST(Planner, BudgetBelowLeastPeakIsInfeasible) {
+  std::mt19937_64 rng(13);
+  for (int instance = 0; instance < 50; ++instance) {
+    const Problem p = instance % 2 ? random_chain(rng, 8, 1'000'000)
+                                   : random_laminar(rng, 8, 1'000'000);
+    const Plan least = least_peak_plan(p);
+    ASSERT_TRUE(least.feasible);
+    EXPECT_TRUE(plan(p, least.predicted_peak_bytes).feasible);
+    for (int64_t budget : {least.predicted_peak_bytes - 1, p.base_bytes - 1, int64_t{-5}}) {
+      const Plan got = plan(p, budget);
+      EXPECT_FALSE(got.feasible);
+      EXPECT_TRUE(got.chosen.empty());
+    }
+  }
+}
+
+TEST(Planner, NoAtoms) {
+  Problem p;
+  p.base_bytes = 5;
+  EXPECT_TRUE(plan(p, 5).feasible);
+  EXPECT_FALSE(plan(p, 4).feasible);
+  EXPECT_EQ(least_peak_plan(p).predicted_peak_bytes, 5);
+}
+
+// ---- chain_candidates. ----
+
+TEST(ChainCandidates, ThreeLayers) {
+  // Layer saved bytes 10, 2, 30; outputs 4, 5, 6; seconds 1, 2, 3.
+  const std::vector<Candidate> got = chain_candidates({10, 2, 30}, {4, 5, 6}, {1, 2, 3});
+  const std::vector<Candidate> want = {
+      {0, 1, 6, 1},   // 10 - 4
+      {0, 2, 7, 3},   // 12 - 5
+      {0, 3, 36, 6},  // 42 - 6
+      {1, 2, 0, 2},   // 2 - 5, clamped
+      {1, 3, 26, 5},  // 32 - 6
+      {2, 3, 24, 3},  // 30 - 6
+  };
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    SCOPED_TRACE("candidate " + std::to_string(i));
+    EXPECT_EQ(got[i].begin, want[i].begin);
+    EXPECT_EQ(got[i].end, want[i].end);
+    EXPECT_EQ(got[i].freed_bytes, want[i].freed_bytes);
+    EXPECT_EQ(got[i].seconds, want[i].seconds);
+  }
+  EXPECT_THROW(chain_candidates({1, 2}, {1}, {1, 2}), std::invalid_argument);
+  EXPECT_THROW(chain_candidates({1, 2}, {1, 2}, {1}), std::invalid_argument);
+  EXPECT_THROW(chain_candidates({-1}, {1}, {1}), std::invalid_argument);
+}
+
+// ---- Validation. ----
+
+void expect_invalid(const std::function<void()>& f, const std::string& field) {
+  try {
+    f();
+    ADD_FAILURE() << "no std::invalid_argument naming " << field;
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(field), std::string::npos)
+        << "'" << e.what() << "' does not name " << field;
+  }
+}
+
+TEST(Validate, NamesTheBadField) {
+  EXPECT_NO_THROW(validate(example()));
+  struct Case {
+    std::function<void(Problem&)> corrupt;
+    std::string field;
+  };
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  for (const Case& c : std::vector<Case>{
+           {[](Problem& p) { p.base_bytes = -1; }, "base_bytes"},
+           {[](Problem& p) { p.atom_saved_bytes[1] = -5; }, "atom_saved_bytes[1]"},
+           {[&](Problem& p) { p.atom_saved_bytes = {max, 1, 0, 0}; }, "atom_saved_bytes"},
+           {[&](Problem& p) { p.base_bytes = max - 99; }, "base_bytes"},
+           {[](Problem& p) { p.candidates[1].begin = p.candidates[1].end; },
+            "candidates[1].begin/end"},
+           {[](Problem& p) { p.candidates[2].begin = 3, p.candidates[2].end = 2; },
+            "candidates[2].begin/end"},
+           {[](Problem& p) { p.candidates[0].begin = -1; }, "candidates[0].begin/end"},
+           {[](Problem& p) { p.candidates[3].end = 5; }, "candidates[3].begin/end"},
+           {[](Problem& p) { p.candidates[2].freed_bytes = -1; }, "candidates[2].freed_bytes"},
+           {[](Problem& p) { p.candidates[1].seconds = -0.5; }, "candidates[1].seconds"},
+           {[&](Problem& p) { p.candidates[0].seconds = nan; }, "candidates[0].seconds"},
+           {[&](Problem& p) { p.candidates[3].seconds = inf; }, "candidates[3].seconds"},
+       }) {
+    Problem p = example();
+    c.corrupt(p);
+    SCOPED_TRACE(c.field);
+    expect_invalid([&] { validate(p); }, c.field);
+    expect_invalid([&] { plan(p, 1000); }, c.field);
+    expect_invalid([&] { least_peak_plan(p); }, c.field);
+    expect_invalid([&] { predicted_peak(p, {}); }, c.field);
+  }
+  const Problem p = example();
+  expect_invalid([&] { plan(p, 1000, 0); }, "resolution");
+  expect_invalid([&] { least_peak_plan(p, -3); }, "resolution");
+  expect_invalid([&] { predicted_peak(p, {0, 3}); }, "chosen");  // [0,2) and [1,2)
+  expect_invalid([&] { predicted_peak(p, {1, 1}); }, "chosen");
+  expect_invalid([&] { predicted_peak(p, {4}); }, "chosen");
+  expect_invalid([&] { predicted_peak(p, {-1}); }, "chosen");
+}
+
+TEST(Validate, AcceptsCrossingCandidatesAndClampsFreed) {
+  Problem p = example();
+  p.candidates.push_back({1, 3, 1000, 0.1});  // crosses [0,2) and [2,4); frees at most 50
+  EXPECT_NO_THROW(validate(p));
+  // {4}: kept 10 + 0 + 0 + 40 -> 150; recompute 100 + 10 + 50 = 160.
+  EXPECT_EQ(predicted_peak(p, {4}), 160);
+  const Plan got = plan(p, 160);
+  EXPECT_EQ(got.chosen, std::vector<int>{4});
+  EXPECT_EQ(got.predicted_peak_bytes, 160);
+}
+
+// ---- JSON. ----
+
+TEST(ToJson, Renders) {
+  Plan plan_;
+  EXPECT_EQ(to_json(plan_), R"({"feasible": false, "chosen": [], )"
+                            R"("predicted_peak_bytes": 0, "recompute_seconds": 0})");
+  plan_ = {true, {0, 3}, 123, 0.5};
+  EXPECT_EQ(to_json(plan_), R"({"feasible": true, "chosen": [0, 3], )"
+                            R"("predicted_peak_bytes": 123, "recompute_seconds": 0.5})");
+}
+
+// ---- Speed: n = 500 atoms, 2000 nested candidates, resolution 4096 (reported, not asserted).
+
+TEST(Planner, SpeedSanity) {
+  std::mt19937_64 rng(17);
+  const int n = 500;
+  Problem p;
+  p.base_bytes = 4'000'000'000;
+  p.atom_saved_bytes = random_bytes(rng, n, 50'000'000);
+  std::vector<std::pair<int, int>> laminar;  // one tree's nodes, repeated: still laminar
+  nested_intervals(rng, 0, n, &laminar);
+  for (int i = 0; i < 2000; ++i) {
+    const auto [b, e] = laminar[i % laminar.size()];
+    int64_t range = 0;
+    for (int k = b; k < e; ++k) range += p.atom_saved_bytes[k];
+    p.candidates.push_back({b, e, std::uniform_int_distribution<int64_t>(0, range)(rng),
+                            std::uniform_real_distribution<double>(0, 1e-3)(rng) * (e - b)});
+  }
+  ASSERT_EQ(p.candidates.size(), 2000u);
+
+  using Clock = std::chrono::steady_clock;
+  auto t0 = Clock::now();
+  const Plan least = least_peak_plan(p);
+  auto t1 = Clock::now();
+  const int64_t eager = predicted_peak(p, {});
+  const int64_t budget = least.predicted_peak_bytes + (eager - least.predicted_peak_bytes) / 2;
+  const Plan mid = plan(p, budget);
+  auto t2 = Clock::now();
+  ASSERT_TRUE(least.feasible);
+  ASSERT_TRUE(mid.feasible);
+  EXPECT_LE(mid.predicted_peak_bytes, budget);
+  EXPECT_EQ(mid.predicted_peak_bytes, predicted_peak(p, mid.chosen));
+  auto ms = [](auto d) { return std::chrono::duration<double, std::milli>(d).count(); };
+  std::printf("n=%d, %zu candidates: least_peak_plan %.1f ms, plan %.1f ms (%zu chosen)\n", n,
+              p.candidates.size(), ms(t1 - t0), ms(t2 - t1), mid.chosen.size());
+}
+
+}  // namespace
+}  // namespace memlean::fit

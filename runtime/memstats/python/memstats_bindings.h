@@ -1,0 +1,11 @@
+// memstats' Python binding: adds memlean._C.memstats (bindings/python/module.cc calls it).
+// Not for C++ users.
+#pragma once
+
+#include <torch/csrc/utils/pybind.h>
+
+namespace memlean::python {
+
+void init_memstats(pybind11::module_& m);
+
+}  // namespace memlean::python
