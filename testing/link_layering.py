@@ -22,12 +22,22 @@ def query(bazel, expr):
     return [line for line in out.split() if line.startswith("//")]
 
 
-def objects_of(bin_dir, label):
+def objects_of(bazel, bin_dir, label):
+    """The object files of a cc_library's current sources (an output folder may still hold
+    objects of sources since renamed or removed: they are not read)."""
     pkg, name = label[2:].split(":")
+    stems = set()
+    for src in query(bazel, f"labels(srcs, {label})"):
+        path = src.split(":", 1)[1]
+        if path.endswith((".cc", ".cpp", ".c", ".cu")):
+            stems.add(os.path.splitext(os.path.basename(path))[0])
     folder = os.path.join(bin_dir, pkg, "_objs", name)
     found = []
     for root, _, files in os.walk(folder):
-        found += [os.path.join(root, f) for f in files if f.endswith(".o")]
+        for f in files:
+            stem = f[:-len(".pic.o")] if f.endswith(".pic.o") else f[:-len(".o")] if f.endswith(".o") else None
+            if stem is not None and stem in stems:
+                found.append(os.path.join(root, f))
     # Objects another rule made for it (nvcc's, third_party/cuda:defs.bzl): _<name>_*.o.
     prefix = f"_{name}_"
     pkg_dir = os.path.join(bin_dir, pkg)
@@ -68,13 +78,13 @@ def main(argv):
 
     def defined(label):
         if label not in defined_cache:
-            defined_cache[label] = memlean_symbols(objects_of(bin_dir, label), True)
+            defined_cache[label] = memlean_symbols(objects_of(bazel, bin_dir, label), True)
         return defined_cache[label]
 
     failures = 0
     checked = 0
     for lib in libraries:
-        objects = objects_of(bin_dir, lib)
+        objects = objects_of(bazel, bin_dir, lib)
         if not objects:
             print(f"link_layering: {lib}: no objects (header-only, or not built here)")
             continue

@@ -354,8 +354,9 @@ def _run(name, function, length, args, preserve_rng_state, buffers, watch_batchn
 
 
 def checkpoint(function: Callable, *args, params: Optional[Sequence[torch.Tensor]] = None,
-               preserve_rng_state: bool = True):
-    """function(*args), keeping none of its activations: they are recomputed in backward.
+               preserve_rng_state: bool = True, **kwargs):
+    """function(*args, **kwargs), keeping none of its activations: they are recomputed in
+    backward.
 
     Forward runs ``function`` under no_grad and saves only its tensor inputs (parameters exist
     anyway). Backward runs it again with grad mode on, with the forward's RNG and autocast
@@ -367,6 +368,10 @@ def checkpoint(function: Callable, *args, params: Optional[Sequence[torch.Tensor
         *args: its inputs. Tensors that require grad get gradients; anything else is passed
             through as it is. Its output may be any structure (tensor, tuple, list, dict ...)
             holding at least one tensor.
+        **kwargs: its keyword inputs (``layer(x, attn_mask=m)``), treated as the positional
+            ones: tensors are saved and recomputed, and get gradients when they require
+            grad; anything else is passed through. (``params`` and ``preserve_rng_state``
+            are this function's own.)
         params (Sequence[Tensor], optional): the tensors requiring grad that ``function``
             uses besides its inputs (for a Module: besides its parameters).
         preserve_rng_state (bool, optional): restore the forward's RNG state (CPU, and every
@@ -405,8 +410,19 @@ def checkpoint(function: Callable, *args, params: Optional[Sequence[torch.Tensor
         ids = {id(p) for p in listed}
         listed += [p for p in extra if id(p) not in ids]
         _check_arguments(name, function, len(args), args + tuple(listed))
+    watch_batchnorm = not isinstance(function, torch.nn.Module)
+    if kwargs:
+        # Keyword inputs travel as positional inputs after *args, and are handed back by
+        # name: one path for saving, recomputing and differentiating every input.
+        positional, names = len(args), tuple(kwargs)
+        target = function
+
+        def function(*inputs):  # noqa: F811  (the callable the checkpoint runs)
+            return target(*inputs[:positional], **dict(zip(names, inputs[positional:])))
+
+        args = args + tuple(kwargs[k] for k in names)
     return _run(name, function, len(args), args + tuple(listed), preserve_rng_state, buffers,
-                not isinstance(function, torch.nn.Module))
+                watch_batchnorm)
 
 
 class CheckpointFunction:

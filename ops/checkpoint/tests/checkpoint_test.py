@@ -437,6 +437,42 @@ def test_torch_batchnorm_in_checkpoint_sequential_is_updated_once():
     assert_same(list(ckpt.buffers()), list(plain.buffers()))
 
 
+class _ScaledMasked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, scale=1.0, mask=None):
+        y = torch.tanh(self.lin(x)) * scale
+        return y * mask if mask is not None else y
+
+
+@pytest.mark.parametrize("form", ["module", "function"])
+def test_keyword_arguments_are_inputs_like_positional_ones(form):
+    # A layer called as layer(x, scale=2.0, mask=m): values and gradients (of x, of the
+    # keyword tensor m and of the parameters) equal the call without a checkpoint.
+    torch.manual_seed(0)
+    layer = _ScaledMasked().double()
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    m = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+
+    def run(checkpointed):
+        layer.zero_grad(set_to_none=True)
+        x.grad = m.grad = None
+        if not checkpointed:
+            out = layer(x, scale=2.0, mask=m)
+        elif form == "module":
+            out = memlean.checkpoint(layer, x, scale=2.0, mask=m)
+        else:
+            out = memlean.checkpoint(lambda a, scale, mask: layer(a, scale=scale, mask=mask), x,
+                                     params=list(layer.parameters()), scale=2.0, mask=m)
+        out.pow(2).sum().backward()
+        return out.detach(), x.grad, m.grad, layer.lin.weight.grad
+
+    for got, want in zip(run(True), run(False)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def test_planner():
     costs = [memlean.LayerCost(100, 100)] * 16
     plan = memlean.plan_segments(costs)
