@@ -9,7 +9,6 @@ import contextlib
 import csv
 import dataclasses
 import gc
-import math
 import os
 import statistics
 import sys
@@ -267,8 +266,6 @@ class Progress:
               file=sys.stderr, flush=True)
 
 
-# One line style and marker per measure (or configuration); colours come from matplotlib's
-# default cycle, one per variant.
 def plot(path: str, title: str, panels: list, xticks: list | None = None,
          log: bool = False) -> str | None:
     """memlean's panel plot (memlean._plot.panels: its docstring says what panels are) to a

@@ -74,23 +74,28 @@ def main(argv):
     bin_dir = subprocess.run(bazel + ["info", "bazel-bin"], check=True, capture_output=True,
                              text=True).stdout.strip()
     libraries = query(bazel, "kind(cc_library, //ops/... + //runtime/...)")
-    defined_cache = {}
+    objects_cache, defined_cache = {}, {}
+
+    def objects(label):  # a library is read as itself and again in its own closure
+        if label not in objects_cache:
+            objects_cache[label] = objects_of(bazel, bin_dir, label)
+        return objects_cache[label]
 
     def defined(label):
         if label not in defined_cache:
-            defined_cache[label] = memlean_symbols(objects_of(bazel, bin_dir, label), True)
+            defined_cache[label] = memlean_symbols(objects(label), True)
         return defined_cache[label]
 
     failures = 0
     checked = 0
     for lib in libraries:
-        objects = objects_of(bazel, bin_dir, lib)
-        if not objects:
+        own = objects(lib)
+        if not own:
             print(f"link_layering: {lib}: no objects (header-only, or not built here)")
             continue
         closure = query(bazel, f"kind(cc_library, deps({lib})) intersect //...")
         available = set().union(*(defined(dep) for dep in closure))
-        missing = sorted(memlean_symbols(objects, False) - available)
+        missing = sorted(memlean_symbols(own, False) - available)
         checked += 1
         if missing:
             failures += 1

@@ -31,6 +31,14 @@ using torch::autograd::variable_list;
 
 thread_local int recompute_depth = 0;
 
+// Marks this thread as recomputing (is_recomputing()) while alive; nests.
+struct RecomputeGuard {
+  RecomputeGuard() { ++recompute_depth; }
+  ~RecomputeGuard() { --recompute_depth; }
+  RecomputeGuard(const RecomputeGuard&) = delete;
+  RecomputeGuard& operator=(const RecomputeGuard&) = delete;
+};
+
 
 // ---- autocast state ----------------------------------------------------------
 
@@ -192,6 +200,18 @@ void check_no_unlisted_dependency(const variable_list& outputs, const variable_l
       }
     }
   }
+}
+
+// The gradients of a recomputed segment: first the walk above (an unlisted leaf would
+// silently get no gradient: an error naming `op`, then `how_to_list`, the caller's remedy),
+// then torch::autograd::grad with allow_unused (undefined for a target the outputs do not
+// use).
+variable_list recomputed_grad(const variable_list& outputs, const variable_list& targets,
+                              const variable_list& grads, const char* op,
+                              const char* how_to_list) {
+  check_no_unlisted_dependency(outputs, targets, op, how_to_list);
+  return torch::autograd::grad(outputs, targets, grads, /*retain_graph=*/false,
+                               /*create_graph=*/false, /*allow_unused=*/true);
 }
 
 // ---- the autograd node -------------------------------------------------------------
@@ -363,18 +383,6 @@ void CheckpointBackward::mark_once_differentiable(variable_list& grads) const {
 }  // namespace
 
 bool is_recomputing() { return recompute_depth > 0; }
-
-RecomputeGuard::RecomputeGuard() { ++recompute_depth; }
-RecomputeGuard::~RecomputeGuard() { --recompute_depth; }
-
-std::vector<at::Tensor> recomputed_grad(const std::vector<at::Tensor>& outputs,
-                                        const std::vector<at::Tensor>& targets,
-                                        const std::vector<at::Tensor>& grads, const char* op,
-                                        const char* how_to_list) {
-  check_no_unlisted_dependency(outputs, targets, op, how_to_list);
-  return torch::autograd::grad(outputs, targets, grads, /*retain_graph=*/false,
-                               /*create_graph=*/false, /*allow_unused=*/true);
-}
 
 namespace detail {
 

@@ -7,9 +7,9 @@
 
 #include <cmath>
 
+#include "ops/swish/internal/constants.h"
 #include "ops/swish/internal/inplace_slope.h"
 #include "ops/swish/swish.h"
-#include "ops/swish/internal/constants.h"
 
 namespace memlean {
 namespace {

@@ -1,7 +1,7 @@
-// Swish-β: the operators' schema and Meta kernels, their typed handles (internal/op_handles.h) and the
-// public C++ API (swish.h). The CPU kernels are registered in cpu/register.cc, the CUDA
-// ones in cuda/register.cc, the Autograd and ADInplaceOrView kernels in
-// autograd/swish_autograd.cc (the layout torchvision's ops use).
+// Swish-β: the operators' schema and Meta kernels, their typed handles
+// (internal/op_handles.h) and the public C++ API (swish.h). The CPU kernels are registered
+// in cpu/register.cc, the CUDA ones in cuda/register.cc, the Autograd and ADInplaceOrView
+// kernels in autograd/swish_autograd.cc (the layout torchvision's ops use).
 #include "ops/swish/swish.h"
 
 #include <ATen/ATen.h>
@@ -10,9 +10,9 @@
 
 #include <string>
 
-#include "ops/swish/internal/op_handles.h"
 #include "ops/swish/internal/checks.h"
 #include "ops/swish/internal/constants.h"
+#include "ops/swish/internal/op_handles.h"
 
 namespace memlean {
 namespace swish_detail {

@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "ops/swish/cpu/swish_kernel.h"
-#include "ops/swish/swish.h"
 #include "ops/swish/internal/constants.h"
+#include "ops/swish/swish.h"
 #include "testing/expect_error.h"
 
 namespace memlean {

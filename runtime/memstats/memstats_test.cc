@@ -294,7 +294,6 @@ TEST(Memstats, FreeMarkFindsTheTrackerOfItsOwnThread) {
   std::mutex mu;
   std::condition_variable cv;
   bool other_started = false, marked = false;
-  std::string other_error;
   size_t other_marks = 0;
   std::thread other([&] {
     Tracker theirs;  // started after `mine`: the process-wide innermost

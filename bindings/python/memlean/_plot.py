@@ -29,6 +29,8 @@ def save(fig, path) -> str:
     return path
 
 
+# One line style and marker per measure (or configuration); colours come from matplotlib's
+# default cycle, one per variant.
 STYLES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v"))
 
 

@@ -1,6 +1,5 @@
 // Internal to //ops/checkpoint (and its Python binding, ops/checkpoint/python/): the
-// checkpoint that the public forms and checkpoint_sequential share, the recompute guard and
-// the recomputed gradient.
+// checkpoint that the public forms and checkpoint_sequential share.
 #pragma once
 
 #include <ATen/core/MT19937RNGEngine.h>
@@ -104,28 +103,3 @@ std::vector<c10::IValue> checkpoint_impl(Segment segment, int64_t n_inputs,
                                          const CheckpointOptions& options);
 
 }  // namespace memlean::detail
-
-namespace memlean {
-
-// Marks the current thread as recomputing while alive (checkpoint implementations use it;
-// nests).
-class RecomputeGuard {
- public:
-  RecomputeGuard();
-  ~RecomputeGuard();
-  RecomputeGuard(const RecomputeGuard&) = delete;
-  RecomputeGuard& operator=(const RecomputeGuard&) = delete;
-};
-
-// The gradients of a recomputed segment, as every checkpoint implementation (C++, and the
-// Python one through memlean._C) computes them: first a walk of `outputs`' graph, which must
-// reach no leaf requiring grad besides `targets` (such a leaf would silently get no gradient:
-// an error naming `op`, then `how_to_list`, the caller's remedy), then
-// torch::autograd::grad(outputs, targets, grads) with allow_unused (undefined for a target
-// the outputs do not use).
-std::vector<at::Tensor> recomputed_grad(const std::vector<at::Tensor>& outputs,
-                                        const std::vector<at::Tensor>& targets,
-                                        const std::vector<at::Tensor>& grads, const char* op,
-                                        const char* how_to_list);
-
-}  // namespace memlean

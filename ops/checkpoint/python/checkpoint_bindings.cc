@@ -3,6 +3,8 @@
 // Python), the segment planner (memlean.plan_segments), the segment-argument checks of
 // checkpoint_sequential, the recompute flag (memlean.is_recomputing) and the layer-cost
 // measurement (memlean.measure_layer_costs): one specification for both languages.
+#include "ops/checkpoint/python/checkpoint_bindings.h"
+
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -13,7 +15,6 @@
 #include <utility>
 #include <vector>
 
-#include "ops/checkpoint/python/checkpoint_bindings.h"
 #include "ops/checkpoint/checkpoint.h"
 #include "ops/checkpoint/internal/checkpoint.h"
 #include "ops/checkpoint/sequential.h"

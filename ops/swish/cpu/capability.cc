@@ -17,7 +17,9 @@ namespace memlean::swish_cpu {
 const Kernels& kernels() {
   static const Kernels& chosen = []() -> const Kernels& {
     const std::string name = at::get_cpu_capability();  // "DEFAULT", "AVX2" or "AVX512"
-    return name == "AVX512" ? AVX512::kKernels : name == "AVX2" ? AVX2::kKernels : DEFAULT::kKernels;
+    return name == "AVX512" ? AVX512::kKernels
+           : name == "AVX2" ? AVX2::kKernels
+                            : DEFAULT::kKernels;
   }();
   return chosen;
 }

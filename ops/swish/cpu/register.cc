@@ -5,9 +5,9 @@
 #include <torch/library.h>
 
 #include "ops/swish/cpu/swish_kernel.h"
+#include "ops/swish/internal/checks.h"
 #include "ops/swish/internal/layout.h"
 #include "ops/swish/swish.h"
-#include "ops/swish/internal/checks.h"
 
 namespace memlean::swish_detail {
 namespace {

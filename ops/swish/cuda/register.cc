@@ -7,9 +7,9 @@
 #include <torch/library.h>
 
 #include "ops/swish/cuda/swish_kernel.h"
-#include "ops/swish/internal/layout.h"
 #include "ops/swish/internal/checks.h"
 #include "ops/swish/internal/constants.h"
+#include "ops/swish/internal/layout.h"
 
 namespace memlean {
 namespace {

@@ -7,8 +7,8 @@
 #include <type_traits>
 
 #include "ops/swish/cuda/swish_kernel.h"
-#include "ops/swish/internal/inplace_slope.h"
 #include "ops/swish/internal/constants.h"
+#include "ops/swish/internal/inplace_slope.h"
 
 namespace memlean::swish_cuda {
 namespace {

@@ -1,4 +1,6 @@
 // memlean._C.memstats: the C++ memory accounting (runtime/memstats) for memlean.memstats.
+#include "runtime/memstats/python/memstats_bindings.h"
+
 #include <pybind11/stl.h>
 #include <torch/csrc/Exceptions.h>
 
@@ -6,7 +8,6 @@
 #include <string>
 #include <vector>
 
-#include "runtime/memstats/python/memstats_bindings.h"
 #include "runtime/memstats/memstats.h"
 
 namespace memlean::python {
