@@ -4,6 +4,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "ops/checkpoint/python/checkpoint_bindings.h"
+#include "ops/fit/python/fit_bindings.h"
 #include "runtime/memstats/python/memstats_bindings.h"
 
 #ifndef MEMLEAN_TORCH_VERSION
@@ -14,5 +15,6 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "memlean's C++ extension (operators are under torch.ops.memlean)";
   m.attr("TORCH_VERSION") = MEMLEAN_TORCH_VERSION;
   memlean::python::init_checkpoint(m);
+  memlean::python::init_fit(m);
   memlean::python::init_memstats(m);
 }

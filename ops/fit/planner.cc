@@ -28,6 +28,8 @@ struct Prepared {
     return prefix[cand.end] - prefix[cand.begin];
   }
   int64_t kept(int c) const { return range_sum(c) - freed[c]; }
+  // What its recompute brings back on top of the kept bytes before it.
+  int64_t recompute(int c) const { return range_sum(c) + problem.candidates[c].recompute_extra_bytes; }
 };
 
 std::string candidate_field(size_t i, const char* field) {
@@ -67,6 +69,11 @@ Prepared prepare(const Problem& problem) {
     if (c.freed_bytes < 0) {
       throw std::invalid_argument(candidate_field(i, "freed_bytes") + " must be >= 0");
     }
+    if (c.recompute_extra_bytes < 0 ||
+        c.recompute_extra_bytes > kInt64Max - problem.base_bytes - prep.prefix[prep.n]) {
+      throw std::invalid_argument(candidate_field(i, "recompute_extra_bytes") +
+                                  " must be >= 0 and keep the peak within int64");
+    }
     if (!std::isfinite(c.seconds) || c.seconds < 0) {
       throw std::invalid_argument(candidate_field(i, "seconds") + " must be finite and >= 0");
     }
@@ -83,7 +90,7 @@ int64_t peak_of_sorted(const Prepared& prep, const std::vector<int>& chosen) {
   int64_t peak = base;
   for (int c : chosen) {
     const int64_t kept_before = prep.prefix[prep.problem.candidates[c].begin] - freed_before;
-    peak = std::max(peak, base + kept_before + prep.range_sum(c));
+    peak = std::max(peak, base + kept_before + prep.recompute(c));
     freed_before += prep.freed[c];
   }
   return std::max(peak, base + prep.prefix[prep.n] - freed_before);
@@ -139,7 +146,7 @@ std::optional<std::vector<int>> least_kept_path(const Prepared& prep, int64_t bu
     }
     for (int c : prep.ending_at[p]) {
       const int b = prep.problem.candidates[c].begin;
-      if (kept[b] >= 0 && prep.range_sum(c) <= room - kept[b]) {
+      if (kept[b] >= 0 && prep.recompute(c) <= room - kept[b]) {
         relax(kept[b] + prep.kept(c), seconds[b] + prep.problem.candidates[c].seconds, c);
       }
     }
@@ -246,7 +253,7 @@ std::optional<std::vector<int>> quantised_path(const Prepared& prep, int64_t bud
     const int64_t saved = prep.problem.atom_saved_bytes[p - 1];
     relax(*layers[p - 1], *layers[p], p, buckets(saved), saved, -1, 0, 0.0, max_bucket);
     for (int c : prep.ending_at[p]) {
-      const int64_t range = prep.range_sum(c);
+      const int64_t range = prep.recompute(c);
       if (range > room) continue;
       // Recompute fits while base + b * q + range <= budget (b * q bounds the kept bytes).
       relax(*layers[cands[c].begin], *layers[p], p, buckets(prep.kept(c)), prep.kept(c), c, range,

@@ -8,17 +8,21 @@
 // `seconds` of recompute. A chosen set S is pairwise disjoint; a chosen c keeps
 // range_sum(c) - freed_bytes, every other atom its saved bytes, and
 //   predicted_peak(S) = max(base + sum of all kept,
-//                           max over c in S of base + kept_before(c.begin) + range_sum(c))
-// (while c is recomputed in backward its whole activation memory is back, and everything after
-// it has been freed). plan() minimises the sum of seconds over S subject to
-// predicted_peak(S) <= budget; ties go to the lower peak, then to fewer candidates.
+//                           max over c in S of base + kept_before(c.begin) + range_sum(c)
+//                                              + recompute_extra_bytes(c))
+// (while c is recomputed in backward its whole activation memory is back, everything after it
+// has been freed, and what backward made by then, e.g. the gradients of the parameters after
+// it, is alive: recompute_extra_bytes). plan() minimises the sum of seconds over S subject to
+// predicted_peak(S) <= budget; ties go to the lower peak, then to fewer candidates (the
+// fewest is not guaranteed: a state keeps the lower partial peak, which may tie at the end).
 //
 // The algorithm and its caveat. A dynamic program over atom positions and kept bytes quantised
 // into `resolution` buckets of q = max(1, ceil((budget - base) / resolution)) bytes, every
 // addition rounded up, so each plan it finds truly fits (the exact peak is recomputed and
 // checked). It is optimal under the model except that it may miss plans whose peak is within
 // n * (q - 1) bytes of the budget: its time is at most that of the best plan with
-// predicted_peak <= budget - n * (q - 1), and exactly optimal (ties included) when q == 1.
+// predicted_peak <= budget - n * (q - 1), and exactly optimal (least time, then least peak)
+// when q == 1.
 // Feasibility is exact: when the quantised program finds nothing, or something slower, an exact
 // least-kept-bytes program supplies a fitting plan, so plan() is infeasible only when no choice
 // of candidates fits; and a budget >= the eager peak always gets the empty plan unless an
@@ -41,6 +45,9 @@ struct Candidate {
   int end = 0;
   int64_t freed_bytes = 0;  // clamped to the sum of its atoms' saved bytes
   double seconds = 0;       // its forward time: the cost of recomputing it
+  // Bytes alive while it is recomputed besides base, the kept bytes before it and its atoms'
+  // (gradients backward has made by then, its output's gradient); >= 0.
+  int64_t recompute_extra_bytes = 0;
 };
 
 struct Problem {
@@ -56,8 +63,8 @@ struct Plan {
   double recompute_seconds = 0;      // sum of the chosen candidates' seconds
 };
 
-// Throws std::invalid_argument, naming the field, for: negative base_bytes, atom_saved_bytes or
-// freed_bytes; a candidate with begin >= end or outside [0, n]; negative or non-finite seconds;
+// Throws std::invalid_argument, naming the field, for: negative base_bytes, atom_saved_bytes,
+// freed_bytes or recompute_extra_bytes; a candidate with begin >= end or outside [0, n]; negative or non-finite seconds;
 // base_bytes + sum(atom_saved_bytes) overflowing int64.
 void validate(const Problem& problem);
 

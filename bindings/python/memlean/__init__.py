@@ -4,6 +4,7 @@
     y = memlean.swish(x, beta=1.0)      # Swish-beta whose backward saves only x
     act = memlean.Swish(beta=1.0)       # the same as an nn.Module
     act = memlean.Swish(variant="inplace")   # overwrites x, saves one bit per element
+    plan = memlean.fit(model, x, "6GiB", optimizer=opt)   # a training step under 6 GiB
 
 Importing memlean registers its operators under torch.ops.memlean.
 """
@@ -35,7 +36,8 @@ from memlean.sequential import (  # noqa: E402
     LayerCost, SegmentPlan, checkpoint_sequential, measure_layer_costs, plan_segments)
 from memlean.batchnorm import BatchNorm2d  # noqa: E402
 from memlean import memstats  # noqa: E402,F401  (memlean.memstats.track(), ...)
+from memlean.fitting import FitAction, FitError, FitPlan, fit, parse_budget  # noqa: E402
 
 __all__ = ["Swish", "VARIANTS", "swish", "swish_", "__version__",
-           "BatchNorm2d", "CheckpointFunction", "LayerCost", "SegmentPlan", "checkpoint",
+           "BatchNorm2d", "FitAction", "FitError", "FitPlan", "fit", "parse_budget", "CheckpointFunction", "LayerCost", "SegmentPlan", "checkpoint",
            "checkpoint_sequential", "is_recomputing", "measure_layer_costs", "plan_segments"]

@@ -410,7 +410,14 @@ def checkpoint(function: Callable, *args, params: Optional[Sequence[torch.Tensor
         ids = {id(p) for p in listed}
         listed += [p for p in extra if id(p) not in ids]
         _check_arguments(name, function, len(args), args + tuple(listed))
-    watch_batchnorm = not isinstance(function, torch.nn.Module)
+    return _call(name, function, args, kwargs, listed, buffers, preserve_rng_state,
+                 watch_batchnorm=not isinstance(function, torch.nn.Module))
+
+
+def _call(name, function, args, kwargs, listed, buffers, preserve_rng_state, watch_batchnorm):
+    """function(*args, **kwargs) checkpointed, `listed` its parameters, `buffers` put back
+    after the recompute: memlean.checkpoint's core, and memlean.fit's for a module whose
+    forward it wraps (function: the module's own forward, listed and buffers: its tree's)."""
     if kwargs:
         # Keyword inputs travel as positional inputs after *args, and are handed back by
         # name: one path for saving, recomputing and differentiating every input.
@@ -423,6 +430,16 @@ def checkpoint(function: Callable, *args, params: Optional[Sequence[torch.Tensor
         args = args + tuple(kwargs[k] for k in names)
     return _run(name, function, len(args), args + tuple(listed), preserve_rng_state, buffers,
                 watch_batchnorm)
+
+
+def checkpoint_module_forward(module: torch.nn.Module, forward: Callable, args, kwargs):
+    """``forward(*args, **kwargs)`` checkpointed as ``memlean.checkpoint(module, ...)`` would
+    checkpoint ``module``: its parameters listed, its tree's buffers put back after the
+    recompute. ``forward`` is the module's own (unwrapped) forward: memlean.fit puts a
+    function calling this in place of a module's forward, so the module keeps its hooks,
+    its place in its parent and its state_dict keys."""
+    return _call("memlean.fit", forward, tuple(args), kwargs, module_parameters(module),
+                 _module_buffers(module), True, watch_batchnorm=False)
 
 
 class CheckpointFunction:

@@ -1,0 +1,824 @@
+"""memlean.fit (memlean/fitting.py): one call that makes a training step fit a memory budget (eager PyTorch).
+
+    import memlean
+    plan = memlean.fit(model, x, "6GiB", loss_fn=lambda out: F.cross_entropy(out, y),
+                       optimizer=opt)
+    print(plan)                 # what changed, the measured peak, the budget
+    ...train as before: model(x), loss.backward(), opt.step()...
+    plan.undo()                 # the model as it was
+
+The budget is the peak of one whole training step on the model's device: the model's
+parameters, buffers, gradients, the optimizer's state and the example batch, plus the most
+that the step (forward, loss, backward, optimizer.step(), optimizer.zero_grad()) allocates
+above them: what memlean.memstats counts (exact on the CPU) and torch.cuda.max_memory_allocated
+counts on CUDA when nothing else lives on the device.
+
+How: fit measures one real training step with memlean.memstats and module hooks (per module
+call: its forward time, and the bytes of the tensors autograd saves for backward while it runs,
+each storage counted once, to the innermost module that saved it first). Then, cheapest
+first:
+
+1. Swish/SiLU modules (nn.SiLU, memlean.Swish, timm's Swish/SiLU) become memlean's in-place
+   Swish (one bit per element kept) where a dataflow check of the measured step shows it is
+   safe: the activation's input is a tensor made in this forward, no op saved it before the
+   activation and no op reads it after (so autograd's version counter cannot fire); a naive
+   Swish that is not safe in place becomes the memory-efficient one. No recompute.
+2. If the step is still over budget: a set of modules (any depth: a stage, a block, a
+   ModuleList entry) runs under memlean.checkpoint, chosen by memlean's planner
+   (ops/fit/planner.h, the one C++ planner of both languages): it minimises the sum of the
+   chosen modules' forward times (the recompute) subject to the predicted step peak <= the
+   budget, exactly under its model (a dynamic program over forward positions and kept bytes),
+   see docs/fit.md.
+3. It runs one step under the plan and measures it. Over budget (the model is an estimate),
+   it lowers the planner's budget by the excess and plans again. It never returns a plan whose
+   measured step exceeds the budget: a budget below the least peak it reaches raises FitError,
+   naming that peak.
+
+Afterwards the parameters, buffers, gradients, optimizer state, RNG state and each module's
+train/eval flag are as they were before the call; the model is changed in place (its modules'
+forwards are wrapped, activations swapped for parameterless ones): state_dict keys do not
+change, and plan.undo() puts everything back.
+
+torch.compile: the wrapped modules run memlean.checkpoint, which dynamo runs as in eager mode
+while it compiles the rest; compiled, memlean's Swish computes what nn.SiLU does. Under
+compile, torch's own activation_memory_budget is the compiler's peer of this; memlean.fit's
+savings are for eager mode (and LibTorch: memlean::fit).
+"""
+from __future__ import annotations
+
+import json
+import numbers
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, List, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from memlean import _C, memstats
+from memlean.checkpoint import checkpoint_module_forward
+from memlean.swish import Swish
+
+__all__ = ["FitAction", "FitError", "FitPlan", "fit", "parse_budget"]
+
+_NAME = "memlean.fit"
+
+
+class FitError(ValueError):
+    """The budget is below the least step peak memlean.fit can reach for this model and
+    batch. ``least_peak_bytes``: that peak (measured); ``budget_bytes``: the budget asked."""
+
+    def __init__(self, message: str, budget_bytes: int, least_peak_bytes: int):
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.least_peak_bytes = least_peak_bytes
+
+
+@dataclass(frozen=True)
+class FitAction:
+    """One change fit made. action: "inplace swish", "memory_efficient swish" or
+    "checkpoint". bytes_saved: for a checkpoint, the saved bytes it frees under the planner's
+    model; for a Swish, the measured saving of all swaps shared in proportion to the
+    activations' output bytes. recompute_seconds: the module's measured forward time (0 for a
+    Swish)."""
+
+    path: str
+    action: str
+    bytes_saved: int
+    recompute_seconds: float
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+class FitPlan:
+    """What memlean.fit changed, and the step's memory under it.
+
+    budget_bytes: the budget. peak_bytes: the step's peak measured under the plan.
+    predicted_peak_bytes: the planner's prediction for it. fixed_bytes: what no plan changes
+    (parameters, buffers, optimizer state and the batch at the step's start). eager_peak_bytes:
+    the step's peak measured before any change. actions: the FitActions, in forward order.
+    undo() puts the model back as it was; to_json() and str() report the plan.
+    """
+
+    def __init__(self, budget_bytes, peak_bytes, predicted_peak_bytes, fixed_bytes,
+                 eager_peak_bytes, actions, undo_steps, device, seconds):
+        self.budget_bytes = int(budget_bytes)
+        self.peak_bytes = int(peak_bytes)
+        self.predicted_peak_bytes = int(predicted_peak_bytes)
+        self.fixed_bytes = int(fixed_bytes)
+        self.eager_peak_bytes = int(eager_peak_bytes)
+        self.actions: List[FitAction] = list(actions)
+        self.device = str(device)
+        self.fit_seconds = float(seconds)
+        self._undo_steps = list(undo_steps)
+
+    @property
+    def undone(self) -> bool:
+        return self._undo_steps is None
+
+    def undo(self) -> None:
+        """Put every module fit changed back as it was (original activations, unwrapped
+        forwards). Undoing twice is harmless."""
+        if self._undo_steps is None:
+            return
+        for step in reversed(self._undo_steps):
+            step()
+        self._undo_steps = None
+
+    def to_dict(self) -> dict:
+        return {
+            "budget_bytes": self.budget_bytes,
+            "peak_bytes": self.peak_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "fixed_bytes": self.fixed_bytes,
+            "eager_peak_bytes": self.eager_peak_bytes,
+            "device": self.device,
+            "fit_seconds": self.fit_seconds,
+            "actions": [asdict(a) for a in self.actions],
+        }
+
+    def to_json(self, path=None) -> str:
+        """The plan as JSON (written to `path` too when given)."""
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        return text
+
+    def __repr__(self) -> str:
+        return (f"FitPlan(budget_bytes={self.budget_bytes}, peak_bytes={self.peak_bytes}, "
+                f"eager_peak_bytes={self.eager_peak_bytes}, actions={len(self.actions)})")
+
+    def __str__(self) -> str:
+        lines = [
+            f"memlean.fit on {self.device}: step peak {_gib(self.peak_bytes)} (measured) <= "
+            f"budget {_gib(self.budget_bytes)}; eager {_gib(self.eager_peak_bytes)}, "
+            f"predicted {_gib(self.predicted_peak_bytes)}, fixed {_gib(self.fixed_bytes)}",
+        ]
+        if not self.actions:
+            lines.append("  no change: the step fits as it is")
+            return "\n".join(lines)
+        width = max(len("module"), max(len(a.path) for a in self.actions))
+        lines.append(f"  {'module':<{width}}  {'action':<22}  {'saves':>12}  {'recompute':>10}")
+        for a in self.actions:
+            lines.append(f"  {a.path:<{width}}  {a.action:<22}  {_mib(a.bytes_saved):>12}  "
+                         f"{a.recompute_seconds * 1e3:>8.1f} ms")
+        swaps = sum(1 for a in self.actions if a.action.endswith("swish"))
+        checkpoints = len(self.actions) - swaps
+        total = sum(a.recompute_seconds for a in self.actions)
+        lines.append(f"  {swaps} Swish swapped, {checkpoints} module(s) checkpointed, "
+                     f"{total * 1e3:.1f} ms recomputed per step")
+        return "\n".join(lines)
+
+
+# ---- arguments -----------------------------------------------------------------------------
+
+
+def parse_budget(budget, argument: str = "budget_bytes") -> int:
+    """Bytes of a budget: a positive int, or a string such as "6GiB", "512MiB", "2.5GB"
+    (KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB of 1024; the C++ parser of
+    memlean::fit::parse_budget). ValueError or TypeError naming `argument` otherwise."""
+    if isinstance(budget, bool) or type(budget).__name__ == "bool_":
+        raise TypeError(f"{_NAME}: {argument} must be an int or a string such as '6GiB', got a bool")
+    if isinstance(budget, numbers.Integral):
+        budget = int(budget)
+        if budget <= 0:
+            raise ValueError(f"{_NAME}: {argument} must be > 0 bytes, got {budget}")
+        return budget
+    if isinstance(budget, str):
+        try:
+            return int(_C.fit.parse_budget(budget, argument))
+        except ValueError as e:
+            raise ValueError(f"{_NAME}: {e}") from None
+    raise TypeError(f"{_NAME}: {argument} must be an int or a string such as '6GiB', got "
+                    f"{type(budget).__name__}")
+
+
+def _sum_floating_leaves(output):
+    leaves = [t for t in tree_flatten(output)[0]
+              if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not leaves:
+        raise ValueError(
+            f"{_NAME}: the model's output on example_inputs holds no floating-point tensor to "
+            f"make the default loss of (the sum of its floating-point tensors); pass loss_fn= "
+            f"(a function of the output returning a scalar)")
+    loss = leaves[0].sum()
+    for t in leaves[1:]:
+        loss = loss + t.sum()
+    return loss
+
+
+def _tensors(obj):
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
+def _key(t: torch.Tensor):
+    try:
+        storage = t.untyped_storage()
+        return (t.device, storage.data_ptr()), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, nested, fake)
+        return None, 0
+
+
+# ---- one measured step ---------------------------------------------------------------------
+
+
+@dataclass
+class _Call:
+    """One module call of the measured forward."""
+
+    module: torch.nn.Module
+    begin: int  # its first atom
+    end: int = -1  # one past its last atom
+    seq_begin: int = 0  # dataflow: op numbers it spans
+    seq_end: int = 0
+    seconds: float = 0.0
+    inputs: tuple = ()  # (storage key, nbytes) of its tensor inputs
+    outputs: tuple = ()
+    input_key: object = None  # the first tensor input's storage key (the Swish check)
+    mutates_input: bool = False
+    returns_tensor: bool = False
+
+
+class _Dataflow(TorchDispatchMode):
+    """Numbers the ops of the forward and notes which storages each reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.seq = 0
+        self.reads = {}  # storage key -> op numbers that read it
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seq += 1
+        for t in _tensors((args, kwargs or {})):
+            key, _ = _key(t)
+            if key is not None:
+                self.reads.setdefault(key, []).append(self.seq)
+        return func(*args, **(kwargs or {}))
+
+
+class _Recorder:
+    """Module hooks and a saved-tensors hook over one forward: the calls (atoms spanned,
+    time, inputs and outputs) and the bytes autograd saved, by atom. An atom is a stretch of
+    the forward between two module boundaries (a call's start or end), so every module call
+    spans a contiguous run of atoms."""
+
+    def __init__(self, model, preexisting, cuda, dataflow=None):
+        self.model = model
+        self.preexisting = preexisting
+        self.cuda = cuda
+        self.dataflow = dataflow
+        self.atom = 0
+        self.atom_bytes = [0]
+        self.saved = {}  # storage key -> atom that saved it first
+        self.packed_at = {}  # storage key -> first op number it was saved at (dataflow)
+        self.calls: List[_Call] = []
+        self.stack: List[tuple] = []
+        self.handles = []
+
+    def _next_atom(self):
+        self.atom += 1
+        self.atom_bytes.append(0)
+
+    def _seq(self):
+        return self.dataflow.seq if self.dataflow is not None else 0
+
+    def _pre(self, module, args, kwargs):
+        self._next_atom()
+        tensors = _tensors((args, kwargs))
+        call = _Call(module, self.atom, seq_begin=self._seq(),
+                     inputs=tuple(_key(t) for t in tensors),
+                     input_key=_key(tensors[0])[0] if tensors else None)
+        self.stack.append((call, [t._version for t in tensors]))
+        if self.cuda:
+            torch.cuda.synchronize()
+        call.seconds = time.perf_counter()
+
+    def _post(self, module, args, kwargs, output):
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        call, versions = self.stack.pop()
+        call.seconds = now - call.seconds
+        call.end = self.atom + 1
+        call.seq_end = self._seq() + 1
+        tensors = _tensors((args, kwargs))
+        call.mutates_input = any(t._version != v for t, v in zip(tensors, versions))
+        outs = _tensors(output)
+        call.returns_tensor = bool(outs)
+        call.outputs = tuple(_key(t) for t in outs)
+        self.calls.append(call)
+        self._next_atom()
+
+    def _pack(self, t):
+        key, nbytes = _key(t)
+        if key is not None and key not in self.preexisting and key not in self.saved:
+            self.saved[key] = self.atom
+            self.atom_bytes[self.atom] += nbytes
+            self.packed_at[key] = self._seq()
+        return t
+
+    def __enter__(self):
+        for m in self.model.modules():
+            self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._post, with_kwargs=True))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        return False
+
+
+@dataclass
+class _Measured:
+    peak: int  # resident + the most allocated above it during the step
+    forward_backward_peak: int
+    optimizer_peak: int
+    resident: int
+    seconds: float
+    recorder: Optional[_Recorder] = None
+
+
+class _Step:
+    """Runs and measures training steps of one model, and puts its state back."""
+
+    def __init__(self, model, inputs, loss_fn, optimizer, device):
+        self.model, self.inputs, self.loss_fn, self.optimizer = model, inputs, loss_fn, optimizer
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.params = [p for p in model.parameters()]
+
+    def storages(self):
+        """{storage key: nbytes} of what lives through a step: parameters, buffers, optimizer
+        state, the batch (on the model's device)."""
+        found = {}
+        tensors = list(self.params) + list(self.model.buffers()) + _tensors(self.inputs)
+        if self.optimizer is not None:
+            tensors += _tensors(list(self.optimizer.state.values()))
+        for t in tensors:
+            if t.device == self.device:
+                key, nbytes = _key(t)
+                if key is not None:
+                    found[key] = nbytes
+        return found
+
+    def run(self, record=False, dataflow=False) -> _Measured:
+        for p in self.params:
+            p.grad = None
+        resident_storages = self.storages()
+        resident = sum(resident_storages.values())
+        mode = _Dataflow() if dataflow else None
+        recorder = _Recorder(self.model, set(resident_storages), self.cuda, mode) if record else None
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        with memstats.track(self.device) as t:
+            start = t.current
+            t0 = time.perf_counter()
+            if recorder is not None:
+                with recorder:
+                    if mode is not None:
+                        with mode:
+                            output = self.model(*self.inputs)
+                            loss = self.loss_fn(output)
+                    else:
+                        output = self.model(*self.inputs)
+                        loss = self.loss_fn(output)
+            else:
+                output = self.model(*self.inputs)
+                loss = self.loss_fn(output)
+            if (not isinstance(loss, torch.Tensor) or loss.numel() != 1
+                    or not loss.is_floating_point() or not loss.requires_grad):
+                what = (type(loss).__name__ if not isinstance(loss, torch.Tensor) else
+                        f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"
+                        f"{'' if loss.requires_grad else ' that does not require grad'}")
+                raise ValueError(f"{_NAME}: loss_fn must return a floating-point scalar tensor "
+                                 f"that requires grad, got {what}")
+            loss.backward()
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            forward_backward = t.peak
+            t.reset_peak()
+            if self.optimizer is not None:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            else:
+                for p in self.params:
+                    p.grad = None
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - t0
+            optimizer_peak = t.peak
+            del output, loss
+        return _Measured(resident + max(forward_backward, optimizer_peak) - start,
+                         resident + forward_backward - start, resident + optimizer_peak - start,
+                         resident, seconds, recorder)
+
+
+class _Saved:
+    """Parameters, buffers, gradients, optimizer state, RNG and train flags, put back by
+    restore() exactly (copies held on the CPU, outside a CUDA device's budget)."""
+
+    def __init__(self, model, optimizer, device):
+        self.model, self.optimizer = model, optimizer
+        self.params = [(p, p.detach().to("cpu", copy=True)) for p in model.parameters()]
+        self.grads = [(p, p.grad) for p in model.parameters()]
+        self.buffers = [(b, b.detach().to("cpu", copy=True)) for b in model.buffers()]
+        self.training = [(m, m.training) for m in model.modules()]
+        self.optimizer_state = None
+        if optimizer is not None:
+            state = optimizer.state_dict()
+            self.optimizer_state = torch.utils._pytree.tree_map(
+                lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x,
+                state)
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = (torch.cuda.get_rng_state_all()
+                         if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+
+    def restore(self):
+        with torch.no_grad():
+            for p, saved in self.params:
+                p.copy_(saved)
+            for b, saved in self.buffers:
+                b.copy_(saved)
+        for p, g in self.grads:
+            p.grad = g
+        for m, training in self.training:
+            m.training = training
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(self.optimizer_state)
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+# ---- the Swish swap ------------------------------------------------------------------------
+
+
+def _swish_beta(module) -> Optional[float]:
+    """beta if `module` is a Swish/SiLU module fit may swap, else None."""
+    if isinstance(module, Swish):
+        return None if module.variant == "inplace" else module.beta
+    if isinstance(module, torch.nn.SiLU):
+        return 1.0
+    cls = type(module)
+    if cls.__module__.startswith("timm.") and cls.__name__ in ("Swish", "SwishMe", "SiLU"):
+        return 1.0
+    return None
+
+
+def _naive(module) -> bool:
+    """Whether the module keeps more than its input for backward (so the memory-efficient
+    Swish saves memory even where the in-place one is not safe)."""
+    if isinstance(module, Swish):
+        return module.variant == "naive"
+    return type(module).__name__ == "Swish"  # timm's x * sigmoid(x)
+
+
+def _safe_in_place(call: _Call, flow: _Dataflow, recorder: _Recorder, preexisting) -> bool:
+    """Overwriting this call's input is invisible to autograd and to the rest of the
+    forward: the input is a tensor made in this forward, and either the call overwrote it
+    already, or no op saved its storage before the call and no op reads it after."""
+    key = call.input_key
+    if key is None or key in preexisting:
+        return False
+    if call.mutates_input:
+        # It overwrites its input already (nn.SiLU(inplace=True), timm's act layers) and
+        # autograd accepted that: memlean's in-place Swish overwrites the same storage, and
+        # keeps one bit per element where torch's silu_ keeps its whole output.
+        return True
+    packed = recorder.packed_at.get(key)
+    if packed is not None and packed <= call.seq_begin:
+        return False
+    return all(s <= call.seq_end - 1 for s in flow.reads.get(key, ()))
+
+
+def _replace(model, old, new):
+    """Put `new` wherever `old` is a child in `model`; returns the undo."""
+    places = [(parent, name) for parent in model.modules()
+              for name, child in parent._modules.items() if child is old]
+    for parent, name in places:
+        parent._modules[name] = new
+
+    def undo():
+        for parent, name in places:
+            parent._modules[name] = old
+
+    return undo
+
+
+# ---- checkpoint wrapping -------------------------------------------------------------------
+
+
+def _wrap(module):
+    """Run `module`'s forward under memlean.checkpoint (its hooks, state_dict keys and place
+    in its parent unchanged); returns the undo."""
+    own = module.__dict__.get("forward")
+    original = module.forward
+
+    def forward(*args, **kwargs):
+        return checkpoint_module_forward(module, original, args, kwargs)
+
+    forward.__memlean_fit__ = True
+    module.forward = forward
+
+    def undo():
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+    return undo
+
+
+def _paths(model):
+    paths = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), name or type(model).__name__)
+    return paths
+
+
+# ---- fit -----------------------------------------------------------------------------------
+
+
+def _check(model, example_inputs, loss_fn, optimizer):
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{_NAME}: model must be a torch.nn.Module, got {type(model).__name__}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"{_NAME}: model has no parameters that require grad: there is no "
+                         f"training step to fit")
+    device = params[0].device
+    for name, p in model.named_parameters():
+        if p.device != device:
+            raise ValueError(f"{_NAME}: model has parameters on {device} and {p.device} "
+                             f"({name}); fit measures one device")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    elif isinstance(example_inputs, list):
+        example_inputs = tuple(example_inputs)
+    if not isinstance(example_inputs, tuple):
+        raise TypeError(f"{_NAME}: example_inputs must be a tensor or a tuple of the forward's "
+                        f"arguments, got {type(example_inputs).__name__}")
+    for t in _tensors(example_inputs):
+        if t.device != device:
+            raise ValueError(f"{_NAME}: example_inputs holds a tensor on {t.device} but the "
+                             f"model is on {device}; move the batch to the model's device")
+    if loss_fn is None:
+        loss_fn = _sum_floating_leaves
+    elif not callable(loss_fn):
+        raise TypeError(f"{_NAME}: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{_NAME}: optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    return example_inputs, loss_fn, device
+
+
+def _problem(measured: _Measured, root):
+    """The planner's problem from a recorded step: atoms, base bytes and the candidates
+    (modules called once, not the root, not writing their inputs in place, returning a
+    tensor, keeping some bytes)."""
+    rec = measured.recorder
+    atoms = list(rec.atom_bytes)
+    prefix = [0]
+    for b in atoms:
+        prefix.append(prefix[-1] + b)
+    counts = {}
+    for c in rec.calls:
+        counts[id(c.module)] = counts.get(id(c.module), 0) + 1
+    base = max(0, measured.forward_backward_peak - prefix[-1])
+    # The gradients backward has made when it reaches atom k: those of the parameters of the
+    # modules called from k on (each parameter to its module's first call).
+    grad_bytes = [0] * (len(atoms) + 1)
+    seen_params = set()
+    for c in sorted(rec.calls, key=lambda c: c.begin):
+        for p in c.module._parameters.values():
+            if p is not None and p.requires_grad and id(p) not in seen_params:
+                seen_params.add(id(p))
+                grad_bytes[c.begin] += p.numel() * p.element_size()
+    for k in range(len(atoms) - 1, -1, -1):
+        grad_bytes[k] += grad_bytes[k + 1]
+    candidates, calls = [], []
+    for c in sorted(rec.calls, key=lambda c: (c.begin, -c.end)):
+        if (c.module is root or counts[id(c.module)] != 1 or c.mutates_input
+                or not c.returns_tensor):
+            continue
+        span = prefix[c.end] - prefix[c.begin]
+        if span <= 0:
+            continue
+        kept = 0  # bytes a checkpoint of it keeps: its new inputs, and outputs saved inside it
+        seen = set()
+        for key, nbytes in c.inputs:
+            if key is None or key in seen or key in rec.preexisting:
+                continue
+            seen.add(key)
+            atom = rec.saved.get(key)
+            if atom is None or atom >= c.begin:
+                kept += nbytes
+        for key, nbytes in c.outputs:
+            if key is None or key in seen:
+                continue
+            seen.add(key)
+            atom = rec.saved.get(key)
+            if atom is not None and c.begin <= atom < c.end:
+                kept += nbytes
+        # While it is recomputed: the gradients made after it and its output's gradient.
+        extra = grad_bytes[c.begin] + sum(n for key, n in c.outputs if key is not None)
+        candidates.append((c.begin, c.end, max(0, span - kept), float(c.seconds), extra))
+        calls.append(c)
+    return base, atoms, candidates, calls
+
+
+def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
+        loss_fn: Optional[Callable] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None) -> FitPlan:
+    """Make one training step of ``model`` on batches like ``example_inputs`` peak at or
+    under ``budget_bytes`` on the model's device, changing the model in place.
+
+    Args:
+        model (nn.Module): the model, on its training device (all parameters on one device).
+        example_inputs (Tensor or tuple): the forward's arguments, a batch of the size you
+            will train with, on the model's device.
+        budget_bytes (int or str): the peak of one whole training step, in bytes, or a
+            string such as ``"6GiB"``, ``"512MiB"``, ``"2.5GB"``.
+        loss_fn (callable, optional): ``loss_fn(output) -> scalar``. Default: the sum of the
+            output's floating-point tensors.
+        optimizer (torch.optim.Optimizer, optional): stepped in the measured steps (its state
+            is part of the step's memory); its state is put back afterwards.
+
+    Returns:
+        FitPlan: what changed, the measured and predicted peaks, undo().
+
+    Raises:
+        FitError (a ValueError): the budget is below the least peak fit reaches; the message
+            and ``least_peak_bytes`` name it. The model is left unchanged.
+        ValueError / TypeError: bad arguments, named (a budget of 0, negative or
+            unparsable; a model without parameters; an output without a floating-point
+            tensor; a batch on another device than the model).
+
+    fit runs a few real training steps (forward, backward, optimizer step) to measure:
+    a warm-up step when the optimizer has no state yet, one eager step, one after the
+    Swish swap, and one per plan tried. Everything the steps change is put back.
+    """
+    started = time.perf_counter()
+    budget = parse_budget(budget_bytes)
+    inputs, loss_fn, device = _check(model, example_inputs, loss_fn, optimizer)
+    saved = _Saved(model, optimizer, device)
+    undo_steps: List[Callable] = []
+
+    def undo_all():
+        for step in reversed(undo_steps):
+            step()
+        undo_steps.clear()
+
+    try:
+        model.train()
+        step = _Step(model, inputs, loss_fn, optimizer, device)
+        if optimizer is not None and len(optimizer.state) == 0:
+            step.run()  # the optimizer's state, as every later step has it
+        eager = step.run(record=True, dataflow=True)
+        fixed = eager.resident
+        actions: List[FitAction] = []
+        if eager.peak <= budget:
+            return _finish(saved, FitPlan(budget, eager.peak, eager.peak, fixed, eager.peak, [],
+                                          [], device, time.perf_counter() - started))
+
+        # 1. Swish, no recompute.
+        rec, flow = eager.recorder, None
+        flow = _flow_of(eager)
+        swapped = _swap_swish(model, rec, flow, undo_steps)
+        current = eager
+        if swapped:
+            try:
+                current = step.run(record=True)
+            except RuntimeError as e:
+                if "inplace operation" not in str(e):
+                    raise
+                # The dataflow check missed something (an op it cannot see): no in-place swap.
+                undo_all()
+                swapped = _swap_swish(model, rec, None, undo_steps)
+                current = step.run(record=True) if swapped else eager
+            saving = max(0, eager.peak - current.peak)
+            total = sum(n for _, _, n in swapped) or 1
+            actions += [FitAction(path, action, saving * n // total, 0.0)
+                        for path, action, n in swapped]
+            if current.peak <= budget:
+                return _finish(saved, FitPlan(budget, current.peak, current.peak, fixed, eager.peak,
+                                              actions, undo_steps, device,
+                                              time.perf_counter() - started))
+
+        # 2. Checkpoints, planned; 3. verified and tightened.
+        base, atoms, candidates, calls = _problem(current, model)
+        paths = _paths(model)
+        optimizer_peak = current.optimizer_peak
+        target, best, tried = budget, None, set()
+        for _ in range(8):
+            if optimizer_peak > budget:
+                break
+            feasible, chosen, predicted, _ = _C.fit.plan(base, atoms, candidates, target)
+            if not feasible or tuple(chosen) in tried:
+                break
+            tried.add(tuple(chosen))
+            measured, wraps = _try(step, model, calls, chosen)
+            predicted = max(predicted, optimizer_peak)
+            if best is None or measured.peak < best[0]:
+                best = (measured.peak, chosen)
+            if measured.peak <= budget:
+                undo_steps.extend(wraps)
+                actions += _checkpoint_actions(calls, candidates, chosen, paths)
+                return _finish(saved, FitPlan(budget, measured.peak, predicted, fixed, eager.peak,
+                                              actions, undo_steps, device,
+                                              time.perf_counter() - started))
+            for w in reversed(wraps):
+                w()
+            target -= measured.peak - budget
+        # No plan tried fits: the least-peak plan may (the model is an estimate); else name
+        # the least peak, measured.
+        least = current.peak
+        feasible, chosen, predicted, _ = _C.fit.least_peak_plan(base, atoms, candidates)
+        if feasible and chosen and tuple(chosen) not in tried:
+            measured, wraps = _try(step, model, calls, chosen)
+            if measured.peak <= budget:
+                undo_steps.extend(wraps)
+                actions += _checkpoint_actions(calls, candidates, chosen, paths)
+                return _finish(saved, FitPlan(budget, measured.peak,
+                                              max(predicted, optimizer_peak), fixed, eager.peak,
+                                              actions, undo_steps, device,
+                                              time.perf_counter() - started))
+            for w in reversed(wraps):
+                w()
+            least = min(least, measured.peak)
+        if best is not None:
+            least = min(least, best[0])
+        raise FitError(
+            f"{_NAME}: budget_bytes={budget} ({_gib(budget)}) is below the least step peak "
+            f"memlean.fit reaches for this model and batch: {_C.fit.describe_bytes(least)} "
+            f"(in-place Swish where safe, and checkpoints), measured; the eager step peaks at "
+            f"{_C.fit.describe_bytes(eager.peak)}, of which {_C.fit.describe_bytes(fixed)} are "
+            f"parameters, buffers, optimizer state and the batch. Use a larger budget or a "
+            f"smaller batch.", budget, least)
+    except BaseException:
+        undo_all()
+        saved.restore()
+        raise
+
+
+def _flow_of(measured: _Measured):
+    return measured.recorder.dataflow
+
+
+def _swap_swish(model, rec: _Recorder, flow: Optional[_Dataflow], undo_steps) -> list:
+    """Swap the Swish modules of the recorded forward; returns (path, action, output bytes)
+    per swapped module. flow None: no in-place swap (memory-efficient where it saves)."""
+    paths = _paths(model)
+    by_module = {}
+    for c in rec.calls:
+        if _swish_beta(c.module) is not None:
+            by_module.setdefault(id(c.module), []).append(c)
+    swapped = []
+    for calls in sorted(by_module.values(), key=lambda cs: cs[0].begin):
+        module = calls[0].module
+        beta = _swish_beta(module)
+        safe = flow is not None and all(
+            _safe_in_place(c, flow, rec, rec.preexisting) and c.outputs for c in calls)
+        if safe:
+            variant = "inplace"
+        elif _naive(module):
+            variant = "memory_efficient"
+        else:
+            continue
+        undo_steps.append(_replace(model, module, Swish(beta=beta, variant=variant)))
+        out_bytes = sum(n for c in calls for _, n in c.outputs[:1])
+        swapped.append((paths.get(id(module), "?"), f"{variant} swish", out_bytes))
+    return swapped
+
+
+def _try(step: _Step, model, calls, chosen):
+    wraps = [_wrap(calls[i].module) for i in chosen]
+    try:
+        return step.run(), wraps
+    except BaseException:
+        for w in reversed(wraps):
+            w()
+        raise
+
+
+def _checkpoint_actions(calls, candidates, chosen, paths):
+    return [FitAction(paths.get(id(calls[i].module), "?"), "checkpoint", int(candidates[i][2]),
+                      float(candidates[i][3])) for i in chosen]
+
+
+def _finish(saved: _Saved, plan: FitPlan) -> FitPlan:
+    saved.restore()
+    return plan

@@ -1,0 +1,23 @@
+// memlean::fit budgets: "6GiB", "512MiB", "2.5GB", "1000000" -> bytes. One parser for C++, the
+// trainer's --memory_budget and Python's memlean.fit.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace memlean::fit {
+
+// Bytes of a budget written as a number with an optional unit: B, KB/MB/GB/TB (powers of
+// 1000), KiB/MiB/GiB/TiB (powers of 1024); case-insensitive units, spaces allowed between
+// number and unit; fractions allowed ("2.5GB"), rounded down to a whole byte. Throws
+// std::invalid_argument naming `argument` for an empty, negative, zero, non-finite or
+// unparsable text, an unknown unit, or more than int64 bytes.
+int64_t parse_budget(const std::string& text, const std::string& argument = "budget_bytes");
+
+// Checks an integer budget: > 0, else std::invalid_argument naming `argument`.
+int64_t check_budget(int64_t bytes, const std::string& argument = "budget_bytes");
+
+// "2,885,716,560 bytes (2.69 GiB)".
+std::string describe_bytes(int64_t bytes);
+
+}  // namespace memlean::fit

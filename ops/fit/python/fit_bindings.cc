@@ -1,0 +1,85 @@
+// memlean._C.fit: the planner of //ops/fit (memlean.fit plans with it: one planner for C++ and
+// Python) and the budget parser. std::invalid_argument becomes ValueError.
+#include "ops/fit/python/fit_bindings.h"
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "ops/fit/budget.h"
+#include "ops/fit/planner.h"
+
+namespace memlean::python {
+namespace {
+
+namespace py = pybind11;
+// begin, end, freed_bytes, seconds, recompute_extra_bytes
+using CandidateTuple = std::tuple<int, int, int64_t, double, int64_t>;
+
+fit::Problem problem_of(int64_t base_bytes, std::vector<int64_t> atom_saved_bytes,
+                        const std::vector<CandidateTuple>& candidates) {
+  fit::Problem p;
+  p.base_bytes = base_bytes;
+  p.atom_saved_bytes = std::move(atom_saved_bytes);
+  p.candidates.reserve(candidates.size());
+  for (const auto& [begin, end, freed, seconds, extra] : candidates) {
+    p.candidates.push_back({begin, end, freed, seconds, extra});
+  }
+  return p;
+}
+
+py::tuple plan_tuple(const fit::Plan& plan) {
+  return py::make_tuple(plan.feasible, plan.chosen, plan.predicted_peak_bytes,
+                        plan.recompute_seconds);
+}
+
+}  // namespace
+
+void init_fit(py::module_& m) {
+  py::module_ s = m.def_submodule("fit", "memlean::fit: the memory-budget planner (private).");
+  s.def(
+      "plan",
+      [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
+         int64_t budget, int resolution) {
+        const fit::Problem p = problem_of(base, std::move(atoms), candidates);
+        fit::Plan plan;
+        {
+          py::gil_scoped_release release;
+          plan = fit::plan(p, budget, resolution);
+        }
+        return plan_tuple(plan);
+      },
+      py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"),
+      py::arg("budget_bytes"), py::arg("resolution") = 4096,
+      "memlean::fit::plan: (feasible, chosen, predicted_peak_bytes, recompute_seconds); "
+      "candidates are (begin, end, freed_bytes, seconds, recompute_extra_bytes).");
+  s.def(
+      "least_peak_plan",
+      [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
+         int resolution) {
+        const fit::Problem p = problem_of(base, std::move(atoms), candidates);
+        fit::Plan plan;
+        {
+          py::gil_scoped_release release;
+          plan = fit::least_peak_plan(p, resolution);
+        }
+        return plan_tuple(plan);
+      },
+      py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"),
+      py::arg("resolution") = 4096, "memlean::fit::least_peak_plan, as plan().");
+  s.def(
+      "predicted_peak",
+      [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
+         const std::vector<int>& chosen) {
+        return fit::predicted_peak(problem_of(base, std::move(atoms), candidates), chosen);
+      },
+      py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"), py::arg("chosen"),
+      "memlean::fit::predicted_peak.");
+  s.def("parse_budget", &fit::parse_budget, py::arg("text"), py::arg("argument"),
+        "memlean::fit::parse_budget: '6GiB' -> bytes (ValueError naming `argument`).");
+  s.def("describe_bytes", &fit::describe_bytes, py::arg("bytes"),
+        "'2,885,716,560 bytes (2.69 GiB)'.");
+}
+
+}  // namespace memlean::python
