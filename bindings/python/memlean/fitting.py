@@ -278,7 +278,6 @@ class _Recorder:
         self.atom = 0
         self.atom_bytes = [0]
         self.saved = {}  # storage key -> atom that saved it first
-        self.packed_at = {}  # storage key -> first op number it was saved at (dataflow)
         self.calls: List[_Call] = []
         self.stack: List[tuple] = []
         self.handles = []
@@ -322,7 +321,6 @@ class _Recorder:
         if key is not None and key not in self.preexisting and key not in self.saved:
             self.saved[key] = self.atom
             self.atom_bytes[self.atom] += nbytes
-            self.packed_at[key] = self._seq()
         return t
 
     def __enter__(self):
@@ -436,6 +434,7 @@ class _Saved:
         self.grads = [(p, p.grad) for p in model.parameters()]
         self.buffers = [(b, b.detach().to("cpu", copy=True)) for b in model.buffers()]
         self.training = [(m, m.training) for m in model.modules()]
+        self.training_flags = {id(m): t for m, t in self.training}
         self.optimizer_state = None
         if optimizer is not None:
             state = optimizer.state_dict()
@@ -498,8 +497,9 @@ def _safe_in_place(call: _Call, flow: _Dataflow, recorder: _Recorder, preexistin
         # autograd accepted that: memlean's in-place Swish overwrites the same storage, and
         # keeps one bit per element where torch's silu_ keeps its whole output.
         return True
-    packed = recorder.packed_at.get(key)
-    if packed is not None and packed <= call.seq_begin:
+    # (Atoms, not op numbers: autograd saves an op's inputs before the op runs.)
+    saved_in = recorder.saved.get(key)
+    if saved_in is not None and saved_in < call.begin:
         return False
     return all(s <= call.seq_end - 1 for s in flow.reads.get(key, ()))
 
@@ -697,7 +697,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         # 1. Swish, no recompute.
         rec, flow = eager.recorder, None
         flow = _flow_of(eager)
-        swapped = _swap_swish(model, rec, flow, undo_steps)
+        swapped = _swap_swish(model, rec, flow, undo_steps, saved.training_flags)
         current = eager
         if swapped:
             try:
@@ -707,7 +707,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                     raise
                 # The dataflow check missed something (an op it cannot see): no in-place swap.
                 undo_all()
-                swapped = _swap_swish(model, rec, None, undo_steps)
+                swapped = _swap_swish(model, rec, None, undo_steps, saved.training_flags)
                 current = step.run(record=True) if swapped else eager
             saving = max(0, eager.peak - current.peak)
             total = sum(n for _, _, n in swapped) or 1
@@ -722,45 +722,69 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         base, atoms, candidates, calls = _problem(current, model)
         paths = _paths(model)
         optimizer_peak = current.optimizer_peak
-        target, best, tried = budget, None, set()
+        tried = {}  # chosen -> measured peak
+        fits = None  # (chosen, measured, predicted) of the fastest plan measured to fit
+
+        def attempt(target):
+            """Plan for `target`, measure a new plan; (chosen, measured peak) or None."""
+            nonlocal fits
+            feasible, chosen, predicted, seconds = _C.fit.plan(base, atoms, candidates, target)
+            if not feasible:
+                return None
+            chosen = tuple(chosen)
+            if chosen not in tried:
+                measured, wraps = _try(step, model, calls, chosen)
+                for w in reversed(wraps):
+                    w()
+                tried[chosen] = measured.peak
+                if measured.peak <= budget and (fits is None or seconds < fits[3]):
+                    fits = (chosen, measured.peak, max(predicted, optimizer_peak), seconds)
+            return chosen, tried[chosen]
+
+        # Plan for the budget; over it (the model is an estimate), lower the target by the
+        # excess; once a plan fits after lowering, bisect back up for a faster one that fits.
+        low, high = None, budget + 1  # targets known to fit / to fail
+        target = budget
         for _ in range(8):
             if optimizer_peak > budget:
                 break
-            feasible, chosen, predicted, _ = _C.fit.plan(base, atoms, candidates, target)
-            if not feasible or tuple(chosen) in tried:
+            got = attempt(target)
+            if got is None:
                 break
-            tried.add(tuple(chosen))
-            measured, wraps = _try(step, model, calls, chosen)
-            predicted = max(predicted, optimizer_peak)
-            if best is None or measured.peak < best[0]:
-                best = (measured.peak, chosen)
-            if measured.peak <= budget:
-                undo_steps.extend(wraps)
-                actions += _checkpoint_actions(calls, candidates, chosen, paths)
-                return _finish(saved, FitPlan(budget, measured.peak, predicted, fixed, eager.peak,
-                                              actions, undo_steps, device,
-                                              time.perf_counter() - started))
+            if got[1] <= budget:
+                low = target
+                break
+            high = target
+            target -= got[1] - budget
+        if low is None and optimizer_peak <= budget:
+            # Nothing planned for targets down to there fits: the least-peak plan may.
+            feasible, chosen, predicted, _ = _C.fit.least_peak_plan(base, atoms, candidates)
+            if feasible and attempt(predicted) is not None and fits is not None:
+                low = predicted
+        if low is not None:
+            for _ in range(4):
+                if high - low <= max(budget // 200, 1 << 16):
+                    break
+                middle = (low + high) // 2
+                got = attempt(middle)
+                if got is not None and got[1] <= budget:
+                    low = middle
+                else:
+                    high = middle
+        if fits is not None:
+            chosen, peak, predicted, _ = fits
+            undo_steps.extend(_wrap(calls[i].module) for i in chosen)
+            actions += _checkpoint_actions(calls, candidates, chosen, paths)
+            return _finish(saved, FitPlan(budget, peak, predicted, fixed, eager.peak, actions,
+                                          undo_steps, device, time.perf_counter() - started))
+        # No plan fits: name the least peak measured (the least-peak plan's, when tried).
+        feasible, chosen, _, _ = _C.fit.least_peak_plan(base, atoms, candidates)
+        if feasible and tuple(chosen) not in tried:
+            measured, wraps = _try(step, model, calls, tuple(chosen))
             for w in reversed(wraps):
                 w()
-            target -= measured.peak - budget
-        # No plan tried fits: the least-peak plan may (the model is an estimate); else name
-        # the least peak, measured.
-        least = current.peak
-        feasible, chosen, predicted, _ = _C.fit.least_peak_plan(base, atoms, candidates)
-        if feasible and chosen and tuple(chosen) not in tried:
-            measured, wraps = _try(step, model, calls, chosen)
-            if measured.peak <= budget:
-                undo_steps.extend(wraps)
-                actions += _checkpoint_actions(calls, candidates, chosen, paths)
-                return _finish(saved, FitPlan(budget, measured.peak,
-                                              max(predicted, optimizer_peak), fixed, eager.peak,
-                                              actions, undo_steps, device,
-                                              time.perf_counter() - started))
-            for w in reversed(wraps):
-                w()
-            least = min(least, measured.peak)
-        if best is not None:
-            least = min(least, best[0])
+            tried[tuple(chosen)] = measured.peak
+        least = min([current.peak] + list(tried.values()))
         raise FitError(
             f"{_NAME}: budget_bytes={budget} ({_gib(budget)}) is below the least step peak "
             f"memlean.fit reaches for this model and batch: {_C.fit.describe_bytes(least)} "
@@ -778,7 +802,7 @@ def _flow_of(measured: _Measured):
     return measured.recorder.dataflow
 
 
-def _swap_swish(model, rec: _Recorder, flow: Optional[_Dataflow], undo_steps) -> list:
+def _swap_swish(model, rec: _Recorder, flow: Optional[_Dataflow], undo_steps, training) -> list:
     """Swap the Swish modules of the recorded forward; returns (path, action, output bytes)
     per swapped module. flow None: no in-place swap (memory-efficient where it saves)."""
     paths = _paths(model)
@@ -798,7 +822,9 @@ def _swap_swish(model, rec: _Recorder, flow: Optional[_Dataflow], undo_steps) ->
             variant = "memory_efficient"
         else:
             continue
-        undo_steps.append(_replace(model, module, Swish(beta=beta, variant=variant)))
+        replacement = Swish(beta=beta, variant=variant)
+        replacement.train(training.get(id(module), module.training))  # the caller's flag
+        undo_steps.append(_replace(model, module, replacement))
         out_bytes = sum(n for c in calls for _, n in c.outputs[:1])
         swapped.append((paths.get(id(module), "?"), f"{variant} swish", out_bytes))
     return swapped

@@ -1,0 +1,385 @@
+"""memlean.fit: the budget is a promise (exact bytes on the CPU, measured here independently
+of fit's own figures), the fitted step trains as the eager one (gradients, BatchNorm
+statistics, dropout masks), the Swish swap is safe, fit leaves the training state as it found
+it, undo() and state_dict() work, and bad input is named."""
+import copy
+import unittest
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import memlean
+
+# ---- models --------------------------------------------------------------------------------
+
+
+class ConvBlock(nn.Module):
+    """A residual block whose second activation's input is not read again (in place is safe)."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.conv1, self.bn1, self.act1 = nn.Conv2d(w, w, 3, padding=1), nn.BatchNorm2d(w), nn.SiLU()
+        self.conv2, self.bn2, self.act2 = nn.Conv2d(w, w, 3, padding=1), nn.BatchNorm2d(w), nn.SiLU()
+
+    def forward(self, x):
+        h = self.act1(self.bn1(self.conv1(x)))
+        return x + self.act2(self.bn2(self.conv2(h)))
+
+
+class ReuseBlock(nn.Module):
+    """Its activation's input is read after the activation: in place would be wrong."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.conv, self.bn, self.act = nn.Conv2d(w, w, 3, padding=1), nn.BatchNorm2d(w), nn.SiLU()
+
+    def forward(self, x):
+        h = self.bn(self.conv(x))
+        return self.act(h) + h
+
+
+class ConvNet(nn.Module):
+    def __init__(self, w=8, blocks=4, act=nn.SiLU):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, w, 3, padding=1), nn.BatchNorm2d(w), act())
+        self.blocks = nn.ModuleList([ConvBlock(w) for _ in range(blocks)] + [ReuseBlock(w)])
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.3),
+                                  nn.Linear(w, 10))
+
+    def forward(self, x):
+        h = self.stem(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.w1, self.w3, self.w2 = nn.Linear(d, 2 * d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block called with a keyword argument (attn_mask=)."""
+
+    def __init__(self, d, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln2, self.mlp, self.drop = nn.LayerNorm(d), SwiGLU(d), nn.Dropout(0.1)
+
+    def forward(self, x, attn_mask=None):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=attn_mask)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab=50, d=32, layers=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(layers)])
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        mask = torch.ones(t, t, dtype=torch.bool, device=idx.device).tril()
+        h = self.emb(idx)
+        for b in self.blocks:
+            h = b(h, attn_mask=mask)
+        return self.head(self.ln(h))
+
+
+# ---- an independent measurement of one step ------------------------------------------------
+
+
+def storages(tensors):
+    found = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        found[s.data_ptr()] = s.nbytes()
+    return found
+
+
+def step_peak(model, inputs, loss_fn, opt):
+    """The budget's definition, measured here: the unique storages of parameters, buffers,
+    optimizer state and batch, plus the most the step allocates above them (memstats, exact on
+    the CPU)."""
+    for p in model.parameters():
+        p.grad = None
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)] if opt else []
+    fixed = sum(storages(list(model.parameters()) + list(model.buffers()) + state + list(inputs)).values())
+    with memlean.memstats.track("cpu") as t:
+        start = t.current
+        out = model(*inputs)  # the output and the loss live to the step's end, as in a loop
+        loss = loss_fn(out)
+        loss.backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        del out, loss
+    return fixed + t.peak - start
+
+
+def snapshot(model, opt):
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            {k: (p.grad.clone() if p.grad is not None else None) for k, p in model.named_parameters()},
+            copy.deepcopy(opt.state_dict()) if opt is not None else None,
+            torch.get_rng_state())
+
+
+def assert_same_state(test, a, b):
+    sd_a, grads_a, opt_a, rng_a = a
+    sd_b, grads_b, opt_b, rng_b = b
+    test.assertEqual(sd_a.keys(), sd_b.keys())
+    for k in sd_a:
+        test.assertTrue(torch.equal(sd_a[k], sd_b[k]), k)
+    for k in grads_a:
+        if grads_a[k] is None:
+            test.assertIsNone(grads_b[k], k)
+        else:
+            test.assertTrue(torch.equal(grads_a[k], grads_b[k]), k)
+    test.assertTrue(torch.equal(rng_a, rng_b))
+    if opt_a is not None:
+        test.assertEqual(opt_a["state"].keys(), opt_b["state"].keys())
+        for i in opt_a["state"]:
+            for k, v in opt_a["state"][i].items():
+                test.assertTrue(torch.equal(v, opt_b["state"][i][k]), (i, k))
+        test.assertEqual(opt_a["param_groups"], opt_b["param_groups"])
+
+
+def cross_entropy_of(y):
+    return lambda out: F.cross_entropy(out, y)
+
+
+def lm_loss_of(targets):
+    return lambda out: F.cross_entropy(out.flatten(0, 1), targets.flatten())
+
+
+class FitTest(unittest.TestCase):
+    def setUp(self):
+        torch.manual_seed(0)
+
+    def conv_setup(self, dtype=torch.float32, batch=8, size=24):
+        model = ConvNet().to(dtype)
+        x = torch.randn(batch, 3, size, size, dtype=dtype)
+        y = torch.randint(0, 10, (batch,))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        return model, x, cross_entropy_of(y), opt
+
+    def least_and_eager(self, model, x, loss_fn, opt):
+        with self.assertRaises(memlean.FitError) as caught:
+            memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
+        plan = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt)
+        self.assertEqual(plan.actions, [])
+        return caught.exception.least_peak_bytes, plan.eager_peak_bytes
+
+    def check_budgets(self, model, inputs, loss_fn, opt, count=8):
+        """For `count` budgets from the least reachable peak to the eager one: the step, measured
+        here, peaks at or under the budget, equal to fit's own figure; the peak never rises as
+        the budget falls."""
+        least, eager = self.least_and_eager(model, inputs, loss_fn, opt)
+        self.assertLess(least, eager)
+        previous = None
+        for i in range(count):
+            budget = eager - (eager - least) * i // (count - 1)
+            plan = memlean.fit(model, inputs, budget, loss_fn=loss_fn, optimizer=opt)
+            # A warm step gives the optimizer its state, as fit measured with.
+            if opt is not None and not opt.state:
+                step_peak(model, inputs, loss_fn, opt)
+            measured = step_peak(model, inputs, loss_fn, opt)
+            self.assertLessEqual(measured, budget, f"budget {budget}: {plan}")
+            self.assertEqual(measured, plan.peak_bytes, str(plan))
+            self.assertEqual(plan.eager_peak_bytes, eager)
+            if previous is not None:
+                self.assertLessEqual(plan.peak_bytes, previous, "the peak rose as the budget fell")
+            previous = plan.peak_bytes
+            plan.undo()
+        return least, eager
+
+    def test_budget_is_a_promise_conv(self):
+        model, x, loss_fn, opt = self.conv_setup()
+        least, eager = self.check_budgets(model, (x,), loss_fn, opt)
+        self.assertLess(least, 0.75 * eager)
+
+    def test_budget_is_a_promise_transformer_with_keyword_arguments(self):
+        model = GPT()
+        idx = torch.randint(0, 50, (4, 48))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        least, eager = self.check_budgets(model, (idx,), lm_loss_of(torch.roll(idx, -1, 1)), opt)
+        self.assertLess(least, 0.8 * eager)
+
+    def test_budget_strings(self):
+        model, x, loss_fn, opt = self.conv_setup()
+        plan = memlean.fit(model, x, "1TiB", loss_fn=loss_fn, optimizer=opt)
+        self.assertEqual(plan.budget_bytes, 2**40)
+        self.assertEqual(memlean.parse_budget("512MiB"), 512 * 2**20)
+        self.assertEqual(memlean.parse_budget("2.5GB"), 2_500_000_000)
+        self.assertEqual(memlean.parse_budget("6 gib"), 6 * 2**30)
+
+    def test_fit_leaves_the_training_state_as_it_found_it(self):
+        model, x, loss_fn, opt = self.conv_setup()
+        # A step first: gradients and momentum exist, as in a training loop.
+        loss_fn(model(x)).backward()
+        opt.step()
+        loss_fn(model(x)).backward()
+        model.eval()
+        model.head.train()
+        before = snapshot(model, opt)
+        flags = [m.training for m in model.modules()]
+        least, eager = self.least_and_eager(model, x, loss_fn, opt)
+        plan = memlean.fit(model, x, (least + eager) // 2, loss_fn=loss_fn, optimizer=opt)
+        self.assertTrue(any(a.action == "checkpoint" for a in plan.actions), str(plan))
+        assert_same_state(self, before, snapshot(model, opt))
+        self.assertEqual(flags, [m.training for m in model.modules()])
+
+    def test_fitted_training_equals_eager_training(self):
+        # float64, no Swish (checkpoints only): equal to float tolerance; three steps with
+        # BatchNorm statistics and dropout (the RNG is preserved for the recompute).
+        torch.manual_seed(1)
+        model = ConvNet(act=nn.ReLU).double()
+        model.blocks = nn.ModuleList([b for b in model.blocks if isinstance(b, ConvBlock)])
+        for b in model.blocks:
+            b.act1, b.act2 = nn.ReLU(), nn.ReLU()
+        x = torch.randn(6, 3, 20, 20, dtype=torch.float64)
+        y = torch.randint(0, 10, (6,))
+        twin = copy.deepcopy(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+        loss_fn = cross_entropy_of(y)
+        least, eager = self.least_and_eager(model, x, loss_fn, opt)
+        plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
+        self.assertGreaterEqual(sum(a.action == "checkpoint" for a in plan.actions), 2, str(plan))
+        for step in range(3):
+            for m, o in ((model, opt), (twin, opt_twin)):
+                torch.manual_seed(100 + step)
+                loss_fn(m(x)).backward()
+                if step < 2:
+                    o.step()
+                    o.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+            torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
+        for (name, b), c in zip(model.named_buffers(), twin.buffers()):
+            torch.testing.assert_close(b, c, rtol=1e-10, atol=1e-12, msg=name)
+
+    def test_swish_swap_is_safe_and_close(self):
+        model, x, loss_fn, opt = self.conv_setup(dtype=torch.float64)
+        twin = copy.deepcopy(model)
+        eager = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt).eager_peak_bytes
+        plan = memlean.fit(model, x, eager - 1, loss_fn=loss_fn, optimizer=opt)
+        swaps = {a.path: a.action for a in plan.actions if a.action.endswith("swish")}
+        # Every activation whose input is not read again is in place; ReuseBlock's is not.
+        self.assertEqual(swaps.get("blocks.0.act1"), "inplace swish", str(plan))
+        self.assertEqual(swaps.get("blocks.3.act2"), "inplace swish", str(plan))
+        self.assertNotIn("blocks.4.act", swaps)
+        self.assertIsInstance(model.blocks[0].act1, memlean.Swish)
+        self.assertIs(type(model.blocks[4].act), nn.SiLU)
+        self.assertLess(plan.peak_bytes, eager)
+        # Two steps (autograd's version counter never fires) with gradients as eager's, within
+        # the in-place backward's float64 bound (docs/swish.md).
+        for _ in range(2):
+            torch.manual_seed(5)
+            loss_fn(model(x)).backward()
+            torch.manual_seed(5)
+            loss_fn(twin(x)).backward()
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-9, msg=name)
+
+    def test_undo_and_state_dict(self):
+        model, x, loss_fn, opt = self.conv_setup()
+        keys = list(model.state_dict().keys())
+        types = [type(m) for m in model.modules()]
+        least, eager = self.least_and_eager(model, x, loss_fn, opt)
+        plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
+        checkpointed = [a.path for a in plan.actions if a.action == "checkpoint"]
+        self.assertTrue(checkpointed)
+        self.assertEqual(list(model.state_dict().keys()), keys)
+        model.load_state_dict(copy.deepcopy(model.state_dict()))
+        self.assertIn("forward", model.get_submodule(checkpointed[0]).__dict__)
+        text = str(plan)
+        self.assertIn("checkpoint", text)
+        self.assertIn("GiB", text)
+        data = __import__("json").loads(plan.to_json())
+        self.assertEqual(data["peak_bytes"], plan.peak_bytes)
+        self.assertEqual(len(data["actions"]), len(plan.actions))
+        plan.undo()
+        plan.undo()
+        self.assertEqual([type(m) for m in model.modules()], types)
+        self.assertNotIn("forward", model.get_submodule(checkpointed[0]).__dict__)
+        step_peak(model, (x,), loss_fn, opt)  # the optimizer's state, as fit measured with
+        self.assertEqual(step_peak(model, (x,), loss_fn, opt), eager)
+
+    def test_below_the_least_peak_is_a_fit_error_naming_it(self):
+        model, x, loss_fn, opt = self.conv_setup()
+        before = snapshot(model, opt)
+        types = [type(m) for m in model.modules()]
+        with self.assertRaises(memlean.FitError) as caught:
+            memlean.fit(model, x, "1KiB", loss_fn=loss_fn, optimizer=opt)
+        e = caught.exception
+        self.assertIsInstance(e, ValueError)
+        self.assertIn("budget_bytes=1024", str(e))
+        self.assertIn(f"{e.least_peak_bytes:,} bytes", str(e))
+        self.assertIn("GiB", str(e))
+        # The least peak is reachable: fit at exactly it works.
+        plan = memlean.fit(model, x, e.least_peak_bytes, loss_fn=loss_fn, optimizer=opt)
+        self.assertLessEqual(plan.peak_bytes, e.least_peak_bytes)
+        plan.undo()
+        self.assertEqual([type(m) for m in model.modules()], types)
+        assert_same_state(self, before, snapshot(model, opt))
+
+    def test_bad_input_is_named(self):
+        model, x, loss_fn, opt = self.conv_setup()
+        for budget, kind, text in [(0, ValueError, "budget_bytes"), (-5, ValueError, "budget_bytes"),
+                                   ("-1GiB", ValueError, "budget_bytes"),
+                                   ("six gigs", ValueError, "budget_bytes"),
+                                   ("5 parsecs", ValueError, "unknown unit"),
+                                   (1.5, TypeError, "budget_bytes"), (True, TypeError, "budget_bytes")]:
+            with self.assertRaisesRegex(kind, text):
+                memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
+        with self.assertRaisesRegex(ValueError, "model has no parameters"):
+            memlean.fit(nn.Sequential(nn.ReLU()), x, "1GiB")
+        with self.assertRaisesRegex(ValueError, "no floating-point tensor"):
+            memlean.fit(_IntOutput(), torch.randn(2, 4), "1GiB")
+        with self.assertRaisesRegex(ValueError, "example_inputs holds a tensor on meta"):
+            memlean.fit(model, x.to("meta"), "1GiB", loss_fn=loss_fn, optimizer=opt)
+        with self.assertRaisesRegex(ValueError, "loss_fn must return a floating-point scalar"):
+            memlean.fit(model, x, "1GiB", loss_fn=lambda out: out)
+        with self.assertRaisesRegex(TypeError, "optimizer must be a torch.optim.Optimizer"):
+            memlean.fit(model, x, "1GiB", optimizer="sgd")
+        with self.assertRaisesRegex(TypeError, "model must be a torch.nn.Module"):
+            memlean.fit(lambda t: t, x, "1GiB")
+
+    def test_fitted_model_compiles(self):
+        model, x, loss_fn, opt = self.conv_setup()
+        least, eager = self.least_and_eager(model, x, loss_fn, opt)
+        plan = memlean.fit(model, x, (least + eager) // 2, loss_fn=loss_fn, optimizer=opt)
+        self.assertTrue(any(a.action == "checkpoint" for a in plan.actions))
+        model.eval()  # dropout off: compare values
+        expected = model(x)
+        compiled = torch.compile(model, backend="aot_eager")
+        torch.testing.assert_close(compiled(x), expected)
+        model.train()
+        loss_fn(compiled(x)).backward()
+        self.assertTrue(all(p.grad is not None for p in model.parameters()))
+
+
+class _IntOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(x).argmax(-1)
+
+
+if __name__ == "__main__":
+    unittest.main()
