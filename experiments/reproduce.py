@@ -19,6 +19,7 @@ EXPERIMENTS = [
     "memory_tips",
     "efficientnet_swish",
     "checkpoint_densenet",
+    "fit_frontier",
 ]
 
 

@@ -343,6 +343,7 @@ class _Recorder:
 class _Measured:
     peak: int  # resident + the most allocated above it during the step
     forward_backward_peak: int
+    forward_end: int  # bytes alive when the loss is computed
     optimizer_peak: int
     resident: int
     seconds: float
@@ -403,6 +404,7 @@ class _Step:
                         f"{'' if loss.requires_grad else ' that does not require grad'}")
                 raise ValueError(f"{_NAME}: loss_fn must return a floating-point scalar tensor "
                                  f"that requires grad, got {what}")
+            forward_end = t.current
             loss.backward()
             if self.cuda:
                 torch.cuda.synchronize(self.device)
@@ -420,7 +422,8 @@ class _Step:
             optimizer_peak = t.peak
             del output, loss
         return _Measured(resident + max(forward_backward, optimizer_peak) - start,
-                         resident + forward_backward - start, resident + optimizer_peak - start,
+                         resident + forward_backward - start, resident + forward_end - start,
+                         resident + optimizer_peak - start,
                          resident, seconds, recorder)
 
 
@@ -598,6 +601,9 @@ def _problem(measured: _Measured, root):
     for c in rec.calls:
         counts[id(c.module)] = counts.get(id(c.module), 0) + 1
     base = max(0, measured.forward_backward_peak - prefix[-1])
+    # What backward adds above the end of the forward at the eager peak (gradients made by
+    # then, temporaries): in base already, so a recompute's extra counts only what exceeds it.
+    backward_extra = max(0, measured.forward_backward_peak - measured.forward_end)
     # The gradients backward has made when it reaches atom k: those of the parameters of the
     # modules called from k on (each parameter to its module's first call).
     grad_bytes = [0] * (len(atoms) + 1)
@@ -634,7 +640,8 @@ def _problem(measured: _Measured, root):
             if atom is not None and c.begin <= atom < c.end:
                 kept += nbytes
         # While it is recomputed: the gradients made after it and its output's gradient.
-        extra = grad_bytes[c.begin] + sum(n for key, n in c.outputs if key is not None)
+        extra = max(0, grad_bytes[c.begin] + sum(n for key, n in c.outputs if key is not None)
+                    - backward_extra)
         candidates.append((c.begin, c.end, max(0, span - kept), float(c.seconds), extra))
         calls.append(c)
     return base, atoms, candidates, calls

@@ -1,0 +1,54 @@
+"""fit_frontier --quick: memlean.fit's rows keep their budgets (exact CPU bytes, measured by
+the experiment apart from fit), their peaks never rise as the budget falls, fit's least peak is
+below eager's and below per-block checkpointing's for EfficientNet-B0, and the figure is
+drawn beside the table."""
+import argparse
+import os
+
+import pytest
+import torch
+
+from experiments import fit_frontier
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("out"))
+    (table,) = fit_frontier.run(argparse.Namespace(quick=True, out=out, device=torch.device("cpu"),
+                                                   models=None, budgets=None, no_compile=True))
+    return table
+
+
+def rows_of(table, model, method):
+    return [r for r in table.rows if r["model"] == model and r["method"] == method]
+
+
+@pytest.mark.parametrize("model", ["efficientnet_b0", "gpt"])
+def test_budgets_kept_and_peaks_fall_with_them(table, model):
+    fits = rows_of(table, model, "memlean.fit")
+    assert len(fits) == 4
+    for r in fits:
+        assert r["peak bytes"] <= r["budget_bytes"], r
+    budgets = [r["budget_bytes"] for r in fits]
+    assert budgets == sorted(budgets, reverse=True)
+    peaks = [r["peak bytes"] for r in fits]
+    assert peaks == sorted(peaks, reverse=True), peaks
+    (eager,) = rows_of(table, model, "eager")
+    assert fits[0]["peak bytes"] == eager["peak bytes"]  # the eager peak as budget: no change
+    assert fits[-1]["peak bytes"] < eager["peak bytes"]
+
+
+def test_least_fit_peak_below_per_block_checkpointing_on_efficientnet(table):
+    (timm_ckpt,) = rows_of(table, "efficientnet_b0", "per-block checkpoint")
+    least = rows_of(table, "efficientnet_b0", "memlean.fit")[-1]
+    assert least["peak bytes"] < timm_ckpt["peak bytes"]
+
+
+def test_figure_beside_the_table(table):
+    pytest.importorskip("matplotlib")
+    (plot,) = table.plots
+    assert os.path.getsize(plot) > 0 and os.path.basename(plot) in table.markdown()
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
