@@ -97,6 +97,10 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def _size(n: int) -> str:
+    return _gib(n) if n >= 2**30 else _mib(n)
+
+
 class FitPlan:
     """What memlean.fit changed, and the step's memory under it.
 
@@ -158,9 +162,9 @@ class FitPlan:
 
     def __str__(self) -> str:
         lines = [
-            f"memlean.fit on {self.device}: step peak {_gib(self.peak_bytes)} (measured) <= "
-            f"budget {_gib(self.budget_bytes)}; eager {_gib(self.eager_peak_bytes)}, "
-            f"predicted {_gib(self.predicted_peak_bytes)}, fixed {_gib(self.fixed_bytes)}",
+            f"memlean.fit on {self.device}: step peak {_size(self.peak_bytes)} (measured) <= "
+            f"budget {_size(self.budget_bytes)}; eager {_size(self.eager_peak_bytes)}, "
+            f"predicted {_size(self.predicted_peak_bytes)}, fixed {_size(self.fixed_bytes)}",
         ]
         if not self.actions:
             lines.append("  no change: the step fits as it is")

@@ -307,7 +307,7 @@ class FitTest(unittest.TestCase):
         self.assertIn("forward", model.get_submodule(checkpointed[0]).__dict__)
         text = str(plan)
         self.assertIn("checkpoint", text)
-        self.assertIn("GiB", text)
+        self.assertIn("MiB", text)
         data = __import__("json").loads(plan.to_json())
         self.assertEqual(data["peak_bytes"], plan.peak_bytes)
         self.assertEqual(len(data["actions"]), len(plan.actions))
