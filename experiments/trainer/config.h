@@ -35,6 +35,10 @@ struct Config {
   uint64_t seed = 0;
   std::string report;            // JSON report path, "" for none
   std::string progress = "auto";  // auto | bar | lines | none
+  // --memory_budget: "" = off; else the bytes (memlean::fit::parse_budget) that one training
+  // step must fit in, by memlean::fit checkpointing runs of the model's stages.
+  std::string memory_budget_text;
+  int64_t memory_budget = 0;
   // Resolved sizes (the flags' 0 = the model's and the data's defaults).
   int64_t num_classes = 10;
   int64_t image_size = 32;

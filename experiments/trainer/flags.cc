@@ -10,11 +10,13 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <stdexcept>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "experiments/trainer/config.h"
+#include "ops/fit/budget.h"
 #include "runtime/memstats/memstats.h"
 #include "runtime/memstats/report.h"
 #include "third_party/torch/devices.h"
@@ -27,6 +29,10 @@ ABSL_FLAG(std::string, checkpoint, "none",
           "none | memlean (densenet_bc: efficient bottlenecks; mlp: the hidden layer; "
           "efficientnet_b0: sqrt(n) segments) | segments:K (the model's chain of stages in K "
           "segments)");
+ABSL_FLAG(std::string, memory_budget, "",
+          "fit one training step into this many bytes, e.g. 6GiB, 512MiB, 2.5GB (\"\" = off): "
+          "memlean::fit measures a step on the first batch and checkpoints the runs of the "
+          "model's stages that make it fit at the least recompute time (with --checkpoint=none)");
 ABSL_FLAG(int64_t, batch, 64, "batch size");
 ABSL_FLAG(int64_t, steps, 20, "training steps");
 ABSL_FLAG(std::string, optimizer, "sgd", "sgd (with --momentum) | adam");
@@ -155,6 +161,17 @@ Config config_from_flags() {
     c.checkpoint = models::parse_checkpointing(absl::GetFlag(FLAGS_checkpoint));
   } catch (const c10::Error& e) {
     fail("checkpoint", without_backtrace(e));
+  }
+  c.memory_budget_text = absl::GetFlag(FLAGS_memory_budget);
+  if (!c.memory_budget_text.empty()) {
+    try {
+      c.memory_budget = fit::parse_budget(c.memory_budget_text, "--memory_budget");
+    } catch (const std::invalid_argument& e) {
+      throw UsageError(e.what());
+    }
+    check(c.checkpoint.kind == models::Checkpointing::Kind::kNone, "memory_budget",
+          "memlean::fit chooses what to checkpoint itself; use it with --checkpoint=none (got "
+          "--checkpoint=" + models::to_string(c.checkpoint) + ")");
   }
   c.batch = absl::GetFlag(FLAGS_batch);
   check(c.batch >= 1, "batch", "must be >= 1, got " + std::to_string(c.batch));

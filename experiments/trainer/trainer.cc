@@ -15,8 +15,10 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -25,6 +27,8 @@
 #include "experiments/models/efficientnet.h"
 #include "experiments/models/mlp.h"
 #include "experiments/trainer/data.h"
+#include "ops/fit/budget.h"
+#include "ops/fit/fit.h"
 #include "runtime/memstats/nn.h"
 #include "runtime/memstats/report.h"
 
@@ -73,6 +77,44 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Config& c,
   }
   return std::make_unique<torch::optim::SGD>(params,
                                              torch::optim::SGDOptions(c.lr).momentum(c.momentum));
+}
+
+// The model as one torch::nn::Sequential for memlean::fit: its chain of stages (the same
+// modules, under their names), then a "head" stage doing what its forward does after the
+// chain; `prepare` is what its forward does before it.
+struct FitChain {
+  torch::nn::Sequential chain;
+  std::function<at::Tensor(const at::Tensor&)> prepare = [](const at::Tensor& x) { return x; };
+};
+
+FitChain fit_chain(const std::shared_ptr<models::Model>& model) {
+  using namespace models;  // NOLINT(build/namespaces)
+  FitChain f;
+  const torch::nn::Sequential stages = model->stages();
+  std::vector<std::string> names;
+  for (const auto& item : stages->named_children()) names.push_back(item.key());
+  for (size_t i = 0; i < stages->size(); ++i) f.chain->push_back(names.at(i), stages->begin()[i]);
+  using Modules = std::vector<std::shared_ptr<torch::nn::Module>>;
+  if (std::dynamic_pointer_cast<MlpImpl>(model)) {
+    f.prepare = [](const at::Tensor& x) { return x.dim() == 2 ? x : x.flatten(1); };
+  } else if (auto d = std::dynamic_pointer_cast<DenseNetBCImpl>(model)) {
+    f.chain->push_back("head", Stage("relu+pool+classifier", Modules{d->classifier.ptr()},
+                                     [c = d->classifier](const at::Tensor& x) mutable {
+                                       return c(at::adaptive_avg_pool2d(x.relu_(), {1, 1}).flatten(1));
+                                     }));
+  } else if (auto e = std::dynamic_pointer_cast<EfficientNetB0Impl>(model)) {
+    const double p = e->options.dropout();
+    f.chain->push_back("head", Stage("pool+dropout+classifier", Modules{e->classifier.ptr()},
+                                     [c = e->classifier, p](const at::Tensor& x) mutable {
+                                       at::Tensor h = at::adaptive_avg_pool2d(x, {1, 1}).flatten(1);
+                                       if (p > 0) h = at::dropout(h, p, c->is_training());
+                                       return c(h);
+                                     }));
+  } else {
+    throw UsageError("--memory_budget: memlean::fit does not know how to run this model as a "
+                     "chain of layers");
+  }
+  return f;
 }
 
 void synchronize(c10::Device device) {
@@ -146,7 +188,8 @@ std::vector<int64_t> shown_steps(int64_t steps) {
 
 }  // namespace
 
-Result train(const Config& c, std::ostream& progress_out, ProgressMode mode) {
+Result train(const Config& c, std::ostream& progress_out, ProgressMode mode,
+             std::ostream* plan_out) {
   Result r;
   const c10::Device device = memstats::parse_device(c.device);
   std::unique_ptr<DataSource> data = make_data(c);  // reads CIFAR-10 before the model exists
@@ -170,19 +213,52 @@ Result train(const Config& c, std::ostream& progress_out, ProgressMode mode) {
 
   auto tensors = [&] { return memstats::tensors_of(*model, optimizer.get()); };
 
+  // --memory_budget: fit a step of the first batch, and train with the plan.
+  std::function<at::Tensor(const at::Tensor&)> forward = [&model](const at::Tensor& x) {
+    return model->forward(x);
+  };
+  std::optional<fit::FitPlan> plan;
+  std::optional<Batch> first;
+  if (c.memory_budget > 0) {
+    FitChain f = fit_chain(model);
+    first = data->next();
+    {
+      const at::Tensor x = f.prepare(first->input.to(device)), y = first->target.to(device);
+      fit::FitOptions options;
+      options.loss_fn = [y, regression](const at::Tensor& out) {
+        return regression ? at::mse_loss(out, y) : at::cross_entropy_loss(out, y);
+      };
+      options.optimizer = optimizer.get();
+      try {
+        plan = fit::fit(f.chain, x, c.memory_budget, options);
+      } catch (const fit::FitError& e) {
+        throw UsageError(std::string("--memory_budget: ") + e.what());
+      }
+    }
+    r.fit_table = plan->str();
+    r.fit_json = plan->to_json();
+    r.fit_checkpoints = static_cast<int64_t>(plan->checkpointed.size());
+    r.fit_peak_bytes = plan->peak_bytes;
+    if (plan_out != nullptr) *plan_out << r.fit_table << "\n" << std::flush;
+    forward = [p = &*plan, prepare = f.prepare](const at::Tensor& x) {
+      return p->forward(prepare(x));
+    };
+  }
+
   Progress progress(progress_out, mode, c.steps);
   memstats::Tracker tracker(device);
   const auto start = Clock::now();
   auto after_first = start;
   for (int64_t step = 1; step <= c.steps; ++step) {
     optimizer->zero_grad();
-    Batch batch = data->next();
+    Batch batch = first ? std::move(*first) : data->next();
+    first.reset();
     const at::Tensor x = batch.input.to(device), y = batch.target.to(device);
     batch = {};
     synchronize(device);
     tracker.mark("data");
 
-    at::Tensor out = model->forward(x);
+    at::Tensor out = forward(x);
     synchronize(device);
     tracker.mark("forw");
 
@@ -233,6 +309,12 @@ std::string summary(const Config& c, const Result& r) {
                 r.losses.front(), r.losses.back(), r.steps_per_second,
                 r.steps_per_second_after_first, mib(r.peak_bytes).c_str());
   out << line;
+  if (!r.fit_json.empty()) {
+    out << "memory budget " << fit::describe_bytes(c.memory_budget) << ": memlean::fit checkpoints "
+        << r.fit_checkpoints << (r.fit_checkpoints == 1 ? " run" : " runs")
+        << " of layers; its measured step peaks at " << fit::describe_bytes(r.fit_peak_bytes)
+        << "\n\n";
+  }
 
   // Phase table: rows = phases, columns = steps (the value at each phase's end), and the
   // peak within each step.
@@ -295,7 +377,8 @@ std::string report_json(const Config& c, const Result& r) {
       << number(c.momentum) << ", \"threads\": " << r.threads << ", \"device\": " << json_string(c.device)
       << ", \"data\": " << json_string(c.data) << ", \"seed\": " << c.seed << ", \"loss\": "
       << json_string(c.loss_name()) << ", \"num_classes\": " << c.num_classes << ", \"image_size\": "
-      << c.image_size << "},\n";
+      << c.image_size << ", \"memory_budget\": "
+      << (c.memory_budget > 0 ? std::to_string(c.memory_budget) : std::string("null")) << "},\n";
   out << "  \"model\": {\"description\": " << json_string(r.model_description)
       << ", \"parameters\": " << r.num_parameters << "},\n";
   out << "  \"data\": " << json_string(r.data_description) << ",\n";
@@ -306,6 +389,7 @@ std::string report_json(const Config& c, const Result& r) {
   out << "  \"steps_per_second\": " << number(r.steps_per_second) << ",\n";
   out << "  \"steps_per_second_after_first\": " << number(r.steps_per_second_after_first) << ",\n";
   out << "  \"peak_bytes\": " << r.peak_bytes << ",\n";
+  out << "  \"fit\": " << (r.fit_json.empty() ? "null" : r.fit_json) << ",\n";
   // The phase table: for each phase, one value per step.
   out << "  \"phases\": {";
   bool first_phase = true;
@@ -362,7 +446,7 @@ int trainer_main(const std::vector<std::string>& args, std::ostream& out, std::o
                                                          : ProgressMode::kLines;
   Result result;
   try {
-    result = train(config, err, mode);
+    result = train(config, err, mode, &out);
   } catch (const UsageError& e) {
     err << "trainer: " << e.what() << "\n";
     return 2;

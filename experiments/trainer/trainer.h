@@ -28,21 +28,29 @@ struct Result {
   // After the last step's forward and loss, where the memory peaks (activations alive), and
   // after the last optimizer step.
   memstats::Categories categories, categories_end;
+  // --memory_budget: memlean::fit's plan (FitPlan::str() and to_json()); empty when off.
+  std::string fit_table, fit_json;
+  int64_t fit_checkpoints = 0, fit_peak_bytes = 0;
 };
 
 enum class ProgressMode { kBar, kLines, kNone };
 
 // Trains as `config` says; progress on `progress` (stderr). Errors in the data (CIFAR-10)
 // and sizes the model refuses are UsageErrors; anything failing later is a c10::Error or
-// std::exception.
-Result train(const Config& config, std::ostream& progress, ProgressMode mode);
+// std::exception. With --memory_budget, memlean::fit first fits a step of the model (its
+// chain of stages, then a "head" stage doing the rest of its forward) on the first batch,
+// with the trainer's optimizer and loss, prints the plan on `plan_out` (when given) and
+// trains with the plan; a budget that no plan fits is a UsageError naming --memory_budget.
+Result train(const Config& config, std::ostream& progress, ProgressMode mode,
+             std::ostream* plan_out = nullptr);
 
 // The phase table (steps 1 to 3 and the last two when there are more than 6), the category
 // splits and the throughput, as text.
 std::string summary(const Config& config, const Result& result);
 
 // {"flags": {...as given}, "config": {...resolved}, "model": ..., "loss": [...],
-//  "steps_per_second": ..., "peak_bytes": ..., "phases": {...}, "categories": {...}, ...}
+//  "steps_per_second": ..., "peak_bytes": ..., "fit": {...FitPlan::to_json()} or null,
+//  "phases": {...}, "categories": {...}, ...}
 std::string report_json(const Config& config, const Result& result);
 
 // The whole program: parses args (without the program name), trains, prints the summary

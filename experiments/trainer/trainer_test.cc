@@ -165,6 +165,12 @@ TEST_F(TrainerTest, BadFlagsNameTheFlag) {
       {{"--efficientnet_width=0"}, "--efficientnet_width: must be > 0"},
       {{"--model=efficientnet_b0", "--batch=1", "--image_size=32"},
        "--batch: batch norm in training needs at least 2 values per channel"},
+      {{"--memory_budget=lots"}, "--memory_budget: no number, got 'lots'"},
+      {{"--memory_budget=5 parsecs"}, "--memory_budget: unknown unit 'parsecs'"},
+      {{"--memory_budget=0"}, "--memory_budget: a budget must be at least one byte"},
+      {{"--memory_budget=1GiB", "--checkpoint=segments:2"},
+       "--memory_budget: memlean::fit chooses what to checkpoint itself; use it with "
+       "--checkpoint=none (got --checkpoint=segments:2)"},
   };
   for (const auto& [args, want] : cases) {
     const std::string got = error(args);
@@ -357,6 +363,45 @@ TEST_F(TrainerRun, CheckpointingGivesTheSameLossCurveInLessMemory) {
   EXPECT_LT(segments.categories.activations, plain.categories.activations);
 }
 
+TEST_F(TrainerTest, MemoryBudgetParses) {
+  EXPECT_EQ(parse({}).memory_budget, 0);
+  EXPECT_EQ(parse({"--memory_budget=2.5MB"}).memory_budget, 2500000);
+  EXPECT_EQ(parse({"--memory_budget", "3 GiB"}).memory_budget, int64_t{3} << 30);
+}
+
+TEST_F(TrainerRun, MemoryBudgetTrainsTheSameLossCurveWithinTheBudget) {
+  const Args base = with(kTinyEfficientNet, {"--steps=3", "--threads=1"});
+  const Result plain = train_with(base);
+  EXPECT_TRUE(plain.fit_json.empty());
+  // A budget that the eager step fits: no checkpoint, fit's peak is the eager peak.
+  const Result eager = train_with(with(base, {"--memory_budget=1TiB"}));
+  EXPECT_EQ(eager.fit_checkpoints, 0);
+  EXPECT_NE(eager.fit_json.find("\"checkpointed\": []"), std::string::npos) << eager.fit_json;
+  // 5% below the eager peak: checkpoints, within the budget, the same losses.
+  const int64_t budget = eager.fit_peak_bytes - eager.fit_peak_bytes / 20;
+  const Result fitted = train_with(with(base, {"--memory_budget=" + std::to_string(budget)}));
+  EXPECT_GT(fitted.fit_checkpoints, 0) << fitted.fit_table;
+  EXPECT_LE(fitted.fit_peak_bytes, budget) << fitted.fit_table;
+  EXPECT_LT(fitted.peak_bytes, plain.peak_bytes);
+  ASSERT_EQ(fitted.losses.size(), plain.losses.size());
+  for (size_t i = 0; i < plain.losses.size(); ++i) {
+    EXPECT_NEAR(fitted.losses[i], plain.losses[i], 1e-5 * plain.losses[i]);
+    EXPECT_NEAR(eager.losses[i], plain.losses[i], 1e-5 * plain.losses[i]);
+  }
+  // DenseNet-BC (its features, then the head stage): the same losses too.
+  const Args dense = with(kTinyDenseNet, {"--densenet_depth=16", "--densenet_growth=8",
+                                          "--image_size=16", "--batch=8", "--threads=1"});
+  const Result dense_plain = train_with(dense);
+  const Result dense_eager = train_with(with(dense, {"--memory_budget=1TiB"}));
+  const int64_t dense_budget = dense_eager.fit_peak_bytes - dense_eager.fit_peak_bytes / 50;
+  const Result dense_fitted = train_with(with(dense, {"--memory_budget=" + std::to_string(dense_budget)}));
+  EXPECT_GT(dense_fitted.fit_checkpoints, 0) << dense_fitted.fit_table;
+  EXPECT_LE(dense_fitted.fit_peak_bytes, dense_budget);
+  for (size_t i = 0; i < dense_plain.losses.size(); ++i) {
+    EXPECT_NEAR(dense_fitted.losses[i], dense_plain.losses[i], 1e-5 * dense_plain.losses[i]);
+  }
+}
+
 TEST_F(TrainerRun, ProgressLinesAndBar) {
   std::string lines, bar, none;
   train_with(kTinyMlp, ProgressMode::kLines, &lines);
@@ -417,6 +462,13 @@ TEST_F(TrainerTest, MainExitCodes) {
   EXPECT_NE(err3.str().find("the model refuses these options: DenseNetBC: checkpoint segments:9 asks for more segments than the model has stages (7)"),
             std::string::npos)
       << err3.str();
+  std::ostringstream out4, err4;
+  EXPECT_EQ(main(with(kTinyMlp, {"--memory_budget=1B"}), out4, err4), 2);
+  EXPECT_NE(err4.str().find("trainer: --memory_budget: memlean::fit: no choice of checkpoints fits "
+                            "budget_bytes = 1 bytes (0.00 GiB): the least peak reached is "),
+            std::string::npos)
+      << err4.str();
+  EXPECT_EQ(out4.str(), "");
 }
 
 }  // namespace

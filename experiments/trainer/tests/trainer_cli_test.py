@@ -5,6 +5,7 @@ import json
 import math
 import os
 import pty
+import re
 import subprocess
 
 import pytest
@@ -48,7 +49,7 @@ def write_cifar(path, labels, pixel=7):
 def test_help():
     p = trainer("--help")
     assert p.returncode == 0
-    for flag in ISSUE_FLAGS:
+    for flag in ISSUE_FLAGS + ["memory_budget"]:
         assert f"--{flag} (default" in p.stdout
 
 
@@ -65,6 +66,10 @@ def test_help():
     (["--report=/nonexistent/dir/r.json"], "trainer: --report: the folder /nonexistent/dir does not exist"),
     (["positional"], "trainer: unexpected argument 'positional'"),
     (TINY["densenet_bc"] + ["--checkpoint=segments:8"], "asks for more segments than the model has stages (7)"),
+    (["--memory_budget=lots"], "trainer: --memory_budget: no number, got 'lots'"),
+    (["--memory_budget=-1GiB"], "trainer: --memory_budget: a negative budget"),
+    (["--memory_budget=1GiB", "--checkpoint=memlean"],
+     "trainer: --memory_budget: memlean::fit chooses what to checkpoint itself"),
 ])
 def test_bad_flags_exit_2_with_a_clear_message(args, message):
     if args == ["--device=cuda:0"]:
@@ -150,6 +155,40 @@ def test_two_steps_and_the_report(tmp_path, model):
         assert want in p.stdout
     assert "step 1/2  loss " in p.stderr and "step 2/2  loss " in p.stderr
     assert "\r" not in p.stderr
+
+
+def test_memory_budget(tmp_path):
+    """--memory_budget: a budget between the least peak memlean::fit reaches and the eager
+    peak (both from first runs) is met, the plan is printed before training, the report holds
+    it under "fit", and the loss curve is the eager one."""
+    args = TINY["efficientnet_b0"] + ["--steps=2", "--threads=1"]
+    eager, _ = run_report(tmp_path, *args, "--memory_budget=1TiB", name="eager.json")
+    assert eager["fit"]["checkpointed"] == [] and eager["fit"]["actions"] == []
+    top = eager["fit"]["eager_peak_bytes"]
+    assert eager["fit"]["peak_bytes"] == top
+    p = trainer(*args, "--memory_budget=1B")
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith("trainer: --memory_budget: memlean::fit: no choice of checkpoints "
+                               "fits budget_bytes = 1 bytes"), p.stderr
+    assert "GiB" in p.stderr and "frame #" not in p.stderr
+    least = int(re.search(r"Raise the budget to at least (\d+) bytes", p.stderr).group(1))
+    assert 0 < least < top
+    budget = (least + top) // 2
+    report, p = run_report(tmp_path, *args, f"--memory_budget={budget}", name="fit.json")
+    fit = report["fit"]
+    assert fit["budget_bytes"] == budget == report["config"]["memory_budget"]
+    assert fit["peak_bytes"] <= budget, fit
+    assert fit["checkpointed"] and len(fit["actions"]) == len(fit["checkpointed"])
+    assert all(a["action"] == "checkpoint" and a["bytes_saved"] > 0 for a in fit["actions"])
+    # The plan, printed before training, and the summary's line about it.
+    assert p.stdout.startswith("memlean::fit: "), p.stdout
+    assert p.stdout.index("  budget ") < p.stdout.index("memlean trainer: ")
+    assert f"memory budget {budget:,} bytes" in p.stdout
+    # The same training as without checkpoints, in less memory (the trainer's own peak also
+    # counts the batch's targets, which fit's step does not).
+    assert report["loss"] == pytest.approx(eager["loss"], rel=1e-5)
+    assert report["peak_bytes"] < eager["peak_bytes"]
+    assert report["peak_bytes"] <= budget + 4096
 
 
 def test_same_flags_same_loss_curve(tmp_path):

@@ -1,0 +1,583 @@
+// memlean::fit for a torch::nn::Sequential: measure, plan, check, restore.
+#include "ops/fit/fit.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/Generator.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <unordered_set>
+
+#include "ops/checkpoint/checkpoint.h"
+#include "ops/fit/budget.h"
+#include "ops/fit/planner.h"
+#include "runtime/memstats/memstats.h"
+#include "runtime/memstats/nn.h"
+#include "runtime/memstats/report.h"
+
+namespace memlean::fit {
+
+struct FitPlanAccess {
+  static void set_runner(FitPlan& plan, torch::nn::Sequential model) {
+    plan.model_ = model;
+    plan.runs_.clear();
+    for (const auto& [b, e] : plan.checkpointed) {
+      torch::nn::Sequential run;
+      for (int64_t i = b; i < e; ++i) run->push_back(model->begin()[i]);  // shares the layer
+      plan.runs_.push_back(run);
+    }
+  }
+};
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Runner = std::function<at::Tensor(const at::Tensor&)>;
+
+constexpr int kMaxRounds = 8;     // plans measured on the way down from the budget
+constexpr int kBisectRounds = 4;  // then on the way back up, for a faster plan that fits
+
+int64_t storage_bytes(const at::Tensor& t) {
+  if (!t.defined()) return 0;
+  if (t.has_storage()) return static_cast<int64_t>(t.storage().nbytes());
+  return static_cast<int64_t>(t.nbytes());
+}
+
+void synchronize(c10::Device device) {
+  if (device.is_cpu()) return;
+  const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
+  impl->synchronizeDevice(device.has_index() ? device.index() : impl->getDevice().index());
+}
+
+std::string number(double v) {
+  if (!std::isfinite(v)) return "null";
+  char buf[40];
+  std::snprintf(buf, sizeof(buf), "%.10g", v);
+  return buf;
+}
+
+// The default generators of the CPU and of `device`, saved and put back.
+class RngSnapshot {
+ public:
+  explicit RngSnapshot(c10::Device device) {
+    generators_.push_back(at::detail::getDefaultCPUGenerator());
+    if (!device.is_cpu()) generators_.push_back(at::globalContext().defaultGenerator(device));
+    for (auto& g : generators_) {
+      std::lock_guard<std::mutex> lock(g.mutex());
+      states_.push_back(g.get_state());
+    }
+  }
+  void restore() {
+    for (size_t i = 0; i < generators_.size(); ++i) {
+      std::lock_guard<std::mutex> lock(generators_[i].mutex());
+      generators_[i].set_state(states_[i]);
+    }
+  }
+
+ private:
+  std::vector<at::Generator> generators_;
+  std::vector<at::Tensor> states_;
+};
+
+// Everything a measured step changes, saved on construction and put back by restore() (also
+// on destruction, so an exception leaves the model as it was). The optimizer's state objects
+// are moved out (the optimizer starts from no state, and a warm-up step makes one of the same
+// sizes) and moved back: they are never touched.
+class Snapshot {
+ public:
+  Snapshot(std::vector<at::Tensor> params, std::vector<at::Tensor> buffers,
+           std::vector<at::Tensor> grad_holders, torch::optim::Optimizer* optimizer,
+           c10::Device device)
+      : params_(std::move(params)),
+        buffers_(std::move(buffers)),
+        grad_holders_(std::move(grad_holders)),
+        optimizer_(optimizer),
+        rng_(device) {
+    at::NoGradGuard no_grad;
+    for (const auto& p : params_) param_values_.push_back(p.detach().clone());
+    for (const auto& b : buffers_) buffer_values_.push_back(b.detach().clone());
+    for (const auto& t : grad_holders_) grads_.push_back(t.grad());
+    if (optimizer_ != nullptr) optimizer_state_.swap(optimizer_->state());
+  }
+  ~Snapshot() {
+    try {
+      restore();
+    } catch (...) {  // NOLINT(bugprone-empty-catch): nothing better to do in a destructor
+    }
+  }
+  Snapshot(const Snapshot&) = delete;
+  Snapshot& operator=(const Snapshot&) = delete;
+
+  void restore() {
+    if (restored_) return;
+    restored_ = true;
+    {
+      at::NoGradGuard no_grad;
+      for (size_t i = 0; i < params_.size(); ++i) params_[i].copy_(param_values_[i]);
+      for (size_t i = 0; i < buffers_.size(); ++i) {
+        buffers_[i].variable_data().copy_(buffer_values_[i]);
+      }
+    }
+    for (size_t i = 0; i < grad_holders_.size(); ++i) {
+      grad_holders_[i].mutable_grad() = grads_[i];
+    }
+    if (optimizer_ != nullptr) optimizer_->state().swap(optimizer_state_);
+    optimizer_state_.clear();  // the warm-up state, if any
+    rng_.restore();
+  }
+
+ private:
+  std::vector<at::Tensor> params_, buffers_, grad_holders_;
+  std::vector<at::Tensor> param_values_, buffer_values_, grads_;
+  torch::optim::Optimizer* optimizer_;
+  ska::flat_hash_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>> optimizer_state_;
+  RngSnapshot rng_;
+  bool restored_ = false;
+};
+
+// What a measured step needs.
+struct Step {
+  torch::nn::Sequential model{nullptr};
+  at::Tensor input;
+  std::function<at::Tensor(const at::Tensor&)> loss_fn;
+  torch::optim::Optimizer* optimizer = nullptr;
+  c10::Device device = c10::kCPU;
+  std::vector<at::Tensor> params, buffers, grad_holders;
+  // Bytes of the optimizer's state when its type is not one memstats knows (measured around
+  // the warm-up step); -1: count its tensors.
+  int64_t unknown_state_bytes = -1;
+
+  void clear_grads() const {
+    for (const auto& t : grad_holders) {
+      if (t.grad().defined()) t.mutable_grad().reset();
+    }
+  }
+
+  std::vector<at::Tensor> state_tensors() const {
+    if (optimizer == nullptr || unknown_state_bytes >= 0) return {};
+    return memstats::optimizer_state_tensors(*optimizer);
+  }
+
+  // The unique storages on the device of the parameters, buffers, optimizer state and input.
+  int64_t fixed_bytes() const {
+    std::unordered_set<const void*> seen;
+    int64_t total = 0;
+    auto add = [&](const at::Tensor& t) {
+      if (!t.defined() || t.device() != device) return;
+      const void* key = t.has_storage() ? static_cast<const void*>(t.storage().unsafeGetStorageImpl())
+                                        : static_cast<const void*>(t.unsafeGetTensorImpl());
+      if (seen.insert(key).second) total += storage_bytes(t);
+    };
+    for (const auto& p : params) add(p);
+    for (const auto& b : buffers) add(b);
+    for (const auto& s : state_tensors()) add(s);
+    add(input);
+    return total + std::max<int64_t>(unknown_state_bytes, 0);
+  }
+
+  at::Tensor loss_of(const at::Tensor& output) const {
+    at::Tensor loss = loss_fn ? loss_fn(output) : output.sum();
+    if (!loss.defined() || loss.numel() != 1 || !loss.is_floating_point()) {
+      std::ostringstream s;
+      s << "memlean::fit: loss_fn must return a scalar floating tensor, got ";
+      if (!loss.defined()) {
+        s << "an undefined tensor";
+      } else {
+        s << "a " << loss.scalar_type() << " tensor of shape " << loss.sizes();
+      }
+      throw std::invalid_argument(s.str());
+    }
+    if (!loss.requires_grad()) {
+      throw std::invalid_argument(
+          "memlean::fit: loss_fn returned a loss that does not require grad (is grad mode off, "
+          "or does the loss not depend on the model's output?)");
+    }
+    return loss;
+  }
+
+  // One training step through `run`, its peak as fit() counts it.
+  int64_t measure(const Runner& run) const {
+    at::AutoGradMode grad_mode(true);
+    clear_grads();
+    synchronize(device);
+    const int64_t fixed = fixed_bytes();
+    memstats::Tracker tracker(device);
+    const int64_t start = tracker.current();
+    {
+      at::Tensor output = run(input);
+      at::Tensor loss = loss_of(output);
+      loss.backward();
+    }
+    if (optimizer != nullptr) optimizer->step();
+    clear_grads();
+    synchronize(device);
+    tracker.stop();
+    return fixed + (tracker.peak() - start);
+  }
+};
+
+std::vector<at::Tensor> unique_tensors(const std::vector<at::Tensor>& tensors) {
+  std::unordered_set<const c10::TensorImpl*> seen;
+  std::vector<at::Tensor> out;
+  for (const auto& t : tensors) {
+    if (t.defined() && seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
+  }
+  return out;
+}
+
+bool all_digits(const std::string& s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+std::string path_of(int64_t b, int64_t e, const std::vector<std::string>& names) {
+  std::string path = e - b == 1 ? "layer " + std::to_string(b)
+                                : "layers " + std::to_string(b) + "-" + std::to_string(e - 1);
+  bool named = false;
+  for (int64_t i = b; i < e; ++i) named = named || !all_digits(names[i]);
+  if (named) {
+    path += " (" + names[b];
+    if (e - b > 1) path += e - b == 2 ? ", " + names[e - 1] : " .. " + names[e - 1];
+    path += ")";
+  }
+  return path;
+}
+
+}  // namespace
+
+at::Tensor FitPlan::forward(const at::Tensor& x) const {
+  TORCH_CHECK_VALUE(!model_.is_empty(),
+                    "memlean::fit::FitPlan::forward: this plan has no model (made by fit())");
+  const auto seq = model_.ptr();
+  const auto n = static_cast<int64_t>(seq->size());
+  at::Tensor h = x;
+  int64_t i = 0;
+  for (size_t k = 0; k < checkpointed.size(); ++k) {
+    const auto [b, e] = checkpointed[k];
+    for (; i < b; ++i) h = seq->begin()[i].forward(h);
+    h = memlean::checkpoint(runs_[k], h);
+    i = e;
+  }
+  for (; i < n; ++i) h = seq->begin()[i].forward(h);
+  return h;
+}
+
+std::string FitPlan::str() const {
+  std::ostringstream out;
+  double seconds = 0;
+  for (const auto& a : actions) seconds += a.recompute_seconds;
+  out << "memlean::fit: " << actions.size() << (actions.size() == 1 ? " checkpoint" : " checkpoints");
+  if (actions.empty()) out << " (the eager step fits the budget)";
+  out << "\n";
+  if (!actions.empty()) {
+    size_t w = 4;
+    for (const auto& a : actions) w = std::max(w, a.path.size());
+    char line[512];
+    std::snprintf(line, sizeof(line), "  %-*s  %-10s  %-34s  %s\n", static_cast<int>(w), "path",
+                  "action", "saves (predicted)", "recompute");
+    out << line;
+    for (const auto& a : actions) {
+      std::snprintf(line, sizeof(line), "  %-*s  %-10s  %-34s  %.3g ms\n", static_cast<int>(w),
+                    a.path.c_str(), a.action.c_str(), describe_bytes(a.bytes_saved).c_str(),
+                    a.recompute_seconds * 1e3);
+      out << line;
+    }
+  }
+  out << "  budget     " << describe_bytes(budget_bytes) << "\n"
+      << "  peak       " << describe_bytes(peak_bytes) << "  measured, one step under the plan\n"
+      << "  predicted  " << describe_bytes(predicted_peak_bytes) << "\n"
+      << "  eager      " << describe_bytes(eager_peak_bytes) << "  measured, before any change\n"
+      << "  fixed      " << describe_bytes(fixed_bytes)
+      << "  parameters, buffers, optimizer state, input\n";
+  if (!actions.empty()) {
+    char line[96];
+    std::snprintf(line, sizeof(line), "  recompute  %.3g ms per step (forward times, measured once)\n",
+                  seconds * 1e3);
+    out << line;
+  }
+  return out.str();
+}
+
+std::string FitPlan::to_json() const {
+  std::ostringstream out;
+  double seconds = 0;
+  for (const auto& a : actions) seconds += a.recompute_seconds;
+  out << "{\"budget_bytes\": " << budget_bytes << ", \"peak_bytes\": " << peak_bytes
+      << ", \"predicted_peak_bytes\": " << predicted_peak_bytes << ", \"fixed_bytes\": "
+      << fixed_bytes << ", \"eager_peak_bytes\": " << eager_peak_bytes
+      << ", \"recompute_seconds\": " << number(seconds) << ", \"checkpointed\": [";
+  for (size_t i = 0; i < checkpointed.size(); ++i) {
+    out << (i ? ", " : "") << "[" << checkpointed[i].first << ", " << checkpointed[i].second << "]";
+  }
+  out << "], \"actions\": [";
+  for (size_t i = 0; i < actions.size(); ++i) {
+    const FitAction& a = actions[i];
+    out << (i ? ", " : "") << "{\"path\": " << memstats::json_string(a.path)
+        << ", \"action\": " << memstats::json_string(a.action) << ", \"bytes_saved\": "
+        << a.bytes_saved << ", \"recompute_seconds\": " << number(a.recompute_seconds) << "}";
+  }
+  out << "]}";
+  return out.str();
+}
+
+FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_t budget_bytes,
+            FitOptions options) {
+  check_budget(budget_bytes, "budget_bytes");
+  if (model.is_empty()) {
+    throw std::invalid_argument("memlean::fit: model is an empty Sequential holder (nullptr)");
+  }
+  if (options.resolution < 1) {
+    throw std::invalid_argument("memlean::fit: options.resolution must be >= 1, got " +
+                                std::to_string(options.resolution));
+  }
+  std::vector<at::Tensor> params = model->parameters();
+  if (params.empty()) {
+    throw std::invalid_argument("memlean::fit: model has no parameters (nothing to train)");
+  }
+  if (!example_input.defined()) {
+    throw std::invalid_argument("memlean::fit: example_input is an undefined tensor");
+  }
+  const c10::Device device = params.front().device();
+  if (example_input.device() != device) {
+    throw std::invalid_argument("memlean::fit: example_input is on " + example_input.device().str() +
+                                " but the model's parameters are on " + device.str());
+  }
+  memstats::check_device(device);
+
+  Step step;
+  step.model = model;
+  step.input = example_input;
+  step.loss_fn = options.loss_fn;
+  step.optimizer = options.optimizer;
+  step.device = device;
+  if (options.optimizer != nullptr) {
+    for (const auto& group : options.optimizer->param_groups()) {
+      params.insert(params.end(), group.params().begin(), group.params().end());
+    }
+  }
+  step.params = unique_tensors(params);
+  step.buffers = unique_tensors(model->buffers());
+  step.grad_holders = step.params;
+  if (example_input.requires_grad() && example_input.is_leaf()) {
+    step.grad_holders.push_back(example_input);
+  }
+  memstats::enable();
+  Snapshot snapshot(step.params, step.buffers, step.grad_holders, options.optimizer, device);
+  const Runner eager = [&model](const at::Tensor& x) { return model->forward(x); };
+
+  // Warm-up: the optimizer makes its state (of the same sizes as the one moved out), and
+  // lazily allocated workspaces (cuBLAS's) are made before anything is measured.
+  {
+    step.clear_grads();
+    const int64_t before = memstats::memory_allocated(device);
+    (void)step.measure(eager);
+    if (options.optimizer != nullptr) {
+      try {
+        memstats::optimizer_state_tensors(*options.optimizer);
+      } catch (const c10::Error&) {
+        // A state memstats does not know: its bytes are what the warm-up step kept.
+        step.unknown_state_bytes =
+            std::max<int64_t>(0, memstats::memory_allocated(device) - before);
+      }
+    }
+  }
+
+  FitPlan result;
+  result.budget_bytes = budget_bytes;
+  result.eager_peak_bytes = step.measure(eager);
+  result.fixed_bytes = step.fixed_bytes();
+  if (result.eager_peak_bytes <= budget_bytes) {
+    result.peak_bytes = result.predicted_peak_bytes = result.eager_peak_bytes;
+    FitPlanAccess::set_runner(result, model);
+    snapshot.restore();
+    return result;
+  }
+
+  // What each layer keeps for backward, and its forward time: one forward, layer by layer,
+  // holding only the latest output (as a training forward does). Layer i allocates
+  // kept_i = (allocated after it) - (before it), its input still held; dropping that input
+  // then frees what no layer saved (freed_i: layer i - 1's output when layer i does not save
+  // it). What layer i keeps until backward is kept_i - freed_{i+1}. (measure_layer_costs
+  // keeps every output alive, so it counts outputs that the next layer does not save, e.g.
+  // a Linear's before a Tanh, and its sum exceeds what the forward keeps.)
+  const auto n = static_cast<int64_t>(model->size());
+  std::vector<double> seconds(n, 0.0);
+  std::vector<int64_t> kept(n, 0), freed(n + 1, 0), output_bytes(n, 0);
+  {
+    at::AutoGradMode grad_mode(true);
+    const auto seq = model.ptr();
+    at::Tensor h = example_input;
+    for (int64_t i = 0; i < n; ++i) {
+      synchronize(device);
+      const int64_t before = memstats::memory_allocated(device);
+      const auto t0 = Clock::now();
+      at::Tensor out = seq->begin()[i].forward(h);
+      synchronize(device);
+      seconds[i] = std::chrono::duration<double>(Clock::now() - t0).count();
+      const int64_t after = memstats::memory_allocated(device);
+      h = at::Tensor();
+      freed[i] = after - memstats::memory_allocated(device);
+      kept[i] = after - before;
+      output_bytes[i] = storage_bytes(out);
+      h = std::move(out);
+    }
+  }
+  Problem problem;
+  int64_t atoms = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    problem.atom_saved_bytes.push_back(std::max<int64_t>(0, kept[i] - freed[i + 1]));
+    atoms += problem.atom_saved_bytes.back();
+  }
+  problem.base_bytes = std::max<int64_t>(0, result.eager_peak_bytes - atoms);
+  // Candidates: every run [b, e) of layers. Checkpointed, it keeps its input (which layer b
+  // may not have saved: freed_b more bytes) and its output only where layer e saves it (the
+  // output's bytes less freed_e). While it is recomputed, besides base (which holds the
+  // eager backward's own temporaries, as the recompute's backward has its own), the kept
+  // bytes before it and its layers' saved bytes: its input, its recomputed output where layer
+  // e did not keep it, the output's gradient and the gradients of the parameters of layers b
+  // on. A run that ends at the last layer saves nothing at the peak (its backward comes
+  // first, right after it is recomputed): not a candidate.
+  std::vector<int64_t> output_kept(n, 0), grad_bytes(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    output_kept[i] = std::max<int64_t>(0, output_bytes[i] - freed[i + 1]);
+  }
+  {
+    std::unordered_set<const c10::TensorImpl*> seen;
+    const auto seq = model.ptr();
+    for (int64_t i = 0; i < n; ++i) {
+      for (const auto& p : seq->ptr(i)->parameters()) {
+        if (p.requires_grad() && p.device() == device &&
+            seen.insert(p.unsafeGetTensorImpl()).second) {
+          grad_bytes[i] += static_cast<int64_t>(p.nbytes());
+        }
+      }
+    }
+    for (int64_t i = n - 1; i >= 0; --i) grad_bytes[i] += grad_bytes[i + 1];
+  }
+  for (Candidate c : chain_candidates(problem.atom_saved_bytes, output_kept, seconds)) {
+    if (c.end == n) continue;
+    c.freed_bytes = std::max<int64_t>(0, c.freed_bytes - freed[c.begin]);
+    const int64_t out = output_bytes[c.end - 1];
+    c.recompute_extra_bytes =
+        freed[c.begin] + (out - output_kept[c.end - 1]) + out + grad_bytes[c.begin];
+    problem.candidates.push_back(c);
+  }
+
+  std::vector<std::string> names;
+  for (const auto& item : model->named_children()) names.push_back(item.key());
+  names.resize(n);
+
+  auto make = [&](const Plan& p) {
+    FitPlan f;
+    f.budget_bytes = budget_bytes;
+    f.eager_peak_bytes = result.eager_peak_bytes;
+    f.fixed_bytes = result.fixed_bytes;
+    f.predicted_peak_bytes = p.predicted_peak_bytes;
+    for (const int c : p.chosen) {
+      const Candidate& cand = problem.candidates[c];
+      f.checkpointed.emplace_back(cand.begin, cand.end);
+      f.actions.push_back({path_of(cand.begin, cand.end, names), "checkpoint", cand.freed_bytes,
+                           cand.seconds});
+    }
+    FitPlanAccess::set_runner(f, model);
+    return f;
+  };
+
+  // Plans measured: chosen -> measured peak; and the fastest measured to fit.
+  std::map<std::vector<int>, int64_t> measured;
+  std::optional<Plan> fastest;
+  // Plans for `target` and measures it (once per plan); its measured peak, or nullopt when
+  // nothing is predicted to fit.
+  auto attempt = [&](int64_t target) -> std::optional<int64_t> {
+    const Plan p = plan(problem, target, options.resolution);
+    if (!p.feasible) return std::nullopt;
+    auto it = measured.find(p.chosen);
+    if (it == measured.end()) {
+      int64_t peak = result.eager_peak_bytes;
+      if (!p.chosen.empty()) {
+        const FitPlan f = make(p);
+        peak = step.measure([&f](const at::Tensor& x) { return f.forward(x); });
+      }
+      it = measured.emplace(p.chosen, peak).first;
+      if (peak <= budget_bytes &&
+          (!fastest || p.recompute_seconds < fastest->recompute_seconds)) {
+        fastest = p;
+      }
+    }
+    return it->second;
+  };
+
+  // Plan for the budget; while the measured step exceeds it (the model is an estimate), lower
+  // the planner's budget by the excess. Once a plan fits after lowering, bisect back up for a
+  // faster one that fits.
+  std::optional<int64_t> low;           // a target whose plan fits
+  int64_t high = budget_bytes + 1;      // a target whose plan does not
+  int64_t target = budget_bytes;
+  for (int round = 0; round < kMaxRounds && target > 0; ++round) {
+    const auto peak = attempt(target);
+    if (!peak) break;
+    if (*peak <= budget_bytes) {
+      low = target;
+      break;
+    }
+    high = target;
+    target -= *peak - budget_bytes;
+  }
+  const Plan least = least_peak_plan(problem, options.resolution);
+  if (!low && least.feasible) {
+    // Nothing planned on the way down fits: the least-peak plan may.
+    if (const auto peak = attempt(least.predicted_peak_bytes); peak && *peak <= budget_bytes) {
+      low = least.predicted_peak_bytes;
+    }
+  }
+  if (low) {
+    for (int round = 0; round < kBisectRounds; ++round) {
+      if (high - *low <= std::max<int64_t>(budget_bytes / 200, 1)) break;
+      const int64_t middle = *low + (high - *low) / 2;
+      const auto peak = attempt(middle);
+      if (peak && *peak <= budget_bytes) {
+        low = middle;
+      } else {
+        high = middle;
+      }
+    }
+  }
+  if (fastest) {
+    FitPlan f = make(*fastest);
+    f.peak_bytes = measured.at(fastest->chosen);
+    snapshot.restore();
+    return f;
+  }
+
+  int64_t best = result.eager_peak_bytes;  // no checkpoint at all
+  for (const auto& [chosen, peak] : measured) best = std::min(best, peak);
+  snapshot.restore();
+  std::ostringstream msg;
+  msg << "memlean::fit: no choice of checkpoints fits budget_bytes = " << describe_bytes(budget_bytes)
+      << ": the least peak reached is " << describe_bytes(best)
+      << " (measured; the planner's least predicted peak is "
+      << describe_bytes(least.predicted_peak_bytes) << ", with " << least.chosen.size()
+      << (least.chosen.size() == 1 ? " checkpointed run" : " checkpointed runs") << " of the "
+      << n << " layers); the eager step peaks at " << describe_bytes(result.eager_peak_bytes)
+      << ", of which " << describe_bytes(result.fixed_bytes)
+      << " are parameters, buffers, optimizer state and input. Raise the budget to at least "
+      << best << " bytes, or lower the batch size.";
+  throw FitError(msg.str(), budget_bytes, best);
+}
+
+FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, const std::string& budget,
+            FitOptions options) {
+  return fit(std::move(model), example_input, parse_budget(budget, "budget"), std::move(options));
+}
+
+}  // namespace memlean::fit

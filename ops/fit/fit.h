@@ -1,0 +1,117 @@
+// memlean::fit for a torch::nn::Sequential: choose which runs of layers to checkpoint so that
+// one whole training step fits a memory budget, at the least recompute time, and check it by
+// measuring the step.
+//
+//   auto plan = memlean::fit::fit(model, x, "6GiB", {.loss_fn = loss, .optimizer = &adam});
+//   std::cout << plan.str();
+//   at::Tensor y = plan.forward(x);  // in the training loop, instead of model->forward(x)
+//
+// The budget is the peak of one training step (forward, loss, backward, optimizer step, the
+// gradients set to none) on the model's device, counted as: the bytes of the unique storages
+// of the parameters, buffers, optimizer state and the example input at the start of the step
+// (its gradients undefined), plus the most that memstats sees allocated above its value at the
+// start (exact on the CPU; CUDA: the caching allocator's allocated bytes).
+//
+// What fit() does: measures the eager step; if it fits, returns the empty plan. Otherwise it
+// runs the forward once layer by layer to measure what each layer keeps for backward (what
+// it allocates, less its input when it does not save it) and its forward time, plans with the
+// planner of planner.h (every run of layers but those ending at the last is a candidate, with
+// what its recompute adds: its input, its recomputed output, the output's gradient, the
+// gradients made by then), and measures one step under the plan. While the measured step
+// exceeds the budget it plans again with the planner's budget lowered by the excess (then the
+// least-peak plan); once a plan fits it bisects back up for a faster one, and returns the
+// fastest plan measured to fit. It never returns a plan whose measured step exceeds the
+// budget: when none fits it throws FitError, naming the least peak measured. Everything the
+// measurement steps touch is restored exactly before fit() returns or throws: parameters,
+// buffers, gradients, the optimizer's state (its state objects are the same ones) and the
+// RNG state (CPU and the model's device). While fit() runs, a copy of the parameters and
+// buffers and, if the optimizer has state, a second optimizer state of the same sizes are
+// alive outside the counted step.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace memlean::fit {
+
+// No choice of checkpoints fits the budget: the message names budget_bytes and the least peak
+// reached, in bytes and GiB.
+class FitError : public std::invalid_argument {
+ public:
+  FitError(const std::string& message, int64_t budget_bytes, int64_t least_peak_bytes)
+      : std::invalid_argument(message),
+        budget_bytes(budget_bytes),
+        least_peak_bytes(least_peak_bytes) {}
+  int64_t budget_bytes;
+  int64_t least_peak_bytes;  // measured: the least step peak fit() reached
+};
+
+struct FitOptions {
+  // The loss of the model's output: a scalar floating tensor. Default: output.sum().
+  std::function<at::Tensor(const at::Tensor& output)> loss_fn;
+  // Its step (and its state) is part of the training step; nullptr: no optimizer step.
+  torch::optim::Optimizer* optimizer = nullptr;
+  // The planner's resolution (planner.h).
+  int resolution = 4096;
+};
+
+// One chosen checkpoint.
+struct FitAction {
+  std::string path;    // "layers 3-5", "layer 2", with the layers' names when they have some
+  std::string action;  // "checkpoint"
+  int64_t bytes_saved = 0;         // predicted: the run's kept bytes minus its output
+  double recompute_seconds = 0;    // the run's forward time, measured once
+};
+
+// What fit() chose, and the runner of the Sequential under it.
+class FitPlan {
+ public:
+  int64_t budget_bytes = 0;
+  int64_t peak_bytes = 0;            // measured: one step under this plan
+  int64_t predicted_peak_bytes = 0;  // the planner's model of that peak
+  int64_t fixed_bytes = 0;           // parameters, buffers, optimizer state, example input
+  int64_t eager_peak_bytes = 0;      // measured: one step before any change
+  std::vector<FitAction> actions;    // in forward order
+  std::vector<std::pair<int64_t, int64_t>> checkpointed;  // [begin, end) runs, in order
+
+  // The Sequential on x: each run [b, e) of `checkpointed` through memlean::checkpoint (its
+  // layers' parameters and buffers given, so a BatchNorm updates its statistics once), the
+  // other layers as usual.
+  at::Tensor forward(const at::Tensor& x) const;
+  // A table for people: one row per action, then the budget, peak, predicted, eager and
+  // fixed lines.
+  std::string str() const;
+  // {"budget_bytes": ..., "peak_bytes": ..., "predicted_peak_bytes": ..., "fixed_bytes": ...,
+  //  "eager_peak_bytes": ..., "recompute_seconds": ..., "checkpointed": [[b, e], ...],
+  //  "actions": [{"path": ..., "action": ..., "bytes_saved": ..., "recompute_seconds": ...}]}
+  std::string to_json() const;
+
+  torch::nn::Sequential model() const { return model_; }
+
+ private:
+  friend struct FitPlanAccess;  // fit.cc
+  torch::nn::Sequential model_{nullptr};
+  std::vector<torch::nn::Sequential> runs_;  // one per checkpointed run: its layers
+};
+
+// Fits one training step of `model` on `example_input` into budget_bytes (see above).
+// std::invalid_argument / c10::Error naming the argument for: budget_bytes <= 0, an empty
+// model or one without parameters, an undefined example_input or one on another device than
+// the parameters, a loss that is not a scalar floating tensor, resolution < 1. FitError
+// (a std::invalid_argument) when no plan fits.
+FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_t budget_bytes,
+            FitOptions options = {});
+
+// The same with a budget written as text ("6GiB", "512MiB": parse_budget(budget, "budget")).
+FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input,
+            const std::string& budget, FitOptions options = {});
+
+}  // namespace memlean::fit

@@ -1,0 +1,358 @@
+// Tests of memlean::fit on a torch::nn::Sequential (CPU, exact bytes): every budget from the
+// least reachable to the eager peak is met by the measured step (fit's own number and one
+// measured here independently), gradients through the plan equal the plain ones, fit leaves
+// the model, optimizer and RNG as they were, and bad input is a clear error.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "ops/fit/budget.h"
+#include "ops/fit/fit.h"
+#include "runtime/memstats/memstats.h"
+#include "runtime/memstats/nn.h"
+
+namespace memlean::fit {
+namespace {
+
+constexpr int64_t kBatch = 1024, kIn = 32, kHidden = 128, kOut = 8;
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+// Activations (1 MiB per [1024, 128] float64 tensor) dominate the parameters (128 KiB per
+// hidden Linear).
+torch::nn::Sequential make_model() {
+  at::set_num_threads(1);  // steady on a busy machine (the bytes do not depend on it)
+  at::manual_seed(0);
+  namespace nn = torch::nn;
+  nn::Sequential m(nn::Linear(kIn, kHidden), nn::Tanh(), nn::Linear(kHidden, kHidden), nn::ReLU(),
+                   nn::BatchNorm1d(kHidden), nn::Linear(kHidden, kHidden), nn::Tanh(),
+                   nn::Linear(kHidden, kHidden), nn::ReLU(), nn::Linear(kHidden, kHidden),
+                   nn::Tanh(), nn::Linear(kHidden, kHidden), nn::Tanh(),
+                   nn::Linear(kHidden, kHidden), nn::Tanh(), nn::Linear(kHidden, kOut));
+  m->to(at::kDouble);
+  m->train();
+  return m;
+}
+
+struct Bench {
+  torch::nn::Sequential model = make_model();
+  at::Tensor x = at::randn({kBatch, kIn}, at::kDouble);
+  at::Tensor y = at::randn({kBatch, kOut}, at::kDouble);
+  torch::optim::SGD sgd{model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9)};
+
+  FitOptions options() {
+    FitOptions o;
+    const at::Tensor target = y;
+    o.loss_fn = [target](const at::Tensor& out) { return at::mse_loss(out, target); };
+    o.optimizer = &sgd;
+    o.resolution = 4096;
+    return o;
+  }
+  // One ordinary training step, so the optimizer has its state (as mid-training).
+  void train_step() {
+    sgd.zero_grad();
+    at::mse_loss(model->forward(x), y).backward();
+    sgd.step();
+    sgd.zero_grad();
+  }
+};
+
+int64_t bytes(const at::Tensor& t) { return static_cast<int64_t>(t.storage().nbytes()); }
+
+// The step's peak as the budget counts it, measured here (not with fit's code): the unique
+// storages of parameters, buffers, optimizer state and input, plus memstats' peak above the
+// start of forward, loss, backward, step and zero_grad. Changes the model (a real step).
+int64_t measure_step(Bench& s, const std::function<at::Tensor(const at::Tensor&)>& run) {
+  s.sgd.zero_grad();  // set_to_none
+  std::unordered_set<const void*> seen;
+  int64_t fixed = 0;
+  auto add = [&](const at::Tensor& t) {
+    if (t.defined() && seen.insert(t.storage().unsafeGetStorageImpl()).second) fixed += bytes(t);
+  };
+  for (const auto& p : s.model->parameters()) add(p);
+  for (const auto& b : s.model->buffers()) add(b);
+  for (const auto& t : memstats::optimizer_state_tensors(s.sgd)) add(t);
+  add(s.x);
+  memstats::Tracker tracker;
+  const int64_t start = tracker.current();
+  {
+    at::Tensor out = run(s.x);
+    at::mse_loss(out, s.y).backward();
+  }
+  s.sgd.step();
+  s.sgd.zero_grad();
+  tracker.stop();
+  return fixed + tracker.peak() - start;
+}
+
+struct Figures {
+  int64_t eager = 0, least = 0;
+};
+
+// The eager peak (a budget nothing needs to fit) and the least reachable peak (FitError's) of
+// a Bench after one training step, measured once for all the tests (each builds the same one).
+Figures figures() {
+  static const Figures f = [] {
+    Bench s;
+    s.train_step();
+    Figures r;
+    r.eager = fit(s.model, s.x, int64_t{1} << 40, s.options()).eager_peak_bytes;
+    try {
+      fit(s.model, s.x, int64_t{1}, s.options());
+      ADD_FAILURE() << "a 1-byte budget fitted";
+    } catch (const FitError& e) {
+      r.least = e.least_peak_bytes;
+    }
+    return r;
+  }();
+  return f;
+}
+
+std::vector<at::Tensor> clones(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : ts) out.push_back(t.defined() ? t.clone() : at::Tensor());
+  return out;
+}
+
+void expect_bitwise(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b,
+                    const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i].defined(), b[i].defined()) << what << " " << i;
+    if (a[i].defined()) {
+      EXPECT_TRUE(at::equal(a[i], b[i])) << what << " " << i << " changed";
+    }
+  }
+}
+
+TEST(Fit, EveryBudgetFromTheLeastToTheEagerPeakIsMet) {
+  Bench s;
+  s.train_step();
+  const Figures f = figures();
+  std::printf("eager peak %s, least reachable %s\n", describe_bytes(f.eager).c_str(),
+              describe_bytes(f.least).c_str());
+  ASSERT_GT(f.least, 0);
+  ASSERT_LT(f.least, f.eager * 17 / 20) << "checkpointing should save 15% of this step";
+  constexpr int kBudgets = 7;
+  int with_checkpoints = 0;
+  for (int k = 0; k < kBudgets; ++k) {
+    // From just above the least peak (which fit() reached once; another call may time the
+    // layers differently and choose other runs) to the eager peak.
+    const int64_t budget = f.least + (f.eager - f.least) * (k + 1) / kBudgets;
+    const FitPlan plan = fit(s.model, s.x, budget, s.options());
+    std::printf("budget %s: %zu checkpoints, peak %lld, predicted %lld, eager %lld\n",
+                describe_bytes(budget).c_str(), plan.actions.size(),
+                static_cast<long long>(plan.peak_bytes),
+                static_cast<long long>(plan.predicted_peak_bytes),
+                static_cast<long long>(plan.eager_peak_bytes));
+    EXPECT_EQ(plan.budget_bytes, budget);
+    EXPECT_EQ(plan.eager_peak_bytes, f.eager);
+    EXPECT_LE(plan.peak_bytes, budget);
+    EXPECT_EQ(plan.actions.size(), plan.checkpointed.size());
+    if (k == kBudgets - 1) {
+      EXPECT_TRUE(plan.checkpointed.empty()) << "the eager step fits its own peak";
+      EXPECT_EQ(plan.peak_bytes, f.eager);
+    } else {
+      EXPECT_FALSE(plan.checkpointed.empty()) << "budget " << budget << " < eager " << f.eager;
+    }
+    with_checkpoints += plan.checkpointed.empty() ? 0 : 1;
+    // Measured again here, independently of fit's own measurement.
+    const int64_t again = measure_step(s, [&plan](const at::Tensor& x) { return plan.forward(x); });
+    EXPECT_LE(again, budget) << plan.str();
+    EXPECT_EQ(again, plan.peak_bytes) << "the same step measured twice";
+    // The planner's prediction: within max(2%, 1 MiB) of the measured peak; exact for the
+    // eager step.
+    const int64_t tolerance = std::max<int64_t>(plan.peak_bytes / 50, kMiB);
+    EXPECT_LE(std::abs(plan.predicted_peak_bytes - plan.peak_bytes), tolerance) << plan.str();
+    if (plan.checkpointed.empty()) {
+      EXPECT_EQ(plan.predicted_peak_bytes, plan.peak_bytes);
+    }
+  }
+  EXPECT_EQ(with_checkpoints, kBudgets - 1);
+}
+
+TEST(Fit, GradientsAndBatchNormStatisticsThroughThePlanEqualThePlainOnes) {
+  Bench s;
+  s.train_step();
+  const Figures f = figures();
+  const FitPlan plan = fit(s.model, s.x, (f.least + f.eager) / 2, s.options());
+  ASSERT_FALSE(plan.checkpointed.empty());
+  const auto params = s.model->parameters();
+  const auto buffers = s.model->buffers();
+  const auto buffers_before = clones(buffers);
+
+  auto run = [&](bool planned) {
+    s.sgd.zero_grad();
+    const at::Tensor out = planned ? plan.forward(s.x) : s.model->forward(s.x);
+    at::mse_loss(out, s.y).backward();
+    std::vector<at::Tensor> grads;
+    for (const auto& p : params) grads.push_back(p.grad().clone());
+    auto stats = clones(buffers);
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(buffers_before[i]);
+    return std::make_pair(grads, stats);
+  };
+  const auto [planned_grads, planned_stats] = run(true);
+  const auto [plain_grads, plain_stats] = run(false);
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(at::allclose(planned_grads[i], plain_grads[i], 1e-10, 1e-12)) << "parameter " << i;
+  }
+  // BatchNorm's running statistics are updated once (not again by the recompute).
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    EXPECT_TRUE(at::allclose(planned_stats[i], plain_stats[i], 1e-12, 1e-14)) << "buffer " << i;
+    EXPECT_FALSE(at::equal(planned_stats[i], buffers_before[i])) << "buffer " << i;
+  }
+}
+
+TEST(Fit, LeavesParametersBuffersGradientsOptimizerStateAndRngAsTheyWere) {
+  Bench s;
+  s.train_step();
+  // Gradients left defined (a backward without a step), and Adam's state as well.
+  torch::optim::Adam adam(s.model->parameters(), torch::optim::AdamOptions(1e-3));
+  s.sgd.zero_grad();
+  at::mse_loss(s.model->forward(s.x), s.y).backward();
+  adam.step();
+  const auto params = s.model->parameters();
+  std::vector<at::Tensor> grads;
+  for (const auto& p : params) grads.push_back(p.grad());
+  const auto param_values = clones(params), buffer_values = clones(s.model->buffers());
+  const auto grad_values = clones(grads);
+  for (torch::optim::Optimizer* opt : {static_cast<torch::optim::Optimizer*>(&s.sgd),
+                                       static_cast<torch::optim::Optimizer*>(&adam)}) {
+    std::vector<const void*> state_objects;
+    for (const auto& p : params) state_objects.push_back(opt->state().at(p.unsafeGetTensorImpl()).get());
+    const auto state_values = clones(memstats::optimizer_state_tensors(*opt));
+    const at::Tensor rng = at::detail::getDefaultCPUGenerator().get_state();
+    FitOptions o = s.options();
+    o.optimizer = opt;
+    const int64_t eager = fit(s.model, s.x, int64_t{1} << 40, o).eager_peak_bytes;
+    const FitPlan plan = fit(s.model, s.x, eager - kMiB, o);  // a plan, measured
+    EXPECT_FALSE(plan.checkpointed.empty());
+    EXPECT_THROW(fit(s.model, s.x, int64_t{1}, o), FitError);  // and a failure
+    expect_bitwise(s.model->parameters(), param_values, "parameter");
+    expect_bitwise(s.model->buffers(), buffer_values, "buffer");
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(params[i].grad().is_same(grads[i])) << "gradient " << i << " replaced";
+    }
+    expect_bitwise(grads, grad_values, "gradient");
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_EQ(opt->state().at(params[i].unsafeGetTensorImpl()).get(), state_objects[i]);
+    }
+    EXPECT_EQ(opt->state().size(), params.size());
+    expect_bitwise(memstats::optimizer_state_tensors(*opt), state_values, "optimizer state");
+    EXPECT_TRUE(at::equal(at::detail::getDefaultCPUGenerator().get_state(), rng));
+  }
+  // An optimizer without state keeps none (fit's warm-up state is dropped).
+  torch::optim::SGD fresh(s.model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.5));
+  FitOptions o = s.options();
+  o.optimizer = &fresh;
+  fit(s.model, s.x, "1TiB", o);
+  EXPECT_TRUE(fresh.state().empty());
+  expect_bitwise(s.model->parameters(), param_values, "parameter");
+}
+
+TEST(Fit, ABudgetBelowTheLeastReachableIsAFitErrorNamingTheLeastPeak) {
+  Bench s;
+  s.train_step();
+  const Figures f = figures();
+  const int64_t fixed = fit(s.model, s.x, f.eager, s.options()).fixed_bytes;
+  for (const int64_t budget : {f.least / 2, fixed + 1}) {
+    try {
+      fit(s.model, s.x, budget, s.options());
+      ADD_FAILURE() << "budget " << budget << " fitted";
+    } catch (const FitError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("budget_bytes = " + describe_bytes(budget)), std::string::npos) << m;
+      EXPECT_NE(m.find("GiB"), std::string::npos) << m;
+      EXPECT_NE(m.find("the least peak reached is " + describe_bytes(e.least_peak_bytes)),
+                std::string::npos) << m;
+      EXPECT_GT(e.least_peak_bytes, budget);
+      EXPECT_LT(e.least_peak_bytes, f.eager);
+      EXPECT_EQ(e.budget_bytes, budget);
+    }
+  }
+  // FitError is a std::invalid_argument; the text form fails the same way.
+  EXPECT_THROW(fit(s.model, s.x, "1KiB", s.options()), std::invalid_argument);
+}
+
+template <typename F>
+void expect_invalid(F&& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an error containing: " << needle;
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(Fit, BadInputIsAnErrorNamingTheArgument) {
+  Bench s;
+  const FitOptions o = s.options();
+  expect_invalid([&] { fit(s.model, s.x, int64_t{0}, o); }, "budget_bytes must be > 0");
+  expect_invalid([&] { fit(s.model, s.x, int64_t{-5}, o); }, "budget_bytes must be > 0");
+  expect_invalid([&] { fit(s.model, s.x, "lots", o); }, "budget: ");
+  expect_invalid([&] { fit(s.model, s.x, "-1GiB", o); }, "budget: a negative budget");
+  expect_invalid([&] { fit(torch::nn::Sequential(nullptr), s.x, "1GiB", o); }, "model is an empty");
+  expect_invalid([&] { fit(torch::nn::Sequential(torch::nn::ReLU()), s.x, "1GiB", o); },
+                 "model has no parameters");
+  expect_invalid([&] { fit(s.model, at::Tensor(), "1GiB", o); },
+                 "example_input is an undefined tensor");
+  expect_invalid([&] { fit(s.model, at::empty({kBatch, kIn}, at::device(at::kMeta).dtype(at::kDouble)), "1GiB", o); },
+                 "example_input is on meta but the model's parameters are on cpu");
+  FitOptions vector_loss = o;
+  vector_loss.loss_fn = [](const at::Tensor& out) { return out; };
+  expect_invalid([&] { fit(s.model, s.x, "1GiB", vector_loss); },
+                 "loss_fn must return a scalar floating tensor, got a Double tensor of shape [1024, 8]");
+  FitOptions int_loss = o;
+  int_loss.loss_fn = [](const at::Tensor& out) { return out.sum().to(at::kLong); };
+  expect_invalid([&] { fit(s.model, s.x, "1GiB", int_loss); }, "loss_fn must return a scalar floating");
+  FitOptions resolution = o;
+  resolution.resolution = 0;
+  expect_invalid([&] { fit(s.model, s.x, "1GiB", resolution); }, "options.resolution must be >= 1");
+  // None of these changed the model: the default loss (output.sum()) and no optimizer work.
+  FitOptions plain;
+  const FitPlan p = fit(s.model, s.x, "1TiB", plain);
+  EXPECT_TRUE(p.checkpointed.empty());
+  EXPECT_TRUE(at::equal(p.forward(s.x), s.model->forward(s.x)));
+}
+
+TEST(Fit, TheTableAndTheJson) {
+  Bench s;
+  s.train_step();
+  const Figures f = figures();
+  const FitPlan plan = fit(s.model, s.x, (f.least + f.eager) / 2, s.options());
+  const std::string t = plan.str();
+  std::printf("%s", t.c_str());
+  EXPECT_NE(t.find("checkpoint"), std::string::npos);
+  EXPECT_NE(t.find("layers "), std::string::npos);
+  for (const char* line : {"budget", "peak", "predicted", "eager", "fixed"}) {
+    EXPECT_NE(t.find(std::string("  ") + line), std::string::npos) << line;
+  }
+  EXPECT_NE(t.find(describe_bytes(plan.peak_bytes)), std::string::npos);
+  const std::string j = plan.to_json();
+  std::printf("%s\n", j.c_str());
+  EXPECT_NE(j.find("\"peak_bytes\": " + std::to_string(plan.peak_bytes)), std::string::npos);
+  EXPECT_NE(j.find("\"budget_bytes\": " + std::to_string((f.least + f.eager) / 2)),
+            std::string::npos);
+  EXPECT_NE(j.find("\"action\": \"checkpoint\""), std::string::npos);
+  const auto [b, e] = plan.checkpointed.front();
+  EXPECT_NE(j.find("\"checkpointed\": [[" + std::to_string(b) + ", " + std::to_string(e) + "]"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace memlean::fit
