@@ -120,11 +120,8 @@ def setup(name, batch, size, device, seed=0):
 
 
 def storages(tensors):
-    found = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        found[(t.device, s.data_ptr())] = s.nbytes()
-    return found
+    """{storage key: bytes}: each storage once, however many tensors view it."""
+    return {memlean.memstats.storage_key(t): t.untyped_storage().nbytes() for t in tensors}
 
 
 def make_step(model, inputs, loss_fn, opt):

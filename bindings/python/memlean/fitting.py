@@ -46,6 +46,7 @@ savings are for eager mode (and LibTorch: memlean::fit).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import numbers
 import time
@@ -224,9 +225,9 @@ def _tensors(obj):
 
 
 def _key(t: torch.Tensor):
+    """(memstats.storage_key(t), its storage's bytes), or (None, 0) without a storage."""
     try:
-        storage = t.untyped_storage()
-        return (t.device, storage.data_ptr()), storage.nbytes()
+        return memstats.storage_key(t), t.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):  # no storage (sparse, nested, fake)
         return None, 0
 
@@ -248,7 +249,6 @@ class _Call:
     outputs: tuple = ()
     input_key: object = None  # the first tensor input's storage key (the Swish check)
     mutates_input: bool = False
-    returns_tensor: bool = False
 
 
 class _Dataflow(TorchDispatchMode):
@@ -314,9 +314,7 @@ class _Recorder:
         call.seq_end = self._seq() + 1
         tensors = _tensors((args, kwargs))
         call.mutates_input = any(t._version != v for t, v in zip(tensors, versions))
-        outs = _tensors(output)
-        call.returns_tensor = bool(outs)
-        call.outputs = tuple(_key(t) for t in outs)
+        call.outputs = tuple(_key(t) for t in _tensors(output))
         self.calls.append(call)
         self._next_atom()
 
@@ -345,13 +343,17 @@ class _Recorder:
 
 @dataclass
 class _Measured:
-    peak: int  # resident + the most allocated above it during the step
+    """A step's bytes: each the resident bytes plus what the step had allocated above them."""
+
     forward_backward_peak: int
-    forward_end: int  # bytes alive when the loss is computed
-    optimizer_peak: int
-    resident: int
-    seconds: float
+    forward_end: int  # when the loss is computed
+    optimizer_peak: int  # during optimizer.step() and zero_grad()
+    resident: int  # parameters, buffers, optimizer state, batch
     recorder: Optional[_Recorder] = None
+
+    @property
+    def peak(self) -> int:
+        return max(self.forward_backward_peak, self.optimizer_peak)
 
 
 class _Step:
@@ -388,17 +390,7 @@ class _Step:
             torch.cuda.synchronize(self.device)
         with memstats.track(self.device) as t:
             start = t.current
-            t0 = time.perf_counter()
-            if recorder is not None:
-                with recorder:
-                    if mode is not None:
-                        with mode:
-                            output = self.model(*self.inputs)
-                            loss = self.loss_fn(output)
-                    else:
-                        output = self.model(*self.inputs)
-                        loss = self.loss_fn(output)
-            else:
+            with recorder or contextlib.nullcontext(), mode or contextlib.nullcontext():
                 output = self.model(*self.inputs)
                 loss = self.loss_fn(output)
             if (not isinstance(loss, torch.Tensor) or loss.numel() != 1
@@ -422,13 +414,10 @@ class _Step:
                     p.grad = None
             if self.cuda:
                 torch.cuda.synchronize(self.device)
-            seconds = time.perf_counter() - t0
             optimizer_peak = t.peak
             del output, loss
-        return _Measured(resident + max(forward_backward, optimizer_peak) - start,
-                         resident + forward_backward - start, resident + forward_end - start,
-                         resident + optimizer_peak - start,
-                         resident, seconds, recorder)
+        return _Measured(resident + forward_backward - start, resident + forward_end - start,
+                         resident + optimizer_peak - start, resident, recorder)
 
 
 class _Saved:
@@ -440,8 +429,7 @@ class _Saved:
         self.params = [(p, p.detach().to("cpu", copy=True)) for p in model.parameters()]
         self.grads = [(p, p.grad) for p in model.parameters()]
         self.buffers = [(b, b.detach().to("cpu", copy=True)) for b in model.buffers()]
-        self.training = [(m, m.training) for m in model.modules()]
-        self.training_flags = {id(m): t for m, t in self.training}
+        self.training = {id(m): (m, m.training) for m in model.modules()}
         self.optimizer_state = None
         if optimizer is not None:
             state = optimizer.state_dict()
@@ -460,7 +448,7 @@ class _Saved:
                 b.copy_(saved)
         for p, g in self.grads:
             p.grad = g
-        for m, training in self.training:
+        for m, training in self.training.values():
             m.training = training
         if self.optimizer is not None:
             self.optimizer.load_state_dict(self.optimizer_state)
@@ -492,12 +480,12 @@ def _naive(module) -> bool:
     return type(module).__name__ == "Swish"  # timm's x * sigmoid(x)
 
 
-def _safe_in_place(call: _Call, flow: _Dataflow, recorder: _Recorder, preexisting) -> bool:
+def _safe_in_place(call: _Call, recorder: _Recorder) -> bool:
     """Overwriting this call's input is invisible to autograd and to the rest of the
     forward: the input is a tensor made in this forward, and either the call overwrote it
     already, or no op saved its storage before the call and no op reads it after."""
     key = call.input_key
-    if key is None or key in preexisting:
+    if key is None or key in recorder.preexisting:
         return False
     if call.mutates_input:
         # It overwrites its input already (nn.SiLU(inplace=True), timm's act layers) and
@@ -508,7 +496,7 @@ def _safe_in_place(call: _Call, flow: _Dataflow, recorder: _Recorder, preexistin
     saved_in = recorder.saved.get(key)
     if saved_in is not None and saved_in < call.begin:
         return False
-    return all(s <= call.seq_end - 1 for s in flow.reads.get(key, ()))
+    return all(s <= call.seq_end - 1 for s in recorder.dataflow.reads.get(key, ()))
 
 
 def _replace(model, old, new):
@@ -622,7 +610,7 @@ def _problem(measured: _Measured, root):
     candidates, calls = [], []
     for c in sorted(rec.calls, key=lambda c: (c.begin, -c.end)):
         if (c.module is root or counts[id(c.module)] != 1 or c.mutates_input
-                or not c.returns_tensor):
+                or not c.outputs):
             continue
         span = prefix[c.end] - prefix[c.begin]
         if span <= 0:
@@ -701,14 +689,19 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         eager = step.run(record=True, dataflow=True)
         fixed = eager.resident
         actions: List[FitAction] = []
+
+        def done(peak, predicted):
+            """The plan of what was changed so far, with the training state put back."""
+            saved.restore()
+            return FitPlan(budget, peak, predicted, fixed, eager.peak, actions, undo_steps,
+                           device, time.perf_counter() - started)
+
         if eager.peak <= budget:
-            return _finish(saved, FitPlan(budget, eager.peak, eager.peak, fixed, eager.peak, [],
-                                          [], device, time.perf_counter() - started))
+            return done(eager.peak, eager.peak)
 
         # 1. Swish, no recompute.
-        rec, flow = eager.recorder, None
-        flow = _flow_of(eager)
-        swapped = _swap_swish(model, rec, flow, undo_steps, saved.training_flags)
+        rec = eager.recorder
+        swapped = _swap_swish(model, rec, True, undo_steps, saved.training)
         current = eager
         if swapped:
             try:
@@ -718,16 +711,14 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                     raise
                 # The dataflow check missed something (an op it cannot see): no in-place swap.
                 undo_all()
-                swapped = _swap_swish(model, rec, None, undo_steps, saved.training_flags)
+                swapped = _swap_swish(model, rec, False, undo_steps, saved.training)
                 current = step.run(record=True) if swapped else eager
             saving = max(0, eager.peak - current.peak)
             total = sum(n for _, _, n in swapped) or 1
             actions += [FitAction(path, action, saving * n // total, 0.0)
                         for path, action, n in swapped]
             if current.peak <= budget:
-                return _finish(saved, FitPlan(budget, current.peak, current.peak, fixed, eager.peak,
-                                              actions, undo_steps, device,
-                                              time.perf_counter() - started))
+                return done(current.peak, current.peak)
 
         # 2. Checkpoints, planned; 3. verified and tightened.
         base, atoms, candidates, calls = _problem(current, model)
@@ -744,12 +735,9 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 return None
             chosen = tuple(chosen)
             if chosen not in tried:
-                measured, wraps = _try(step, model, calls, chosen)
-                for w in reversed(wraps):
-                    w()
-                tried[chosen] = measured.peak
-                if measured.peak <= budget and (fits is None or seconds < fits[3]):
-                    fits = (chosen, measured.peak, max(predicted, optimizer_peak), seconds)
+                tried[chosen] = peak = _measure_plan(step, calls, chosen)
+                if peak <= budget and (fits is None or seconds < fits[3]):
+                    fits = (chosen, peak, max(predicted, optimizer_peak), seconds)
             return chosen, tried[chosen]
 
         # Plan for the budget; over it (the model is an estimate), lower the target by the
@@ -786,15 +774,11 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             chosen, peak, predicted, _ = fits
             undo_steps.extend(_wrap(calls[i].module) for i in chosen)
             actions += _checkpoint_actions(calls, candidates, chosen, paths)
-            return _finish(saved, FitPlan(budget, peak, predicted, fixed, eager.peak, actions,
-                                          undo_steps, device, time.perf_counter() - started))
+            return done(peak, predicted)
         # No plan fits: name the least peak measured (the least-peak plan's, when tried).
         feasible, chosen, _, _ = _C.fit.least_peak_plan(base, atoms, candidates)
         if feasible and tuple(chosen) not in tried:
-            measured, wraps = _try(step, model, calls, tuple(chosen))
-            for w in reversed(wraps):
-                w()
-            tried[tuple(chosen)] = measured.peak
+            tried[tuple(chosen)] = _measure_plan(step, calls, chosen)
         least = min([current.peak] + list(tried.values()))
         raise FitError(
             f"{_NAME}: budget_bytes={budget} ({_gib(budget)}) is below the least step peak "
@@ -809,13 +793,10 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         raise
 
 
-def _flow_of(measured: _Measured):
-    return measured.recorder.dataflow
-
-
-def _swap_swish(model, rec: _Recorder, flow: Optional[_Dataflow], undo_steps, training) -> list:
-    """Swap the Swish modules of the recorded forward; returns (path, action, output bytes)
-    per swapped module. flow None: no in-place swap (memory-efficient where it saves)."""
+def _swap_swish(model, rec: _Recorder, in_place: bool, undo_steps, training) -> list:
+    """Swap the Swish modules of the recorded forward (recorded with the dataflow mode);
+    returns (path, action, output bytes) per swapped module. in_place False: memory-efficient
+    only, where it saves."""
     paths = _paths(model)
     by_module = {}
     for c in rec.calls:
@@ -825,8 +806,7 @@ def _swap_swish(model, rec: _Recorder, flow: Optional[_Dataflow], undo_steps, tr
     for calls in sorted(by_module.values(), key=lambda cs: cs[0].begin):
         module = calls[0].module
         beta = _swish_beta(module)
-        safe = flow is not None and all(
-            _safe_in_place(c, flow, rec, rec.preexisting) and c.outputs for c in calls)
+        safe = in_place and all(_safe_in_place(c, rec) and c.outputs for c in calls)
         if safe:
             variant = "inplace"
         elif _naive(module):
@@ -834,28 +814,25 @@ def _swap_swish(model, rec: _Recorder, flow: Optional[_Dataflow], undo_steps, tr
         else:
             continue
         replacement = Swish(beta=beta, variant=variant)
-        replacement.train(training.get(id(module), module.training))  # the caller's flag
+        replacement.train(training[id(module)][1] if id(module) in training  # the caller's
+                          else module.training)
         undo_steps.append(_replace(model, module, replacement))
         out_bytes = sum(n for c in calls for _, n in c.outputs[:1])
         swapped.append((paths.get(id(module), "?"), f"{variant} swish", out_bytes))
     return swapped
 
 
-def _try(step: _Step, model, calls, chosen):
+def _measure_plan(step: _Step, calls, chosen) -> int:
+    """The measured step peak with the chosen modules checkpointed (unwrapped again after)."""
     wraps = [_wrap(calls[i].module) for i in chosen]
     try:
-        return step.run(), wraps
-    except BaseException:
+        return step.run().peak
+    finally:
         for w in reversed(wraps):
             w()
-        raise
 
 
 def _checkpoint_actions(calls, candidates, chosen, paths):
     return [FitAction(paths.get(id(calls[i].module), "?"), "checkpoint", int(candidates[i][2]),
                       float(candidates[i][3])) for i in chosen]
 
-
-def _finish(saved: _Saved, plan: FitPlan) -> FitPlan:
-    saved.restore()
-    return plan
