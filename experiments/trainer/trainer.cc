@@ -3,7 +3,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/optim/adam.h>
@@ -31,11 +30,13 @@
 #include "ops/fit/fit.h"
 #include "runtime/memstats/nn.h"
 #include "runtime/memstats/report.h"
+#include "third_party/torch/devices.h"
 
 namespace memlean::trainer {
 namespace {
 
 using memstats::json_string;
+using memstats::json_number;
 
 using Clock = std::chrono::steady_clock;
 
@@ -117,12 +118,6 @@ FitChain fit_chain(const std::shared_ptr<models::Model>& model) {
   return f;
 }
 
-void synchronize(c10::Device device) {
-  if (device.is_cpu()) return;
-  const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
-  impl->synchronizeDevice(device.has_index() ? device.index() : impl->getDevice().index());
-}
-
 std::string mib(int64_t bytes) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%.2f", static_cast<double>(bytes) / (1 << 20));
@@ -138,13 +133,6 @@ std::string human_count(int64_t n) {
   } else {
     std::snprintf(buf, sizeof(buf), "%lld", static_cast<long long>(n));
   }
-  return buf;
-}
-
-std::string number(double v) {
-  if (!std::isfinite(v)) return "null";
-  char buf[40];
-  std::snprintf(buf, sizeof(buf), "%.10g", v);
   return buf;
 }
 
@@ -301,7 +289,7 @@ std::string summary(const Config& c, const Result& r) {
   out << "memlean trainer: " << c.model << " (" << human_count(r.num_parameters)
       << " parameters), activation " << c.activation_name() << ", checkpoint "
       << models::to_string(c.checkpoint) << ", batch " << c.batch << ", " << c.steps << " steps, "
-      << c.optimizer << " lr " << number(c.lr) << ", " << c.device << " (" << r.threads
+      << c.optimizer << " lr " << json_number(c.lr) << ", " << c.device << " (" << r.threads
       << " threads), " << r.data_description << "\n";
   char line[200];
   std::snprintf(line, sizeof(line),
@@ -373,8 +361,8 @@ std::string report_json(const Config& c, const Result& r) {
   out << "  \"config\": {\"model\": " << json_string(c.model) << ", \"activation\": "
       << json_string(c.activation_name()) << ", \"checkpoint\": " << json_string(models::to_string(c.checkpoint))
       << ", \"batch\": " << c.batch << ", \"steps\": " << c.steps << ", \"optimizer\": "
-      << json_string(c.optimizer) << ", \"lr\": " << number(c.lr) << ", \"momentum\": "
-      << number(c.momentum) << ", \"threads\": " << r.threads << ", \"device\": " << json_string(c.device)
+      << json_string(c.optimizer) << ", \"lr\": " << json_number(c.lr) << ", \"momentum\": "
+      << json_number(c.momentum) << ", \"threads\": " << r.threads << ", \"device\": " << json_string(c.device)
       << ", \"data\": " << json_string(c.data) << ", \"seed\": " << c.seed << ", \"loss\": "
       << json_string(c.loss_name()) << ", \"num_classes\": " << c.num_classes << ", \"image_size\": "
       << c.image_size << ", \"memory_budget\": "
@@ -383,11 +371,11 @@ std::string report_json(const Config& c, const Result& r) {
       << ", \"parameters\": " << r.num_parameters << "},\n";
   out << "  \"data\": " << json_string(r.data_description) << ",\n";
   out << "  \"loss\": [";
-  for (size_t i = 0; i < r.losses.size(); ++i) out << (i ? ", " : "") << number(r.losses[i]);
+  for (size_t i = 0; i < r.losses.size(); ++i) out << (i ? ", " : "") << json_number(r.losses[i]);
   out << "],\n";
-  out << "  \"seconds\": " << number(r.seconds) << ",\n";
-  out << "  \"steps_per_second\": " << number(r.steps_per_second) << ",\n";
-  out << "  \"steps_per_second_after_first\": " << number(r.steps_per_second_after_first) << ",\n";
+  out << "  \"seconds\": " << json_number(r.seconds) << ",\n";
+  out << "  \"steps_per_second\": " << json_number(r.steps_per_second) << ",\n";
+  out << "  \"steps_per_second_after_first\": " << json_number(r.steps_per_second_after_first) << ",\n";
   out << "  \"peak_bytes\": " << r.peak_bytes << ",\n";
   out << "  \"fit\": " << (r.fit_json.empty() ? "null" : r.fit_json) << ",\n";
   // The phase table: for each phase, one value per step.
@@ -415,7 +403,7 @@ std::string report_json(const Config& c, const Result& r) {
         << ", \"kept\": "
         << series([](const memstats::Mark& m) { return m.kept < 0 ? std::string("null") : std::to_string(m.kept); })
         << ", \"seconds\": [";
-    for (size_t i = 0; i < seconds.size(); ++i) out << (i ? ", " : "") << number(seconds[i]);
+    for (size_t i = 0; i < seconds.size(); ++i) out << (i ? ", " : "") << json_number(seconds[i]);
     out << "]}";
     first_phase = false;
   }

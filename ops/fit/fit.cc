@@ -4,7 +4,6 @@
 #include <ATen/ATen.h>
 #include <ATen/core/Generator.h>
 #include <ATen/core/grad_mode.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -25,6 +24,7 @@
 #include "runtime/memstats/memstats.h"
 #include "runtime/memstats/nn.h"
 #include "runtime/memstats/report.h"
+#include "third_party/torch/devices.h"
 
 namespace memlean::fit {
 
@@ -52,19 +52,6 @@ int64_t storage_bytes(const at::Tensor& t) {
   if (!t.defined()) return 0;
   if (t.has_storage()) return static_cast<int64_t>(t.storage().nbytes());
   return static_cast<int64_t>(t.nbytes());
-}
-
-void synchronize(c10::Device device) {
-  if (device.is_cpu()) return;
-  const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
-  impl->synchronizeDevice(device.has_index() ? device.index() : impl->getDevice().index());
-}
-
-std::string number(double v) {
-  if (!std::isfinite(v)) return "null";
-  char buf[40];
-  std::snprintf(buf, sizeof(buf), "%.10g", v);
-  return buf;
 }
 
 // The default generators of the CPU and of `device`, saved and put back.
@@ -315,7 +302,7 @@ std::string FitPlan::to_json() const {
   out << "{\"budget_bytes\": " << budget_bytes << ", \"peak_bytes\": " << peak_bytes
       << ", \"predicted_peak_bytes\": " << predicted_peak_bytes << ", \"fixed_bytes\": "
       << fixed_bytes << ", \"eager_peak_bytes\": " << eager_peak_bytes
-      << ", \"recompute_seconds\": " << number(seconds) << ", \"checkpointed\": [";
+      << ", \"recompute_seconds\": " << memstats::json_number(seconds) << ", \"checkpointed\": [";
   for (size_t i = 0; i < checkpointed.size(); ++i) {
     out << (i ? ", " : "") << "[" << checkpointed[i].first << ", " << checkpointed[i].second << "]";
   }
@@ -324,7 +311,8 @@ std::string FitPlan::to_json() const {
     const FitAction& a = actions[i];
     out << (i ? ", " : "") << "{\"path\": " << memstats::json_string(a.path)
         << ", \"action\": " << memstats::json_string(a.action) << ", \"bytes_saved\": "
-        << a.bytes_saved << ", \"recompute_seconds\": " << number(a.recompute_seconds) << "}";
+        << a.bytes_saved
+        << ", \"recompute_seconds\": " << memstats::json_number(a.recompute_seconds) << "}";
   }
   out << "]}";
   return out.str();

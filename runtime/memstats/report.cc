@@ -1,5 +1,6 @@
 #include "runtime/memstats/report.h"
 
+#include <cmath>
 #include <cstdio>
 
 namespace memlean::memstats {
@@ -24,6 +25,13 @@ std::string json_string(const std::string& s) {
     }
   }
   return out + "\"";
+}
+
+std::string json_number(double v) {
+  if (!std::isfinite(v)) return "null";
+  char buf[40];
+  std::snprintf(buf, sizeof(buf), "%.10g", v);
+  return buf;
 }
 
 std::string csv_field(const std::string& s) {
