@@ -159,11 +159,6 @@ int64_t storage_bytes(const at::Tensor& t) {
   return static_cast<int64_t>(t.nbytes());
 }
 
-at::Tensor run_layers(torch::nn::Sequential& sequential, int64_t begin, int64_t end, at::Tensor h) {
-  for (int64_t i = begin; i < end; ++i) h = sequential->begin()[i].forward(h);
-  return h;
-}
-
 }  // namespace
 
 namespace detail {
@@ -210,40 +205,72 @@ std::vector<LayerCost> measure_layer_costs(torch::nn::Sequential sequential,
   }
   return detail::measure_chain_costs(
       static_cast<int64_t>(sequential->size()),
-      [&](int64_t i, const at::Tensor& h) { return run_layers(sequential, i, i + 1, h); },
+      [&](int64_t i, const at::Tensor& h) { return sequential->begin()[i].forward(h); },
       buffers, sample, "memlean::measure_layer_costs");
 }
 
-at::Tensor checkpoint_sequential(torch::nn::Sequential sequential,
-                                 const std::vector<int64_t>& starts, const at::Tensor& x,
-                                 const CheckpointOptions& options) {
-  const auto n = static_cast<int64_t>(sequential->size());
-  check_segment_starts(starts, n, "memlean::checkpoint_sequential");
+namespace detail {
+
+at::Tensor checkpoint_chain(const std::shared_ptr<const Chain>& chain,
+                            const std::vector<int64_t>& starts, const at::Tensor& x,
+                            const CheckpointOptions& options) {
+  const int64_t n = chain->size();
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(chain->buffers.size()) == n,
+                        "memlean: a chain with ", n, " parameter lists but ",
+                        chain->buffers.size(), " buffer lists");
+  check_segment_starts(starts, n, chain->name.c_str());
+  auto run = [](const Chain& c, int64_t begin, int64_t end, at::Tensor h) {
+    for (int64_t i = begin; i < end; ++i) h = c.layer(i, h);
+    return h;
+  };
   at::Tensor h = x;
   for (size_t j = 0; j < starts.size(); ++j) {
     const int64_t s = starts[j];
     const int64_t e = j + 1 < starts.size() ? starts[j + 1] : n;
-    if (j + 1 == starts.size()) return run_layers(sequential, s, e, h);
+    if (j + 1 == starts.size()) return run(*chain, s, e, h);
 
+    Segment segment;
     std::vector<c10::IValue> args = {h};
-    std::vector<at::Tensor> buffers;
     std::unordered_set<const c10::TensorImpl*> seen;
     for (int64_t i = s; i < e; ++i) {
-      const auto module = sequential->ptr(i);
-      for (const auto& p : module->parameters()) {
-        if (seen.insert(p.unsafeGetTensorImpl()).second) args.emplace_back(p);
+      for (const auto& p : chain->parameters[i]) {
+        if (p.defined() && seen.insert(p.unsafeGetTensorImpl()).second) args.emplace_back(p);
       }
-      for (const auto& b : module->buffers()) {
-        if (b.defined() && seen.insert(b.unsafeGetTensorImpl()).second) buffers.push_back(b);
+      for (const auto& b : chain->buffers[i]) {
+        if (b.defined() && seen.insert(b.unsafeGetTensorImpl()).second) segment.buffers.push_back(b);
       }
     }
-    IValueFunction segment = [sequential, s, e](const std::vector<c10::IValue>& in) mutable {
-      return std::vector<c10::IValue>{run_layers(sequential, s, e, in[0].toTensor())};
+    segment.function = [chain, s, e, run](const std::vector<c10::IValue>& in) {
+      return std::vector<c10::IValue>{run(*chain, s, e, in[0].toTensor())};
     };
-    h = detail::checkpoint_impl({std::move(segment), std::move(buffers)}, 1, args, options)[0]
-            .toTensor();
+    segment.name = chain->name;
+    segment.how_to_list = chain->how_to_list;
+    if (chain->backward_in_full) {
+      segment.backward_in_full = [chain, s, e] { return chain->backward_in_full(s, e); };
+    }
+    h = checkpoint_impl(std::move(segment), 1, args, options)[0].toTensor();
   }
   return h;  // no layers
+}
+
+}  // namespace detail
+
+at::Tensor checkpoint_sequential(torch::nn::Sequential sequential,
+                                 const std::vector<int64_t>& starts, const at::Tensor& x,
+                                 const CheckpointOptions& options) {
+  auto chain = std::make_shared<detail::Chain>();
+  const auto n = static_cast<int64_t>(sequential->size());
+  chain->parameters.reserve(n);
+  chain->buffers.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto module = sequential->ptr(i);
+    chain->parameters.push_back(module->parameters());
+    chain->buffers.push_back(module->buffers());
+  }
+  chain->layer = [sequential](int64_t i, const at::Tensor& h) mutable {
+    return sequential->begin()[i].forward(h);
+  };
+  return detail::checkpoint_chain(chain, starts, x, options);
 }
 
 at::Tensor checkpoint_sequential(torch::nn::Sequential sequential, int64_t segments,

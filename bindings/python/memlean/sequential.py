@@ -8,8 +8,11 @@ checks of ops/checkpoint/sequential.h, so both languages plan and check alike).
     plan = memlean.plan_segments(memlean.measure_layer_costs(model, x), budget_bytes=2**30)
     y = memlean.checkpoint_sequential(model, plan, x)
 
-Each segment is a memlean.checkpoint (memlean/checkpoint.py): the same RNG, autocast,
-buffer and BatchNorm handling, and the same errors.
+One loop for both languages: memlean.checkpoint_sequential runs the C++
+memlean::checkpoint_sequential's loop (memlean._C.checkpoint_sequential) over the Python
+layers, each segment a memlean::checkpoint: the same RNG, autocast, buffer and BatchNorm
+handling, and the same errors, and a buffer shared by layers of a segment is copied and put
+back once.
 """
 import numbers
 from dataclasses import dataclass
@@ -18,7 +21,8 @@ from typing import List, Optional, Sequence
 import torch
 
 from memlean import _C
-from memlean.checkpoint import _describe, _run, module_parameters
+from memlean.checkpoint import (_BatchNormStatisticsKept, _describe, _fsdp_calls_noted,
+                                _module_buffers, module_parameters)
 
 __all__ = [
     "LayerCost",
@@ -134,14 +138,44 @@ def measure_layer_costs(functions, input: torch.Tensor) -> List[LayerCost]:
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{name}: input must be a tensor, got {_describe(input)}")
     buffers = [b for m in layers if isinstance(m, torch.nn.Module) for b in m.buffers()]
+    return [LayerCost(*c) for c in _C.measure_layer_costs(_Chain(name, layers), len(layers), buffers, input, name)]
 
-    def run(i, h):
-        out = layers[i](h)
+
+class _Chain:
+    """The layers of a Python chain as the C++ loop (memlean._C.checkpoint_sequential, and
+    memlean._C.measure_layer_costs) runs them: chain(i, h) is layer i's output on h, a
+    tensor (else a TypeError naming the layer). A layer that is not a module, recomputed,
+    has the statistics of the BatchNorms it calls put back (a module's buffers are put back
+    by the C++ loop); backward_in_full(begin, end) tells whether layers in [begin, end)
+    called FSDP2 modules in their forward."""
+
+    __slots__ = ("name", "layers", "fsdp_layers")
+
+    def __init__(self, name, layers):
+        self.name = name
+        self.layers = layers
+        self.fsdp_layers = set()
+
+    def __call__(self, i, h):
+        layer = self.layers[i]
+        if _C.is_recomputing():
+            if isinstance(layer, torch.nn.Module):
+                out = layer(h)
+            else:
+                with _BatchNormStatisticsKept():
+                    out = layer(h)
+        else:
+            found = []
+            with _fsdp_calls_noted(found):
+                out = layer(h)
+            if found:
+                self.fsdp_layers.add(i)
         if not isinstance(out, torch.Tensor):
-            raise TypeError(f"{name}: layer {i} returned {_describe(out)}, not a tensor")
+            raise TypeError(f"{self.name}: layer {i} returned {_describe(out)}, not a tensor")
         return out
 
-    return [LayerCost(*c) for c in _C.measure_layer_costs(run, len(layers), buffers, input, name)]
+    def backward_in_full(self, begin, end):
+        return any(begin <= i < end for i in self.fsdp_layers)
 
 
 def _segment_starts(segments, n):
@@ -188,39 +222,33 @@ def checkpoint_sequential(functions, segments, input, *, preserve_rng_state: boo
     Raises:
         TypeError or ValueError: segments that are not one of the above, or starts that
         are not increasing from 0 and below the number of layers (the C++
-        checkpoint_sequential's own checks, one specification).
+        checkpoint_sequential's own checks, one specification); an input or a layer's
+        output that is not a tensor.
 
     .. note::
         The last segment runs as usual: its backward comes first, so keeping its
         activations costs no more at the peak than recomputing them, and saves one
         recompute. Each other segment is a :func:`memlean.checkpoint` (RNG, autocast,
         buffers, BatchNorm counted once, the same errors); its modules' buffers are put back
-        after its recompute.
+        after its recompute, each once however many layers share it. The loop is the C++
+        memlean::checkpoint_sequential's (one implementation), calling the layers back.
     """
     layers = list(functions)
+    name = "memlean.checkpoint_sequential"
     starts = _segment_starts(segments, len(layers))
-    h = input
-    for j, s in enumerate(starts):
-        e = starts[j + 1] if j + 1 < len(starts) else len(layers)
-        segment = layers[s:e]
-        if j + 1 == len(starts):
-            for layer in segment:
-                h = layer(h)
-            return h
-        modules = [m for m in segment if isinstance(m, torch.nn.Module)]
-        params, seen = [], set()
-        for m in modules:
-            for p in module_parameters(m):
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
-        buffers = [b for m in modules for b in m.buffers()]
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"{name}: input must be a tensor, got {_describe(input)}")
+    if not isinstance(preserve_rng_state, bool):
+        raise TypeError(f"{name}: preserve_rng_state must be a bool, got {_describe(preserve_rng_state)}")
+    modules = [isinstance(m, torch.nn.Module) for m in layers]
+    return _C.checkpoint_sequential(
+        _Chain(name, layers),
+        [module_parameters(m) if is_module else [] for m, is_module in zip(layers, modules)],
+        [_module_buffers(m) if is_module else [] for m, is_module in zip(layers, modules)],
+        starts, input, preserve_rng_state, name, _HOW_TO_LIST)
 
-        def run(x, segment=segment):
-            for layer in segment:
-                x = layer(x)
-            return x
 
-        h = _run("memlean.checkpoint_sequential", run, 1, (h, *params), preserve_rng_state, buffers,
-                 len(modules) < len(segment))
-    return h
+# The remedy named when a recomputed segment reaches a tensor requiring grad that is not a
+# parameter of its modules (the C++ loop checks it and names this remedy).
+_HOW_TO_LIST = ("Make it a parameter of a module of the chain (a layer that is a plain function "
+                "cannot list tensors: make it an nn.Module that registers them).")

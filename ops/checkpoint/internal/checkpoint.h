@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -75,6 +76,36 @@ std::vector<LayerCost> measure_chain_costs(int64_t n_layers, const ChainLayer& l
                                            const at::Tensor& sample, const char* op);
 
 inline constexpr const char* kCheckpointName = "memlean::checkpoint";
+
+// A chain of layers as checkpoint_sequential runs it: the public form over a
+// torch::nn::Sequential, the Python one (memlean.checkpoint_sequential) over Python layers.
+// One loop (checkpoint_chain) for both, so they cannot drift.
+struct Chain {
+  // layer(i, h): layer i's output on h.
+  ChainLayer layer;
+  // Per layer, the parameters its forward uses and the buffers to put back after a
+  // recompute (one entry per layer; a tensor shared by layers is listed once per segment).
+  std::vector<std::vector<at::Tensor>> parameters;
+  std::vector<std::vector<at::Tensor>> buffers;
+  // How errors name the call, and the remedy for a tensor requiring grad that a layer uses
+  // but is not among the parameters.
+  std::string name = "memlean::checkpoint_sequential";
+  std::string how_to_list =
+      "Make it a parameter of a module of the chain (torch::nn::Module::register_parameter).";
+  // Optional; asked after the forward of the segment [begin, end): true when its layers
+  // gathered leaves of their own (FSDP2), see Segment::backward_in_full.
+  std::function<bool(int64_t begin, int64_t end)> backward_in_full;
+
+  int64_t size() const { return static_cast<int64_t>(parameters.size()); }
+};
+
+// checkpoint_sequential's loop: the chain run on x in the segments starting at `starts`
+// (checked: check_segment_starts), each but the last a checkpoint_impl segment whose
+// parameters and buffers are those of its layers, each tensor once. The segments' nodes
+// share the chain until their backward.
+at::Tensor checkpoint_chain(const std::shared_ptr<const Chain>& chain,
+                            const std::vector<int64_t>& starts, const at::Tensor& x,
+                            const CheckpointOptions& options);
 
 // A segment as checkpoint_impl runs it. The C++ forms set the function (and a module's
 // buffers); the Python checkpoint (memlean._C.checkpoint) also names itself in errors and

@@ -1,8 +1,8 @@
 // memlean._C: the checkpoint of //ops/checkpoint run with a Python function
 // (memlean.checkpoint is a thin layer over _C.checkpoint: one implementation for C++ and
 // Python), the segment planner (memlean.plan_segments), the segment-argument checks of
-// checkpoint_sequential, the recompute flag (memlean.is_recomputing) and the layer-cost
-// measurement (memlean.measure_layer_costs): one specification for both languages.
+// checkpoint_sequential and its loop, the recompute flag (memlean.is_recomputing) and the
+// layer-cost measurement (memlean.measure_layer_costs): one specification for both languages.
 #include "ops/checkpoint/python/checkpoint_bindings.h"
 
 #include <torch/csrc/Exceptions.h>
@@ -86,6 +86,21 @@ IValueFunction python_function(const std::shared_ptr<py::object>& run) {
   };
 }
 
+// A Python chain's layers as a detail::ChainLayer: run(i, h) runs layer i on h and returns a
+// tensor (the Python side raises the TypeError for anything else). Called from the autograd
+// engine's threads too (the recompute), so it takes the GIL.
+detail::ChainLayer python_layer(const std::shared_ptr<py::object>& run, const char* op) {
+  return [run, op](int64_t i, const at::Tensor& h) {
+    py::gil_scoped_acquire gil;
+    return keeping_python_errors([&] {
+      py::object out = (*run)(i, py::reinterpret_steal<py::object>(THPVariable_Wrap(h)));
+      TORCH_INTERNAL_ASSERT(THPVariable_Check(out.ptr()), op, ": layer ", i, " returned a ",
+                            Py_TYPE(out.ptr())->tp_name);
+      return THPVariable_Unpack(out.ptr());
+    });
+  };
+}
+
 }  // namespace
 
 void init_checkpoint(pybind11::module_& m) {
@@ -136,14 +151,8 @@ void init_checkpoint(pybind11::module_& m) {
       torch::wrap_pybind_function([](py::object run, int64_t n_layers,
                                      const std::vector<at::Tensor>& buffers,
                                      const at::Tensor& sample, const std::string& op) {
-        const detail::ChainLayer layer = [&run](int64_t i, const at::Tensor& h) {
-          return keeping_python_errors([&] {
-            py::object out = run(i, py::reinterpret_steal<py::object>(THPVariable_Wrap(h)));
-            TORCH_INTERNAL_ASSERT(THPVariable_Check(out.ptr()), "memlean._C.measure_layer_costs: "
-                                  "layer ", i, " returned a ", Py_TYPE(out.ptr())->tp_name);
-            return THPVariable_Unpack(out.ptr());
-          });
-        };
+        const detail::ChainLayer layer =
+            python_layer(hold(std::move(run)), "memlean._C.measure_layer_costs");
         std::vector<std::pair<int64_t, int64_t>> costs;
         for (const LayerCost& c : detail::measure_chain_costs(n_layers, layer, buffers, sample, op.c_str())) {
           costs.emplace_back(c.input_bytes, c.activation_bytes);
@@ -152,6 +161,39 @@ void init_checkpoint(pybind11::module_& m) {
       }),
       py::arg("run"), py::arg("n_layers"), py::arg("buffers"), py::arg("sample"), py::arg("op"),
       "memlean::measure_layer_costs over Python layers: memlean.measure_layer_costs's core (private).");
+  // memlean.checkpoint_sequential's core: memlean::checkpoint_sequential's loop
+  // (detail::checkpoint_chain) over a Python chain: run(i, h) runs layer i (see
+  // python_layer); parameters[i] and buffers[i] are layer i's; run.backward_in_full(begin,
+  // end) is asked after a segment's forward (FSDP2). Errors name `name`.
+  m.def(
+      "checkpoint_sequential",
+      torch::wrap_pybind_function([](py::object run,
+                                     std::vector<std::vector<at::Tensor>> parameters,
+                                     std::vector<std::vector<at::Tensor>> buffers,
+                                     const std::vector<int64_t>& starts, const at::Tensor& input,
+                                     bool preserve_rng_state, std::string name,
+                                     std::string how_to_list) {
+        const std::shared_ptr<py::object> held = hold(std::move(run));
+        auto chain = std::make_shared<detail::Chain>();
+        chain->layer = python_layer(held, "memlean._C.checkpoint_sequential");
+        chain->parameters = std::move(parameters);
+        chain->buffers = std::move(buffers);
+        chain->name = std::move(name);
+        chain->how_to_list = std::move(how_to_list);
+        chain->backward_in_full = [held](int64_t begin, int64_t end) {
+          py::gil_scoped_acquire gil;
+          return held->attr("backward_in_full")(begin, end).cast<bool>();
+        };
+        TORCH_CHECK(chain->parameters.size() == chain->buffers.size(), chain->name, ": ",
+                    chain->parameters.size(), " parameter lists but ", chain->buffers.size(),
+                    " buffer lists");
+        return detail::checkpoint_chain(chain, starts, input,
+                                        CheckpointOptions().preserve_rng_state(preserve_rng_state));
+      }),
+      py::arg("run"), py::arg("parameters"), py::arg("buffers"), py::arg("starts"),
+      py::arg("input"), py::arg("preserve_rng_state"), py::arg("name"), py::arg("how_to_list"),
+      "memlean::checkpoint_sequential's loop over Python layers: "
+      "memlean.checkpoint_sequential's core (private).");
   m.def(
       "plan_segments",
       [](const std::vector<int64_t>& input_bytes, const std::vector<int64_t>& activation_bytes,

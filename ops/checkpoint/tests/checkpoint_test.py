@@ -437,6 +437,46 @@ def test_torch_batchnorm_in_checkpoint_sequential_is_updated_once():
     assert_same(list(ckpt.buffers()), list(plain.buffers()))
 
 
+class _Counts(nn.Module):
+    """x -> tanh(x) + buf[0], adding 1 to every element of its buffer in each forward (a
+    running statistic); `registered`: whether buf is its buffer or only read through it."""
+
+    def __init__(self, buf, registered):
+        super().__init__()
+        if registered:
+            self.register_buffer("buf", buf)
+        else:
+            self.__dict__["buf"] = buf
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.buf.add_(1)
+        return torch.tanh(x) + self.buf[0]
+
+
+@pytest.mark.parametrize("holders", ["both", "first"])
+def test_checkpoint_sequential_restores_a_shared_buffer_once(holders):
+    # Two layers of one checkpointed segment hold the same buffer of 2**20 floats. It is
+    # copied before the segment's recompute and put back after it once: the step's peak is
+    # that of a chain where only the first layer holds it (a second copy would add 4 MiB),
+    # it is 4 MiB above a chain where no layer holds it (the one copy), and the buffer has
+    # each forward's update (2), not the recompute's.
+    def peak(registered):
+        with memlean.memstats.track("cpu") as t:  # everything made and freed inside
+            buf = torch.zeros(2 ** 20)
+            layers = [_Counts(buf, registered[0]), _Counts(buf, registered[1]), nn.Tanh()]
+            x = torch.randn(4, requires_grad=True)
+            memlean.checkpoint_sequential(layers, [0, 2], x).sum().backward()
+            del layers, x
+        assert t.current == buf.nbytes
+        assert torch.equal(buf, torch.full_like(buf, 2.0 if any(registered) else 4.0))
+        return t.peak
+
+    shared = peak((True, True) if holders == "both" else (True, False))
+    assert shared == peak((True, False))
+    assert shared == peak((False, False)) + 4 * 2 ** 20
+
+
 class _ScaledMasked(nn.Module):
     def __init__(self):
         super().__init__()
