@@ -124,8 +124,8 @@ std::string describe(const c10::IValue& v) {
   return std::string("a value of type ") + v.tagKind();
 }
 
-// Positions of the defined tensors among the outputs; checks that there is one and that
-// none hides inside a container.
+// Positions of the defined tensors among the outputs; checks that none hides inside a
+// container. (None at all is fine: there is then nothing to differentiate.)
 std::vector<int64_t> tensor_output_slots(const std::vector<c10::IValue>& outputs,
                                          const std::string& name) {
   std::vector<int64_t> slots;
@@ -138,14 +138,6 @@ std::vector<int64_t> tensor_output_slots(const std::vector<c10::IValue>& outputs
                   "); return tensors at the top level of the output list so that they get "
                   "gradients");
     }
-  }
-  if (slots.empty()) {
-    std::ostringstream got;
-    for (size_t i = 0; i < outputs.size(); ++i) got << (i ? ", " : "") << describe(outputs[i]);
-    TORCH_CHECK(false, name, ": the function returned no tensor (it returned ", outputs.size(),
-                " value", outputs.size() == 1 ? "" : "s",
-                outputs.empty() ? "" : ": " + got.str(),
-                "); a checkpointed function must return at least one defined tensor");
   }
   return slots;
 }
@@ -206,12 +198,14 @@ void check_no_unlisted_dependency(const variable_list& outputs, const variable_l
 // silently get no gradient: an error naming `op`, then `how_to_list`, the caller's remedy),
 // then torch::autograd::grad with allow_unused (undefined for a target the outputs do not
 // use).
+// With create_graph (a double backward to come), the gradients keep their graph, which holds
+// the recomputed one.
 variable_list recomputed_grad(const variable_list& outputs, const variable_list& targets,
-                              const variable_list& grads, const char* op,
+                              const variable_list& grads, bool create_graph, const char* op,
                               const char* how_to_list) {
   check_no_unlisted_dependency(outputs, targets, op, how_to_list);
-  return torch::autograd::grad(outputs, targets, grads, /*retain_graph=*/false,
-                               /*create_graph=*/false, /*allow_unused=*/true);
+  return torch::autograd::grad(outputs, targets, grads, /*retain_graph=*/create_graph,
+                               create_graph, /*allow_unused=*/true);
 }
 
 // ---- the autograd node -------------------------------------------------------------
@@ -267,7 +261,7 @@ class CheckpointBackward : public torch::autograd::Node {
 
  private:
   // Like Python's @once_differentiable: with create_graph the gradients are returned, but
-  // differentiating them again raises an error.
+  // differentiating them again raises an error (a segment whose backward runs in full).
   void mark_once_differentiable(variable_list& grads) const;
 
   SegmentState state_;
@@ -287,13 +281,19 @@ variable_list CheckpointBackward::apply(variable_list&& grad_outputs) {
   const bool create_graph = at::GradMode::is_enabled();
   const size_t n_in = state.input_tensor_slots.size();
 
-  // Inputs: detached, so that the recomputed graph ends at them. Parameters: as they are
-  // (the function reads them from its closure).
+  // Inputs: detached, so that the recomputed graph ends at them; but for a double backward
+  // (create_graph) as they are, so that the gradients' graph reaches back through them (the
+  // gradients are still taken with respect to them, so backward stops there). Parameters:
+  // as they are (the function reads them from its closure).
+  const bool double_backward = create_graph && !state.backward_in_full;
   std::vector<c10::IValue> inputs = state.inputs;
   variable_list args(saved_.size());
   for (size_t i = 0; i < saved_.size(); ++i) {
     at::Tensor t = saved_[i].unpack();  // an error if it was modified in place since
-    if (i < n_in) {
+    if (i < n_in && double_backward) {
+      args[i] = std::move(t);
+      inputs[state.input_tensor_slots[i]] = args[i];
+    } else if (i < n_in) {
       args[i] = t.detach();
       args[i].requires_grad_(t.requires_grad());
       inputs[state.input_tensor_slots[i]] = args[i];
@@ -353,12 +353,14 @@ variable_list CheckpointBackward::apply(variable_list&& grad_outputs) {
       }
     }
     if (!outs.empty() && !targets.empty()) {
-      variable_list g = recomputed_grad(outs, targets, grads, name.c_str(),
+      variable_list g = recomputed_grad(outs, targets, grads, double_backward, name.c_str(),
                                         state.segment.how_to_list.c_str());
       for (size_t j = 0; j < g.size(); ++j) result[target_index[j]] = std::move(g[j]);
     }
   }
-  if (create_graph) mark_once_differentiable(result);
+  // FSDP2's full backward runs the recomputed graph's backward for its side effects (the
+  // gathered parameters' gradients): no double backward through that.
+  if (create_graph && !double_backward) mark_once_differentiable(result);
   return result;
 }
 
@@ -374,7 +376,7 @@ void CheckpointBackward::mark_once_differentiable(variable_list& grads) const {
   if (inputs.empty()) return;
   auto error = torch_compat::make_node<torch::autograd::DelayedError>(
       state_.segment.name + ": double backward (a backward with create_graph) through a "
-      "checkpoint is not supported",
+      "checkpoint whose function called FSDP2 modules is not supported",
       static_cast<int64_t>(inputs.size()));
   variable_list wrapped = error->apply(std::move(inputs));
   for (size_t j = 0; j < where.size(); ++j) grads[where[j]] = wrapped[j];
@@ -459,10 +461,15 @@ std::vector<c10::IValue> checkpoint_impl(detail::Segment segment, int64_t n_inpu
   }
   state.n_outputs = outputs.size();
   state.output_tensor_slots = tensor_output_slots(outputs, name);
+  bool any_differentiable = false;
   for (int64_t slot : state.output_tensor_slots) {
     state.differentiable.push_back(
         torch::autograd::isDifferentiableType(outputs[slot].toTensor().scalar_type()));
+    any_differentiable = any_differentiable || state.differentiable.back();
   }
+  // No output to differentiate (no tensor, as torch's checkpoint allows, or integer ones
+  // only): nothing to recompute, the outputs are the function's.
+  if (!any_differentiable) return outputs;
   state.backward_in_full = segment.backward_in_full && segment.backward_in_full();
   segment.backward_in_full = nullptr;  // asked once (it may hold what the function holds)
   state.segment = std::move(segment);

@@ -58,8 +58,10 @@ using IValueFunction =
 
 // Checkpointed function(inputs_and_params[0, n_inputs)). The parameters,
 // inputs_and_params[n_inputs, end), must be defined tensors. Returns the function's
-// outputs; at least one must be a defined tensor. Without grad mode, or when no input or
-// parameter requires grad, this simply calls the function.
+// outputs (a function that returns no floating-point tensor has nothing to recompute: its
+// outputs are returned as they are). Without grad mode, or when no input or parameter
+// requires grad, this simply calls the function. Double backward (create_graph) works: the
+// recompute then keeps the inputs' history, and the gradients are differentiable.
 std::vector<at::Tensor> checkpoint(const TensorFunction& function, int64_t n_inputs,
                                    const std::vector<at::Tensor>& inputs_and_params,
                                    const CheckpointOptions& options = {});

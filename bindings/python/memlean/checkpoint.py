@@ -229,15 +229,6 @@ def _check_arguments(name, function, length, args):
             )
 
 
-def _check_outputs(name, leaves):
-    if not any(isinstance(x, torch.Tensor) for x in leaves):
-        got = ", ".join(_describe(x) for x in leaves) or "nothing"
-        raise TypeError(
-            f"{name}: the function returned no tensor (it returned {got}); a checkpointed "
-            f"function must return at least one tensor"
-        )
-
-
 # The remedy named when the recomputed graph reaches a leaf the checkpoint was not given
 # (the C++ checkpoint behind _C.checkpoint checks it and names this remedy).
 _HOW_TO_LIST = ("Pass it in params= (memlean.checkpoint) or among the parameters after the n "
@@ -312,8 +303,7 @@ class _Segment:
         if isinstance(outputs, torch.Tensor):
             self.is_tensor = _ONE_TENSOR
             return [outputs]
-        leaves, self.spec = tree_flatten(outputs)
-        _check_outputs(self.name, leaves)
+        leaves, self.spec = tree_flatten(outputs)  # no tensor among them: nothing to recompute
         self.is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
         self.leaves = leaves
         return [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -339,9 +329,7 @@ def _run(name, function, length, args, preserve_rng_state, buffers, watch_batchn
     if not torch.is_grad_enabled():
         # Nothing to differentiate (no_grad, inference): an ordinary call. (Without an input
         # or parameter that requires grad, _C.checkpoint makes it an ordinary call too.)
-        outputs = function(*inputs)
-        _check_outputs(name, _flatten(outputs)[0])
-        return outputs
+        return function(*inputs)
     segment = _Segment(name, function, inputs, watch_batchnorm)
     tensors = _C.checkpoint(segment, inputs, args[length:], preserve_rng_state, buffers, name,
                             _HOW_TO_LIST)
@@ -365,9 +353,9 @@ def checkpoint(function: Callable, *args, params: Optional[Sequence[torch.Tensor
     Args:
         function (Callable): an ``nn.Module`` (its parameters are collected, and its buffers
             are restored after the recompute), or any callable.
-        *args: its inputs. Tensors that require grad get gradients; anything else is passed
-            through as it is. Its output may be any structure (tensor, tuple, list, dict ...)
-            holding at least one tensor.
+        *args: its inputs. Tensors that require grad get gradients, also inside lists,
+            tuples and dicts; anything else is passed through as it is. Its output may be any structure (tensor, tuple, list, dict ...);
+            one without a floating-point tensor is returned as it is (nothing to recompute).
         **kwargs: its keyword inputs (``layer(x, attn_mask=m)``), treated as the positional
             ones: tensors are saved and recomputed, and get gradients when they require
             grad; anything else is passed through. (``params`` and ``preserve_rng_state``
@@ -386,15 +374,17 @@ def checkpoint(function: Callable, *args, params: Optional[Sequence[torch.Tensor
             modifies an input in place; in backward, if it returns something else when
             recomputed, or on a second backward through it without ``retain_graph=True``
             in the first.
-        TypeError: for a ``function`` that is not callable, a non-bool
-            ``preserve_rng_state``, or an output without a tensor.
+        TypeError: for a ``function`` that is not callable or a non-bool
+            ``preserve_rng_state``.
 
     .. note::
         BatchNorm is updated once: a Module's buffers (its tree's) are put back after the
         recompute, and for a plain function every torch ``_BatchNorm`` module its recompute
         calls has its running statistics put back as the forward left them. Double backward
-        (``create_graph=True``) through a checkpoint is an error, raised when the second
-        backward reaches it. Under ``torch.compile`` the checkpoint runs as in eager mode.
+        (``create_graph=True``, e.g. a gradient penalty) works as without a checkpoint:
+        the recompute then keeps the inputs' history, so the gradients are differentiable
+        (an FSDP2 segment is the exception: a clear error when the second backward reaches
+        it). Under ``torch.compile`` the checkpoint runs as in eager mode.
         See the module docstring for DDP, FSDP2 and torch.compile.
     """
     name = "memlean.checkpoint"
@@ -414,20 +404,25 @@ def checkpoint(function: Callable, *args, params: Optional[Sequence[torch.Tensor
                  watch_batchnorm=not isinstance(function, torch.nn.Module))
 
 
+_CONTAINERS = (list, tuple, dict)
+
+
 def _call(name, function, args, kwargs, listed, buffers, preserve_rng_state, watch_batchnorm):
     """function(*args, **kwargs) checkpointed, `listed` its parameters, `buffers` put back
     after the recompute: memlean.checkpoint's core, and memlean.fit's for a module whose
     forward it wraps (function: the module's own forward, listed and buffers: its tree's)."""
-    if kwargs:
-        # Keyword inputs travel as positional inputs after *args, and are handed back by
-        # name: one path for saving, recomputing and differentiating every input.
-        positional, names = len(args), tuple(kwargs)
+    if kwargs or any(isinstance(a, _CONTAINERS) for a in args):
+        # Keyword inputs, and tensors inside lists, tuples and dicts, travel as positional
+        # inputs (the leaves of the arguments) and are handed back in their places: one path
+        # for saving, recomputing and differentiating every input tensor.
+        leaves, spec = tree_flatten((args, kwargs))
         target = function
 
         def function(*inputs):  # noqa: F811  (the callable the checkpoint runs)
-            return target(*inputs[:positional], **dict(zip(names, inputs[positional:])))
+            a, k = tree_unflatten(list(inputs), spec)
+            return target(*a, **k)
 
-        args = args + tuple(kwargs[k] for k in names)
+        args = tuple(leaves)
     return _run(name, function, len(args), args + tuple(listed), preserve_rng_state, buffers,
                 watch_batchnorm)
 
