@@ -81,8 +81,8 @@ class FitAction:
     """One change fit made. action: "inplace swish", "memory_efficient swish" or
     "checkpoint". bytes_saved: for a checkpoint, the saved bytes it frees under the planner's
     model; for a Swish, the measured saving of all swaps shared in proportion to the
-    activations' output bytes. recompute_seconds: the module's measured forward time (0 for a
-    Swish)."""
+    activations' output bytes. recompute_seconds: the module's measured forward time (the mean
+    over the modules that do the same work, e.g. a model's repeated blocks; 0 for a Swish)."""
 
     path: str
     action: str
@@ -634,9 +634,28 @@ def _problem(measured: _Measured, root):
         # While it is recomputed: the gradients made after it and its output's gradient.
         extra = max(0, grad_bytes[c.begin] + sum(n for key, n in c.outputs if key is not None)
                     - backward_extra)
-        candidates.append((c.begin, c.end, max(0, span - kept), float(c.seconds), extra))
+        candidates.append([c.begin, c.end, max(0, span - kept), float(c.seconds), extra])
         calls.append(c)
-    return base, atoms, candidates, calls
+    _same_time_for_twins(candidates, calls)
+    return base, atoms, [tuple(c) for c in candidates], calls
+
+
+def _same_time_for_twins(candidates, calls):
+    """Gives candidates that do the same work (same module class, parameter shapes, input and
+    output sizes) one recompute time, their mean: the repeated blocks of a model cost the
+    same, and timing noise must not decide which of them is recomputed. The planner then
+    breaks the tie by the lower peak, so the plan depends on the budget alone, not on the
+    noise of one measurement (a fitted peak that rose as the budget fell came from that)."""
+    groups = {}
+    for i, c in enumerate(calls):
+        signature = (type(c.module), tuple((tuple(p.shape), p.dtype) for p in c.module.parameters()),
+                     tuple(n for _, n in c.inputs), tuple(n for _, n in c.outputs))
+        groups.setdefault(signature, []).append(i)
+    for members in groups.values():
+        if len(members) > 1:
+            mean = sum(candidates[i][3] for i in members) / len(members)
+            for i in members:
+                candidates[i][3] = mean
 
 
 def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,

@@ -1,0 +1,183 @@
+"""A model fitted by memlean.fit, then wrapped for data parallelism, trains as one process
+does: two processes (gloo on 127.0.0.1) fit the same model to the same budget (one that
+needs checkpoints and swaps its SiLUs), then wrap it in DistributedDataParallel or shard it
+with FSDP2 (fully_shard on each block and the root), and train two steps on half the batch
+each. Every step's gradients equal those of one process training the same fitted model on
+the whole batch, and BatchNorm counts each training forward once.
+
+fit is called before wrapping (docs/fit.md): it measures and changes the plain module.
+Without SyncBatchNorm each rank normalizes with its own half's statistics, so the reference
+averages the losses of the two halves: exactly the gradient DDP and FSDP average.
+
+The test ends in bounded time even if a rank fails or hangs (ranks.py).
+"""
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import memlean
+from ranks import TIMEOUT, run_ranks
+
+D = torch.float64
+WORLD = 2
+BATCH = 8  # global; each rank takes half
+STEPS = 2
+LR = 0.1
+DEADLINE_S = 300
+CONFIGS = ["ddp", "fsdp"]
+
+
+class Block(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.conv1, self.bn1, self.act1 = nn.Conv2d(w, w, 3, padding=1), nn.BatchNorm2d(w), nn.SiLU()
+        self.conv2, self.bn2, self.act2 = nn.Conv2d(w, w, 3, padding=1), nn.BatchNorm2d(w), nn.SiLU()
+
+    def forward(self, x):
+        return x + self.act2(self.bn2(self.conv2(self.act1(self.bn1(self.conv1(x))))))
+
+
+class Net(nn.Module):
+    def __init__(self, w=6, blocks=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Sequential(nn.Conv2d(3, w, 3, padding=1), nn.BatchNorm2d(w), nn.SiLU())
+        self.blocks = nn.ModuleList(Block(w) for _ in range(blocks))
+        self.head = nn.Linear(w, 5)
+        self.to(D)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h.mean((2, 3)))
+
+
+N_BN = 1 + 2 * 4
+
+
+def halves():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, 3, 12, 12, generator=g, dtype=D)
+    y = torch.randint(0, 5, (BATCH,), generator=g)
+    n = BATCH // WORLD
+    return [(x[r * n:(r + 1) * n], y[r * n:(r + 1) * n]) for r in range(WORLD)]
+
+
+def fitted():
+    """The model, fitted on half a batch to the budget halfway between the least peak fit
+    reaches and the eager peak: a plan with checkpoints and swapped SiLUs, the same in every
+    process (memory does not depend on the values)."""
+    model = Net()
+    x, y = halves()[0]
+    loss_fn = lambda out: F.cross_entropy(out, y)  # noqa: E731
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    try:
+        memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
+        raise AssertionError("a budget of 1 byte fitted")
+    except memlean.FitError as e:
+        least = e.least_peak_bytes
+    eager = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt).eager_peak_bytes
+    plan = memlean.fit(model, x, (least + eager) // 2, loss_fn=loss_fn, optimizer=opt)
+    actions = {a.action for a in plan.actions}
+    assert "checkpoint" in actions and actions - {"checkpoint"}, str(plan)
+    return model, plan
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+def _train(how, mesh, x, y):
+    model, plan = fitted()
+    if how == "ddp":
+        wrapped = nn.parallel.DistributedDataParallel(model)
+    else:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    grads = []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(wrapped(x), y).backward()
+        grads.append({k: _full(p.grad) for k, p in model.named_parameters()})
+        opt.step()
+    return {"grads": grads, "buffers": {k: _full(b) for k, b in model.named_buffers()},
+            "plan": str(plan)}
+
+
+def _worker(rank, port, outdir):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only (the test sandbox has no network)
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=TIMEOUT)
+    try:
+        mesh = init_device_mesh("cpu", (WORLD,))
+        x, y = halves()[rank]
+        for how in CONFIGS:
+            try:
+                result = _train(how, mesh, x, y)
+            except Exception:  # both ranks fail alike; the test of this config reports it
+                result = {"error": traceback.format_exc()}
+            torch.save(result, os.path.join(outdir, f"{how}_rank{rank}.pt"))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def reference():
+    """One process, the same fitted model: each step's gradients of the average of the
+    halves' losses, and rank 0's BatchNorm statistics (half 0's forward only)."""
+    model, _ = fitted()
+    tracker, _ = fitted()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    parts = halves()
+    grads = []
+    for _ in range(STEPS):
+        tracker.load_state_dict({**tracker.state_dict(), **dict(model.named_parameters())})
+        with torch.no_grad():
+            tracker(parts[0][0])  # train mode: BatchNorm updates as rank 0's does
+        opt.zero_grad(set_to_none=True)
+        (sum(F.cross_entropy(model(x), y) for x, y in parts) / WORLD).backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        opt.step()
+    return grads, dict(tracker.named_buffers())
+
+
+@pytest.fixture(scope="module")
+def results():
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TEST_TMPDIR")) as outdir:
+        run_ranks(_worker, (outdir,), world=WORLD, deadline_s=DEADLINE_S)
+        yield {how: [torch.load(os.path.join(outdir, f"{how}_rank{r}.pt")) for r in range(WORLD)]
+               for how in CONFIGS}
+
+
+@pytest.mark.parametrize("how", CONFIGS)
+def test_a_fitted_model_trains_under_ddp_and_fsdp2_as_one_process(results, how):
+    grads, buffers = reference()
+    for rank, result in enumerate(results[how]):
+        assert "error" not in result, f"rank {rank}:\n{result.get('error')}"
+        for step, (got, expected) in enumerate(zip(result["grads"], grads)):
+            assert got.keys() == expected.keys()
+            for k, g in got.items():
+                torch.testing.assert_close(g, expected[k], rtol=1e-10, atol=1e-12,
+                                           msg=lambda m: f"rank {rank}, step {step}, {k}: {m}")
+    got = results[how][0]["buffers"]
+    counts = [v.item() for k, v in got.items() if k.endswith("num_batches_tracked")]
+    assert counts == [STEPS] * N_BN  # once per training forward, recomputed or not
+    assert got.keys() == buffers.keys()
+    for k, v in got.items():
+        torch.testing.assert_close(v, buffers[k], rtol=1e-9, atol=1e-12, msg=lambda m: f"{k}: {m}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
