@@ -1,8 +1,14 @@
-"""Starting gloo ranks on this machine for a test: the launcher of the DDP and FSDP tests."""
+"""Starting gloo ranks on this machine for a test: the launcher of the DDP and FSDP tests,
+and the harness of those that train a model under several wrappings and compare every
+rank's gradients and BatchNorm statistics with one process's."""
 import datetime
+import os
+import tempfile
 import time
+import traceback
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -27,3 +33,60 @@ def run_ranks(worker, args, *, world, deadline_s, what="ranks"):
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+def train_on_ranks(train, configs, *, world, deadline_s):
+    """{config: [result of each rank]}: every rank (gloo, one thread each, a CPU device mesh
+    of `world`) runs result = train(config, mesh, rank) for each config in turn; a config
+    that raises on a rank gives {"error": its traceback} there (both ranks fail alike; the
+    test of that config reports it). `train` must be a module-level function (the ranks are
+    spawned)."""
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TEST_TMPDIR")) as outdir:
+        run_ranks(_train_configs, (outdir, train, list(configs), world), world=world,
+                  deadline_s=deadline_s)
+        return {c: [torch.load(os.path.join(outdir, f"{c}_rank{r}.pt")) for r in range(world)]
+                for c in configs}
+
+
+def _train_configs(rank, port, outdir, train, configs, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only (the test sandbox has no network)
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        for config in configs:
+            try:
+                result = train(config, mesh, rank)
+            except Exception:
+                result = {"error": traceback.format_exc()}
+            torch.save(result, os.path.join(outdir, f"{config}_rank{rank}.pt"))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def full_tensor(t):
+    """A DTensor's full value (FSDP2's sharded parameters and gradients), else a copy."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+def assert_like_one_process(rank_results, grads, buffers, steps, batchnorms):
+    """Every rank's result {"grads": [per step {name: gradient}], "buffers": {name: tensor}}
+    against one process's: the gradients of each step to 1e-10, and rank 0's buffers (each
+    of the `batchnorms` BatchNorms counted once per training forward)."""
+    for rank, result in enumerate(rank_results):
+        assert "error" not in result, f"rank {rank}:\n{result.get('error')}"
+        for step, (got, expected) in enumerate(zip(result["grads"], grads)):
+            assert got.keys() == expected.keys()
+            for k, g in got.items():
+                torch.testing.assert_close(g, expected[k], rtol=1e-10, atol=1e-12,
+                                           msg=lambda m: f"rank {rank}, step {step}, {k}: {m}")
+    got = rank_results[0]["buffers"]
+    counts = [v.item() for k, v in got.items() if k.endswith("num_batches_tracked")]
+    assert counts == [steps] * batchnorms  # once per training forward, recomputed or not
+    assert got.keys() == buffers.keys()
+    for k, v in got.items():
+        torch.testing.assert_close(v, buffers[k], rtol=1e-9, atol=1e-12, msg=lambda m: f"{k}: {m}")

@@ -11,20 +11,15 @@ averages the losses of the two halves: exactly the gradient DDP and FSDP average
 
 The test ends in bounded time even if a rank fails or hangs (ranks.py).
 """
-import os
-import tempfile
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import memlean
-from ranks import TIMEOUT, run_ranks
+from ranks import assert_like_one_process, full_tensor, train_on_ranks
 
 D = torch.float64
 WORLD = 2
@@ -92,11 +87,8 @@ def fitted():
     return model, plan
 
 
-def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
-
-
-def _train(how, mesh, x, y):
+def _train(how, mesh, rank):
+    x, y = halves()[rank]
     model, plan = fitted()
     if how == "ddp":
         wrapped = nn.parallel.DistributedDataParallel(model)
@@ -109,29 +101,10 @@ def _train(how, mesh, x, y):
     for _ in range(STEPS):
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(wrapped(x), y).backward()
-        grads.append({k: _full(p.grad) for k, p in model.named_parameters()})
+        grads.append({k: full_tensor(p.grad) for k, p in model.named_parameters()})
         opt.step()
-    return {"grads": grads, "buffers": {k: _full(b) for k, b in model.named_buffers()},
+    return {"grads": grads, "buffers": {k: full_tensor(b) for k, b in model.named_buffers()},
             "plan": str(plan)}
-
-
-def _worker(rank, port, outdir):
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only (the test sandbox has no network)
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=TIMEOUT)
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        x, y = halves()[rank]
-        for how in CONFIGS:
-            try:
-                result = _train(how, mesh, x, y)
-            except Exception:  # both ranks fail alike; the test of this config reports it
-                result = {"error": traceback.format_exc()}
-            torch.save(result, os.path.join(outdir, f"{how}_rank{rank}.pt"))
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def reference():
@@ -155,28 +128,13 @@ def reference():
 
 @pytest.fixture(scope="module")
 def results():
-    with tempfile.TemporaryDirectory(dir=os.environ.get("TEST_TMPDIR")) as outdir:
-        run_ranks(_worker, (outdir,), world=WORLD, deadline_s=DEADLINE_S)
-        yield {how: [torch.load(os.path.join(outdir, f"{how}_rank{r}.pt")) for r in range(WORLD)]
-               for how in CONFIGS}
+    return train_on_ranks(_train, CONFIGS, world=WORLD, deadline_s=DEADLINE_S)
 
 
 @pytest.mark.parametrize("how", CONFIGS)
 def test_a_fitted_model_trains_under_ddp_and_fsdp2_as_one_process(results, how):
     grads, buffers = reference()
-    for rank, result in enumerate(results[how]):
-        assert "error" not in result, f"rank {rank}:\n{result.get('error')}"
-        for step, (got, expected) in enumerate(zip(result["grads"], grads)):
-            assert got.keys() == expected.keys()
-            for k, g in got.items():
-                torch.testing.assert_close(g, expected[k], rtol=1e-10, atol=1e-12,
-                                           msg=lambda m: f"rank {rank}, step {step}, {k}: {m}")
-    got = results[how][0]["buffers"]
-    counts = [v.item() for k, v in got.items() if k.endswith("num_batches_tracked")]
-    assert counts == [STEPS] * N_BN  # once per training forward, recomputed or not
-    assert got.keys() == buffers.keys()
-    for k, v in got.items():
-        torch.testing.assert_close(v, buffers[k], rtol=1e-9, atol=1e-12, msg=lambda m: f"{k}: {m}")
+    assert_like_one_process(results[how], grads, buffers, STEPS, N_BN)
 
 
 if __name__ == "__main__":
