@@ -217,6 +217,35 @@ class FitTest(unittest.TestCase):
         least, eager = self.check_budgets(model, (idx,), lm_loss_of(torch.roll(idx, -1, 1)), opt)
         self.assertLess(least, 0.8 * eager)
 
+    def test_budget_is_a_promise_on_the_paths_users_take(self):
+        # channels_last weights and batch; a bf16 autocast step (fit called inside the
+        # autocast region, as the training loop runs); memlean.Swish as the activation (as
+        # timm's act_layer=memlean.Swish builds it). Each: budgets kept, in exact bytes, and
+        # the plan swaps Swish modules, memlean's own included.
+        import contextlib
+
+        for path in ["channels_last", "autocast bf16", "memlean.Swish"]:
+            with self.subTest(path=path):
+                torch.manual_seed(0)
+                model = ConvNet(act=memlean.Swish if path == "memlean.Swish" else nn.SiLU)
+                x = torch.randn(8, 3, 24, 24)
+                loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
+                if path == "channels_last":
+                    model = model.to(memory_format=torch.channels_last)
+                    x = x.contiguous(memory_format=torch.channels_last)
+                opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+                region = (torch.autocast("cpu", dtype=torch.bfloat16) if path == "autocast bf16"
+                          else contextlib.nullcontext())
+                with region:
+                    self.check_budgets(model, (x,), loss_fn, opt, count=4)
+                    plan = memlean.fit(model, (x,), 2**50 - 1, loss_fn=loss_fn, optimizer=opt)
+                    self.assertEqual(plan.actions, [])  # eager fits: nothing changed
+                    least = memlean.fit(model, (x,), plan.eager_peak_bytes - 1, loss_fn=loss_fn,
+                                        optimizer=opt)
+                swapped = [a.path for a in least.actions if "swish" in a.action]
+                self.assertIn("stem.2", swapped, str(least))
+                least.undo()
+
     def test_budget_strings(self):
         model, x, loss_fn, opt = self.conv_setup()
         plan = memlean.fit(model, x, "1TiB", loss_fn=loss_fn, optimizer=opt)
