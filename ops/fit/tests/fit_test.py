@@ -3,6 +3,7 @@ of fit's own figures), the fitted step trains as the eager one (gradients, Batch
 statistics, dropout masks), the Swish swap is safe, fit leaves the training state as it found
 it, undo() and state_dict() work, and bad input is named."""
 import copy
+import gc
 import unittest
 
 import torch
@@ -117,6 +118,7 @@ def step_peak(model, inputs, loss_fn, opt):
         p.grad = None
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)] if opt else []
     fixed = sum(storages(list(model.parameters()) + list(model.buffers()) + state + list(inputs)).values())
+    gc.disable()  # earlier garbage freed inside the step would lower its peak
     with memlean.memstats.track("cpu") as t:
         start = t.current
         out = model(*inputs)  # the output and the loss live to the step's end, as in a loop
@@ -126,6 +128,7 @@ def step_peak(model, inputs, loss_fn, opt):
             opt.step()
             opt.zero_grad(set_to_none=True)
         del out, loss
+    gc.enable()
     return fixed + t.peak - start
 
 
