@@ -5,10 +5,8 @@ progress lines, and plots."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import dataclasses
-import gc
 import os
 import statistics
 import sys
@@ -135,19 +133,11 @@ def write_summary(tables: list, out_dir: str, name: str = "summary.md") -> str:
     return path
 
 
-@contextlib.contextmanager
 def quiet_gc():
     """Collect garbage left by earlier runs (models in reference cycles are freed only by
     the collector) and keep the collector off inside, so that no earlier tensor is freed in
     the middle of a measurement."""
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
+    return memstats._collector_off(collect=True)
 
 
 def peak_of(fn: Callable[[], object], device: torch.device = CPU) -> tuple[int, int]:

@@ -68,6 +68,50 @@ def _train_configs(rank, port, outdir, train, configs, world):
         dist.destroy_process_group()
 
 
+def wrap(model, how, mesh):
+    """The model as a rank trains it: DistributedDataParallel ("ddp"), else FSDP2's
+    fully_shard on each of model.blocks and on the root."""
+    if how == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def train_steps(model, wrapped, x, y, *, steps, lr):
+    """A rank's result: `steps` SGD steps of cross-entropy through `wrapped` (which trains
+    `model`), each step's gradients and the final buffers as full tensors."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    grads = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(wrapped(x), y).backward()
+        grads.append({k: full_tensor(p.grad) for k, p in model.named_parameters()})
+        opt.step()
+    return {"grads": grads, "buffers": {k: full_tensor(b) for k, b in model.named_buffers()}}
+
+
+def train_one_process(model, tracker, parts, *, steps, lr):
+    """The reference the ranks are held to: `model` trained in one process on every part
+    (the average of the parts' cross-entropies: what DDP and FSDP average), each step's
+    gradients; and the buffers of rank 0's, from `tracker` (a second copy of the model), fed
+    the parameters and part 0 in train mode before each step."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    grads = []
+    for _ in range(steps):
+        tracker.load_state_dict({**tracker.state_dict(), **dict(model.named_parameters())})
+        with torch.no_grad():
+            tracker(parts[0][0])
+        opt.zero_grad(set_to_none=True)
+        loss = sum(torch.nn.functional.cross_entropy(model(x), y) for x, y in parts) / len(parts)
+        loss.backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        opt.step()
+    return grads, dict(tracker.named_buffers())
+
+
 def full_tensor(t):
     """A DTensor's full value (FSDP2's sharded parameters and gradients), else a copy."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()

@@ -290,16 +290,13 @@ variable_list CheckpointBackward::apply(variable_list&& grad_outputs) {
   variable_list args(saved_.size());
   for (size_t i = 0; i < saved_.size(); ++i) {
     at::Tensor t = saved_[i].unpack();  // an error if it was modified in place since
-    if (i < n_in && double_backward) {
-      args[i] = std::move(t);
-      inputs[state.input_tensor_slots[i]] = args[i];
-    } else if (i < n_in) {
+    if (i < n_in && !double_backward) {
       args[i] = t.detach();
       args[i].requires_grad_(t.requires_grad());
-      inputs[state.input_tensor_slots[i]] = args[i];
     } else {
       args[i] = std::move(t);
     }
+    if (i < n_in) inputs[state.input_tensor_slots[i]] = args[i];
   }
 
   std::vector<c10::IValue> outputs;

@@ -354,8 +354,9 @@ def checkpoint(function: Callable, *args, params: Optional[Sequence[torch.Tensor
         function (Callable): an ``nn.Module`` (its parameters are collected, and its buffers
             are restored after the recompute), or any callable.
         *args: its inputs. Tensors that require grad get gradients, also inside lists,
-            tuples and dicts; anything else is passed through as it is. Its output may be any structure (tensor, tuple, list, dict ...);
-            one without a floating-point tensor is returned as it is (nothing to recompute).
+            tuples and dicts; anything else is passed through as it is. Its output may be
+            any structure (tensor, tuple, list, dict ...); one without a floating-point
+            tensor is returned as it is (nothing to recompute).
         **kwargs: its keyword inputs (``layer(x, attn_mask=m)``), treated as the positional
             ones: tensors are saved and recomputed, and get gradients when they require
             grad; anything else is passed through. (``params`` and ``preserve_rng_state``

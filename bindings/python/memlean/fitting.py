@@ -47,7 +47,6 @@ savings are for eager mode (and LibTorch: memlean::fit).
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import numbers
 import time
@@ -389,7 +388,10 @@ class _Step:
         recorder = _Recorder(self.model, set(resident_storages), self.cuda, mode) if record else None
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        with _no_collection(), memstats.track(self.device) as t:
+        # The collector off, not run first (it would cost each of fit's steps a collection):
+        # earlier garbage freed inside a measured step would lower its peak (a test's eager
+        # peak moved by 118,200 bytes between two fit calls that way).
+        with memstats._collector_off(collect=False), memstats.track(self.device) as t:
             start = t.current
             with recorder or contextlib.nullcontext(), mode or contextlib.nullcontext():
                 output = self.model(*self.inputs)
@@ -419,21 +421,6 @@ class _Step:
             del output, loss
         return _Measured(resident + forward_backward - start, resident + forward_end - start,
                          resident + optimizer_peak - start, resident, recorder)
-
-
-@contextlib.contextmanager
-def _no_collection():
-    """No cyclic garbage collection during a measured step: garbage of earlier code freed
-    inside it would lower its peak relative to its start (a test's eager peak moved by
-    118,200 bytes between two fit calls that way). Reference counting still frees the
-    step's own temporaries as they die."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class _Saved:
@@ -650,28 +637,26 @@ def _problem(measured: _Measured, root):
         # While it is recomputed: the gradients made after it and its output's gradient.
         extra = max(0, grad_bytes[c.begin] + sum(n for key, n in c.outputs if key is not None)
                     - backward_extra)
-        candidates.append([c.begin, c.end, max(0, span - kept), float(c.seconds), extra])
+        candidates.append((c.begin, c.end, max(0, span - kept), extra))
         calls.append(c)
-    _same_time_for_twins(candidates, calls)
-    return base, atoms, [tuple(c) for c in candidates], calls
+    candidates = [(b, e, freed, s, extra)
+                  for (b, e, freed, extra), s in zip(candidates, _twin_seconds(calls))]
+    return base, atoms, candidates, calls
 
 
-def _same_time_for_twins(candidates, calls):
-    """Gives candidates that do the same work (same module class, parameter shapes, input and
-    output sizes) one recompute time, their mean: the repeated blocks of a model cost the
-    same, and timing noise must not decide which of them is recomputed. The planner then
-    breaks the tie by the lower peak, so the plan depends on the budget alone, not on the
-    noise of one measurement (a fitted peak that rose as the budget fell came from that)."""
+def _twin_seconds(calls) -> List[float]:
+    """Each call's recompute time, the same for calls that do the same work (same module
+    class, parameter shapes, input and output sizes): their mean. The repeated blocks of a
+    model cost the same, and timing noise must not decide which of them is recomputed; the
+    planner then breaks the tie by the lower peak, so the plan depends on the budget alone,
+    not on the noise of one measurement (a fitted peak that rose as the budget fell came
+    from that)."""
+    signatures = [(type(c.module), tuple((tuple(p.shape), p.dtype) for p in c.module.parameters()),
+                   tuple(n for _, n in c.inputs), tuple(n for _, n in c.outputs)) for c in calls]
     groups = {}
-    for i, c in enumerate(calls):
-        signature = (type(c.module), tuple((tuple(p.shape), p.dtype) for p in c.module.parameters()),
-                     tuple(n for _, n in c.inputs), tuple(n for _, n in c.outputs))
-        groups.setdefault(signature, []).append(i)
-    for members in groups.values():
-        if len(members) > 1:
-            mean = sum(candidates[i][3] for i in members) / len(members)
-            for i in members:
-                candidates[i][3] = mean
+    for signature, c in zip(signatures, calls):
+        groups.setdefault(signature, []).append(c.seconds)
+    return [float(sum(groups[s]) / len(groups[s])) for s in signatures]
 
 
 def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,

@@ -138,7 +138,8 @@ def measure_layer_costs(functions, input: torch.Tensor) -> List[LayerCost]:
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{name}: input must be a tensor, got {_describe(input)}")
     buffers = [b for m in layers if isinstance(m, torch.nn.Module) for b in m.buffers()]
-    return [LayerCost(*c) for c in _C.measure_layer_costs(_Chain(name, layers), len(layers), buffers, input, name)]
+    costs = _C.measure_layer_costs(_Chain(name, layers), len(layers), buffers, input, name)
+    return [LayerCost(*c) for c in costs]
 
 
 class _Chain:
@@ -240,11 +241,11 @@ def checkpoint_sequential(functions, segments, input, *, preserve_rng_state: boo
         raise TypeError(f"{name}: input must be a tensor, got {_describe(input)}")
     if not isinstance(preserve_rng_state, bool):
         raise TypeError(f"{name}: preserve_rng_state must be a bool, got {_describe(preserve_rng_state)}")
-    modules = [isinstance(m, torch.nn.Module) for m in layers]
+    modules = [m if isinstance(m, torch.nn.Module) else None for m in layers]
     return _C.checkpoint_sequential(
         _Chain(name, layers),
-        [module_parameters(m) if is_module else [] for m, is_module in zip(layers, modules)],
-        [_module_buffers(m) if is_module else [] for m, is_module in zip(layers, modules)],
+        [module_parameters(m) if m is not None else [] for m in modules],
+        [_module_buffers(m) if m is not None else [] for m in modules],
         starts, input, preserve_rng_state, name, _HOW_TO_LIST)
 
 

@@ -184,9 +184,6 @@ void init_checkpoint(pybind11::module_& m) {
           py::gil_scoped_acquire gil;
           return held->attr("backward_in_full")(begin, end).cast<bool>();
         };
-        TORCH_CHECK(chain->parameters.size() == chain->buffers.size(), chain->name, ": ",
-                    chain->parameters.size(), " parameter lists but ", chain->buffers.size(),
-                    " buffer lists");
         return detail::checkpoint_chain(chain, starts, input,
                                         CheckpointOptions().preserve_rng_state(preserve_rng_state));
       }),

@@ -26,10 +26,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
 
 import memlean
-from ranks import assert_like_one_process, full_tensor, train_on_ranks
+from ranks import (assert_like_one_process, train_on_ranks, train_one_process, train_steps,
+                   wrap)
 
 D = torch.float64
 WORLD = 2
@@ -92,39 +92,14 @@ def halves():
 def _train(how, mesh, rank):
     x, y = halves()[rank]
     model = Net(how)
-    if how == "ddp":
-        wrapped = nn.parallel.DistributedDataParallel(model)
-    else:
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        wrapped = fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    grads = []
-    for _ in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(wrapped(x), y).backward()
-        grads.append({k: full_tensor(p.grad) for k, p in model.named_parameters()})
-        opt.step()
-    return {"grads": grads, "buffers": {k: full_tensor(b) for k, b in model.named_buffers()}}
+    return train_steps(model, wrap(model, how, mesh), x, y, steps=STEPS, lr=LR)
 
 
 def reference():
     """One process, no checkpoint, no sharding: each step's gradients of the average of the
     halves' losses, and rank 0's BatchNorm statistics (half 0 only)."""
-    model = Net("none")
-    tracker = Net("none")
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    parts = halves()
-    grads = []
-    for _ in range(STEPS):
-        tracker.load_state_dict({**tracker.state_dict(), **dict(model.named_parameters())})
-        with torch.no_grad():
-            tracker(parts[0][0])
-        opt.zero_grad(set_to_none=True)
-        (sum(F.cross_entropy(model(x), y) for x, y in parts) / WORLD).backward()
-        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
-        opt.step()
-    return grads, dict(tracker.named_buffers())
+    model, tracker = Net("none"), Net("none")
+    return train_one_process(model, tracker, halves(), steps=STEPS, lr=LR)
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
 
 import memlean
-from ranks import assert_like_one_process, full_tensor, train_on_ranks
+from ranks import (assert_like_one_process, train_on_ranks, train_one_process, train_steps,
+                   wrap)
 
 D = torch.float64
 WORLD = 2
@@ -89,41 +89,15 @@ def fitted():
 
 def _train(how, mesh, rank):
     x, y = halves()[rank]
-    model, plan = fitted()
-    if how == "ddp":
-        wrapped = nn.parallel.DistributedDataParallel(model)
-    else:
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        wrapped = fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    grads = []
-    for _ in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(wrapped(x), y).backward()
-        grads.append({k: full_tensor(p.grad) for k, p in model.named_parameters()})
-        opt.step()
-    return {"grads": grads, "buffers": {k: full_tensor(b) for k, b in model.named_buffers()},
-            "plan": str(plan)}
+    model, _ = fitted()
+    return train_steps(model, wrap(model, how, mesh), x, y, steps=STEPS, lr=LR)
 
 
 def reference():
     """One process, the same fitted model: each step's gradients of the average of the
     halves' losses, and rank 0's BatchNorm statistics (half 0's forward only)."""
-    model, _ = fitted()
-    tracker, _ = fitted()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    parts = halves()
-    grads = []
-    for _ in range(STEPS):
-        tracker.load_state_dict({**tracker.state_dict(), **dict(model.named_parameters())})
-        with torch.no_grad():
-            tracker(parts[0][0])  # train mode: BatchNorm updates as rank 0's does
-        opt.zero_grad(set_to_none=True)
-        (sum(F.cross_entropy(model(x), y) for x, y in parts) / WORLD).backward()
-        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
-        opt.step()
-    return grads, dict(tracker.named_buffers())
+    model, tracker = fitted()[0], fitted()[0]
+    return train_one_process(model, tracker, halves(), steps=STEPS, lr=LR)
 
 
 @pytest.fixture(scope="module")
