@@ -21,6 +21,8 @@ struct Prepared {
   int n = 0;
   std::vector<int64_t> prefix;              // prefix[k] = sum of atom_saved_bytes[0, k)
   std::vector<int64_t> freed;               // freed_bytes clamped to [0, range_sum]
+  std::vector<int64_t> atom_extra;          // atom_backward_extra_bytes, or n zeros
+  std::vector<int64_t> recompute_bytes;     // per candidate, see recompute()
   std::vector<std::vector<int>> ending_at;  // candidate indices by end, ascending
 
   int64_t range_sum(int c) const {
@@ -28,8 +30,34 @@ struct Prepared {
     return prefix[cand.end] - prefix[cand.begin];
   }
   int64_t kept(int c) const { return range_sum(c) - freed[c]; }
-  // What its recompute brings back on top of the kept bytes before it.
-  int64_t recompute(int c) const { return range_sum(c) + problem.candidates[c].recompute_extra_bytes; }
+  // What its recompute and backward hold on top of base and the kept bytes before it: its
+  // atoms' bytes plus the larger of its recompute_extra_bytes and its atoms' backward extras
+  // (less the bytes of its atoms after each, freed by then).
+  int64_t recompute(int c) const { return recompute_bytes[c]; }
+};
+
+// Range maxima of a fixed array in O(1) per query after O(n log n) set-up.
+class RangeMax {
+ public:
+  explicit RangeMax(std::vector<int64_t> values) {
+    table_.push_back(std::move(values));
+    const size_t n = table_[0].size();
+    for (size_t width = 2; width <= n; width *= 2) {
+      const std::vector<int64_t>& prev = table_.back();
+      std::vector<int64_t> next(n - width + 1);
+      for (size_t i = 0; i < next.size(); ++i) next[i] = std::max(prev[i], prev[i + width / 2]);
+      table_.push_back(std::move(next));
+    }
+  }
+  // max of values[begin, end); needs begin < end.
+  int64_t max(int begin, int end) const {
+    int level = 0;
+    while ((2 << level) <= end - begin) ++level;
+    return std::max(table_[level][begin], table_[level][end - (1 << level)]);
+  }
+
+ private:
+  std::vector<std::vector<int64_t>> table_;
 };
 
 std::string candidate_field(size_t i, const char* field) {
@@ -37,7 +65,7 @@ std::string candidate_field(size_t i, const char* field) {
 }
 
 Prepared prepare(const Problem& problem) {
-  Prepared prep{problem, 0, {}, {}, {}};
+  Prepared prep{problem, 0, {}, {}, {}, {}, {}};
   if (problem.base_bytes < 0) throw std::invalid_argument("base_bytes must be >= 0");
   if (problem.atom_saved_bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
     throw std::invalid_argument("atom_saved_bytes: too many atoms");
@@ -57,8 +85,27 @@ Prepared prepare(const Problem& problem) {
   if (problem.base_bytes > kInt64Max - prep.prefix[prep.n]) {
     throw std::invalid_argument("base_bytes + sum(atom_saved_bytes) overflows int64");
   }
+  const std::vector<int64_t>& extras = problem.atom_backward_extra_bytes;
+  if (!extras.empty() && extras.size() != static_cast<size_t>(prep.n)) {
+    throw std::invalid_argument("atom_backward_extra_bytes: " + std::to_string(extras.size()) +
+                                " values for " + std::to_string(prep.n) +
+                                " atoms (give one per atom, or none)");
+  }
+  prep.atom_extra = extras.empty() ? std::vector<int64_t>(prep.n, 0) : extras;
+  const int64_t headroom = kInt64Max - problem.base_bytes - prep.prefix[prep.n];
+  for (int k = 0; k < prep.n; ++k) {
+    if (prep.atom_extra[k] < 0 || prep.atom_extra[k] > headroom) {
+      throw std::invalid_argument("atom_backward_extra_bytes[" + std::to_string(k) +
+                                  "] must be >= 0 and keep the peak within int64");
+    }
+  }
+  // The backward extra of atom k seen from the end of a candidate: extra + prefix[k + 1].
+  std::vector<int64_t> reach(prep.n);
+  for (int k = 0; k < prep.n; ++k) reach[k] = prep.atom_extra[k] + prep.prefix[k + 1];
+  const RangeMax reach_max(std::move(reach));
   prep.ending_at.resize(prep.n + 1);
   prep.freed.resize(problem.candidates.size());
+  prep.recompute_bytes.resize(problem.candidates.size());
   for (size_t i = 0; i < problem.candidates.size(); ++i) {
     const Candidate& c = problem.candidates[i];
     if (c.begin < 0 || c.end > prep.n || c.begin >= c.end) {
@@ -78,6 +125,9 @@ Prepared prepare(const Problem& problem) {
       throw std::invalid_argument(candidate_field(i, "seconds") + " must be finite and >= 0");
     }
     prep.freed[i] = std::min(c.freed_bytes, prep.range_sum(static_cast<int>(i)));
+    const int64_t backward = reach_max.max(c.begin, c.end) - prep.prefix[c.end];
+    prep.recompute_bytes[i] =
+        prep.range_sum(static_cast<int>(i)) + std::max(c.recompute_extra_bytes, backward);
     prep.ending_at[c.end].push_back(static_cast<int>(i));
   }
   return prep;
@@ -88,11 +138,21 @@ int64_t peak_of_sorted(const Prepared& prep, const std::vector<int>& chosen) {
   const int64_t base = prep.problem.base_bytes;
   int64_t freed_before = 0;  // freed by the chosen candidates already passed
   int64_t peak = base;
+  int k = 0;  // the next atom
+  auto atoms_until = [&](int end) {  // the backward terms of the atoms no candidate covers
+    for (; k < end; ++k) {
+      peak = std::max(peak, base + prep.prefix[k + 1] - freed_before + prep.atom_extra[k]);
+    }
+  };
   for (int c : chosen) {
-    const int64_t kept_before = prep.prefix[prep.problem.candidates[c].begin] - freed_before;
+    const Candidate& cand = prep.problem.candidates[c];
+    atoms_until(cand.begin);
+    const int64_t kept_before = prep.prefix[cand.begin] - freed_before;
     peak = std::max(peak, base + kept_before + prep.recompute(c));
     freed_before += prep.freed[c];
+    k = cand.end;
   }
+  atoms_until(prep.n);
   return std::max(peak, base + prep.prefix[prep.n] - freed_before);
 }
 
@@ -141,7 +201,8 @@ std::optional<std::vector<int>> least_kept_path(const Prepared& prep, int64_t bu
         choice[p] = c;
       }
     };
-    if (kept[p - 1] >= 0) {
+    if (kept[p - 1] >= 0 && kept[p - 1] + prep.problem.atom_saved_bytes[p - 1] +
+                                    prep.atom_extra[p - 1] <= room) {
       relax(kept[p - 1] + prep.problem.atom_saved_bytes[p - 1], seconds[p - 1], -1);
     }
     for (int c : prep.ending_at[p]) {
@@ -223,9 +284,11 @@ std::optional<std::vector<int>> quantised_path(const Prepared& prep, int64_t bud
   layers[0]->lo = layers[0]->hi = 0;
 
   // Moves every reached state of `from` with b <= last by `w` buckets into `to` (position p),
-  // adding `add` kept bytes; c >= 0 checkpoints candidate c (recomputing `range` bytes).
+  // adding `add` kept bytes; the move's peak term is base + the kept bytes before it + `top`
+  // (an atom kept: its bytes and its backward extra; c >= 0 checkpoints candidate c: its
+  // recompute bytes).
   auto relax = [&](const Layer& from, Layer& to, int p, int64_t w, int64_t add, int c,
-                   int64_t range, double cost, int64_t last) {
+                   int64_t top, double cost, int64_t last) {
     last = std::min({last, from.hi, max_bucket - w});
     int32_t* to_choice = choice.get() + static_cast<size_t>(p) * width;
     for (int64_t b = from.lo; b <= last; ++b) {
@@ -233,7 +296,7 @@ std::optional<std::vector<int>> quantised_path(const Prepared& prep, int64_t bud
       if (s == kInf) continue;
       const double ns = s + cost;
       const int64_t nk = from.kept[b] + add;
-      const int64_t np = std::max(from.peak[b], base + (c < 0 ? nk : from.kept[b] + range));
+      const int64_t np = std::max(from.peak[b], base + from.kept[b] + top);
       const int32_t nc = from.count[b] + (c >= 0);
       const int64_t t = b + w;
       if (to.seconds[t] == kInf || better(ns, np, nc, to.seconds[t], to.peak[t], to.count[t])) {
@@ -251,7 +314,10 @@ std::optional<std::vector<int>> quantised_path(const Prepared& prep, int64_t bud
   for (int p = 1; p <= n; ++p) {
     layers[p] = acquire();
     const int64_t saved = prep.problem.atom_saved_bytes[p - 1];
-    relax(*layers[p - 1], *layers[p], p, buckets(saved), saved, -1, 0, 0.0, max_bucket);
+    const int64_t top = saved + prep.atom_extra[p - 1];
+    if (top <= room) {  // base + b * q + top <= budget (b * q bounds the kept bytes)
+      relax(*layers[p - 1], *layers[p], p, buckets(saved), saved, -1, top, 0.0, (room - top) / q);
+    }
     for (int c : prep.ending_at[p]) {
       const int64_t range = prep.recompute(c);
       if (range > room) continue;
@@ -324,7 +390,7 @@ Plan plan(const Problem& problem, int64_t budget_bytes, int resolution) {
   const std::optional<std::vector<int>> exact = least_kept_path(prep, budget_bytes);
   if (!exact) return Plan{};
   Plan best = make_plan(prep, *exact);
-  if (problem.base_bytes + prep.prefix[prep.n] <= budget_bytes) {  // the eager step fits
+  if (peak_of_sorted(prep, {}) <= budget_bytes) {  // the eager step fits
     Plan eager = make_plan(prep, {});
     if (better(eager, best)) best = std::move(eager);
   }
@@ -343,7 +409,7 @@ Plan least_peak_plan(const Problem& problem, int resolution) {
   const Prepared prep = prepare(problem);
   // Every peak is >= base, and the empty plan reaches the eager peak.
   int64_t infeasible = problem.base_bytes - 1;
-  int64_t feasible = problem.base_bytes + prep.prefix[prep.n];
+  int64_t feasible = peak_of_sorted(prep, {});
   while (feasible - infeasible > 1) {
     const int64_t mid = infeasible + (feasible - infeasible) / 2;
     if (least_kept_path(prep, mid)) {

@@ -3,13 +3,16 @@
 //
 // The model. A step's forward runs n atoms (the finest measured modules, in forward order); atom
 // k leaves atom_saved_bytes[k] alive for backward, and everything else at the step's peak is
-// base_bytes, so the eager peak is base_bytes + sum(atom_saved_bytes). A candidate covers atoms
+// base_bytes, so the eager peak is base_bytes + sum(atom_saved_bytes) (or a backward term of
+// atom_backward_extra_bytes, below, when that is higher). A candidate covers atoms
 // [begin, end); checkpointing it frees freed_bytes (clamped to [0, its atoms' bytes]) and costs
 // `seconds` of recompute. A chosen set S is pairwise disjoint; a chosen c keeps
 // range_sum(c) - freed_bytes, every other atom its saved bytes, and
 //   predicted_peak(S) = max(base + sum of all kept,
 //                           max over c in S of base + kept_before(c.begin) + range_sum(c)
-//                                              + recompute_extra_bytes(c))
+//                                              + recompute_extra_bytes(c),
+//                           max over atoms k outside S of base + kept_before(k + 1)
+//                                              + atom_backward_extra_bytes[k])
 // (while c is recomputed in backward its whole activation memory is back, everything after it
 // has been freed, and what backward made by then, e.g. the gradients of the parameters after
 // it, is alive: recompute_extra_bytes). plan() minimises the sum of seconds over S subject to
@@ -54,6 +57,16 @@ struct Problem {
   int64_t base_bytes = 0;
   std::vector<int64_t> atom_saved_bytes;
   std::vector<Candidate> candidates;
+  // Optional (empty: all 0), one per atom: the bytes backward holds above base and the saved
+  // bytes of atoms [0, k] while it runs atom k (activation gradients, temporaries, the parameter
+  // gradients made by then). An atom k that no chosen candidate covers adds the peak term
+  //   base + kept bytes of atoms [0, k] + atom_backward_extra_bytes[k],
+  // and a chosen c = [b, e) recomputes with at least
+  //   max over k in [b, e) of atom_backward_extra_bytes[k] - sum(atom_saved_bytes(k, e))
+  // extra bytes (its own recompute_extra_bytes when that is more). In a step without checkpoints
+  // these terms are what backward reaches atom by atom, so measured ones keep the eager
+  // prediction exact.
+  std::vector<int64_t> atom_backward_extra_bytes;
 };
 
 struct Plan {
@@ -64,7 +77,8 @@ struct Plan {
 };
 
 // Throws std::invalid_argument, naming the field, for: negative base_bytes, atom_saved_bytes,
-// freed_bytes or recompute_extra_bytes; a candidate with begin >= end or outside [0, n]; negative or non-finite seconds;
+// freed_bytes, recompute_extra_bytes or atom_backward_extra_bytes, or the latter not empty and
+// not one per atom; a candidate with begin >= end or outside [0, n]; negative or non-finite seconds;
 // base_bytes + sum(atom_saved_bytes) overflowing int64.
 void validate(const Problem& problem);
 

@@ -40,11 +40,29 @@ int64_t reference_peak(const Problem& p, const std::vector<int>& chosen) {
   int64_t total = 0;
   for (int k = 0; k < n; ++k) total += kept[k];
   int64_t peak = p.base_bytes + total;
+  auto extra = [&](int k) {
+    return p.atom_backward_extra_bytes.empty() ? int64_t{0} : p.atom_backward_extra_bytes[k];
+  };
+  std::vector<bool> covered(n, false);
   for (int i : chosen) {
     const Candidate& c = p.candidates[i];
     int64_t before = 0;
     for (int k = 0; k < c.begin; ++k) before += kept[k];
-    peak = std::max(peak, p.base_bytes + before + range(c) + c.recompute_extra_bytes);
+    // Backward through atom k of c: its atoms up to k are alive again, with k's extra.
+    int64_t backward = c.recompute_extra_bytes;
+    for (int k = c.begin; k < c.end; ++k) {
+      int64_t after = 0;
+      for (int j = k + 1; j < c.end; ++j) after += p.atom_saved_bytes[j];
+      backward = std::max(backward, extra(k) - after);
+      covered[k] = true;
+    }
+    peak = std::max(peak, p.base_bytes + before + range(c) + backward);
+  }
+  // Backward through an atom no candidate covers: the kept bytes up to it and its extra.
+  int64_t through = 0;
+  for (int k = 0; k < n; ++k) {
+    through += kept[k];
+    if (!covered[k]) peak = std::max(peak, p.base_bytes + through + extra(k));
   }
   return peak;
 }
@@ -118,6 +136,13 @@ std::vector<int64_t> random_bytes(std::mt19937_64& rng, int n, int64_t max_bytes
   return bytes;
 }
 
+// Half of the problems get per-atom backward extras (up to twice an atom's most bytes).
+void random_backward_extras(std::mt19937_64& rng, Problem* p, int64_t max_bytes) {
+  if (std::uniform_int_distribution<int>(0, 1)(rng) == 0) return;
+  p->atom_backward_extra_bytes = random_bytes(rng, static_cast<int>(p->atom_saved_bytes.size()),
+                                              2 * max_bytes);
+}
+
 Problem random_laminar(std::mt19937_64& rng, int n, int64_t max_bytes) {
   Problem p;
   p.base_bytes = std::uniform_int_distribution<int64_t>(0, 3 * max_bytes)(rng);
@@ -134,6 +159,7 @@ Problem random_laminar(std::mt19937_64& rng, int n, int64_t max_bytes) {
     p.candidates.push_back({b, e, freed, double(std::uniform_int_distribution<int>(0, 6)(rng)),
                             std::max<int64_t>(0, extra)});
   }
+  random_backward_extras(rng, &p, max_bytes);
   return p;
 }
 
@@ -144,6 +170,7 @@ Problem random_chain(std::mt19937_64& rng, int n, int64_t max_bytes) {
   std::vector<double> seconds(n);
   for (double& s : seconds) s = std::uniform_int_distribution<int>(0, 4)(rng);
   p.candidates = chain_candidates(p.atom_saved_bytes, random_bytes(rng, n, max_bytes), seconds);
+  random_backward_extras(rng, &p, max_bytes);
   return p;
 }
 
@@ -151,8 +178,7 @@ Problem random_chain(std::mt19937_64& rng, int n, int64_t max_bytes) {
 // neighbours (the tight cases).
 std::vector<int64_t> budgets_for(std::mt19937_64& rng, const Problem& p,
                                  const std::vector<Outcome>& all) {
-  int64_t eager = p.base_bytes;
-  for (int64_t b : p.atom_saved_bytes) eager += b;
+  const int64_t eager = reference_peak(p, {});
   std::vector<int64_t> budgets = {p.base_bytes - 1, p.base_bytes, eager + 7};
   for (const Outcome& o : all) {
     budgets.insert(budgets.end(), {o.peak - 1, o.peak, o.peak + 1});
@@ -238,6 +264,30 @@ TEST(Planner, HandCheckedExample) {
   EXPECT_TRUE(least.feasible);
   EXPECT_EQ(least.chosen, std::vector<int>{0});
   EXPECT_EQ(least.predicted_peak_bytes, 175);
+}
+
+// The example with backward extras {0, 0, 80, 0}: atom 2's backward needs 80 bytes above what
+// is kept through it.
+TEST(Planner, HandCheckedBackwardExtras) {
+  Problem p = example();
+  p.atom_backward_extra_bytes = {0, 0, 80, 0};
+  EXPECT_EQ(predicted_peak(p, {}), 240);  // atom 2: 100 + 60 + 80, above 200
+  // [0,2) keeps 5: atom 2 then needs 100 + 5 + 30 + 80.
+  EXPECT_EQ(predicted_peak(p, {0}), 215);
+  // [2,4) recomputes 70 bytes with 80 - 40 (atom 3's bytes are gone by atom 2's backward).
+  EXPECT_EQ(predicted_peak(p, {1}), 240);
+  EXPECT_EQ(predicted_peak(p, {0, 1}), 215);
+  EXPECT_EQ(predicted_peak(p, {2}), 240);
+  EXPECT_EQ(predicted_peak(p, {3}), 220);
+  EXPECT_EQ(predicted_peak(p, {3, 1}), 220);
+  EXPECT_EQ(plan(p, 240).chosen, std::vector<int>{});
+  EXPECT_EQ(plan(p, 239).chosen, std::vector<int>{3});  // 0.5 s at 220
+  EXPECT_EQ(plan(p, 220).chosen, std::vector<int>{3});
+  EXPECT_EQ(plan(p, 219).chosen, std::vector<int>{0});  // 1.0 s at 215
+  EXPECT_FALSE(plan(p, 214).feasible);
+  const Plan least = least_peak_plan(p);
+  EXPECT_EQ(least.predicted_peak_bytes, 215);
+  EXPECT_EQ(least.chosen, std::vector<int>{0});
 }
 
 // ---- Against brute force. ----
@@ -456,6 +506,12 @@ TEST(Validate, NamesTheBadField) {
            {[](Problem& p) { p.candidates[1].seconds = -0.5; }, "candidates[1].seconds"},
            {[&](Problem& p) { p.candidates[0].seconds = nan; }, "candidates[0].seconds"},
            {[&](Problem& p) { p.candidates[3].seconds = inf; }, "candidates[3].seconds"},
+           {[](Problem& p) { p.atom_backward_extra_bytes = {1, 2}; },
+            "atom_backward_extra_bytes"},
+           {[](Problem& p) { p.atom_backward_extra_bytes = {0, 0, -1, 0}; },
+            "atom_backward_extra_bytes[2]"},
+           {[&](Problem& p) { p.atom_backward_extra_bytes = {0, max, 0, 0}; },
+            "atom_backward_extra_bytes[1]"},
        }) {
     Problem p = example();
     c.corrupt(p);

@@ -272,7 +272,9 @@ class _Recorder:
     """Module hooks and a saved-tensors hook over one forward: the calls (atoms spanned,
     time, inputs and outputs) and the bytes autograd saved, by atom. An atom is a stretch of
     the forward between two module boundaries (a call's start or end), so every module call
-    spans a contiguous run of atoms."""
+    spans a contiguous run of atoms. In the backward that follows (between backward_begin()
+    and backward_end()), the step's bytes at their highest while backward uses each atom's
+    saved tensors: backward_levels[atom]."""
 
     def __init__(self, model, preexisting, cuda, dataflow=None):
         self.model = model
@@ -285,6 +287,11 @@ class _Recorder:
         self.calls: List[_Call] = []
         self.stack: List[tuple] = []
         self.handles = []
+        self.backward_levels = {}  # atom -> the step's highest bytes while backward runs it
+        self._tracker = None  # a nested memstats tracker during backward
+        self._offset = 0  # step bytes = resident + tracker figure - the step's start
+        self._backward_atom = None
+        self.backward_peak = 0  # the step's highest bytes during backward
 
     def _next_atom(self):
         self.atom += 1
@@ -323,13 +330,40 @@ class _Recorder:
         if key is not None and key not in self.preexisting and key not in self.saved:
             self.saved[key] = self.atom
             self.atom_bytes[self.atom] += nbytes
+        return t, self.atom
+
+    def _unpack(self, packed):
+        t, atom = packed
+        if self._tracker is not None and atom != self._backward_atom:
+            # Backward moves on to the tensors one atom saved: what it held since the last
+            # move belongs to the atom before.
+            self._close_level()
+            self._backward_atom = atom
         return t
+
+    def _close_level(self):
+        level = self._offset + self._tracker.peak
+        self.backward_peak = max(self.backward_peak, level)
+        if self._backward_atom is not None:
+            previous = self.backward_levels.get(self._backward_atom, 0)
+            self.backward_levels[self._backward_atom] = max(previous, level)
+        self._tracker.reset_peak()
+
+    def backward_begin(self, device, offset):
+        self._tracker = memstats.track(device)
+        self._offset = offset
+        self._backward_atom = None
+
+    def backward_end(self):
+        self._close_level()
+        self._tracker.stop()
+        self._tracker = None
 
     def __enter__(self):
         for m in self.model.modules():
             self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
             self.handles.append(m.register_forward_hook(self._post, with_kwargs=True))
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
@@ -404,9 +438,13 @@ class _Step:
                 raise ValueError(f"{_NAME}: loss_fn must return a floating-point scalar tensor "
                                  f"that requires grad, got {what}")
             forward_end = t.current
+            if recorder is not None:
+                recorder.backward_begin(self.device, resident - start)
             loss.backward()
             if self.cuda:
                 torch.cuda.synchronize(self.device)
+            if recorder is not None:
+                recorder.backward_end()
             forward_backward = t.peak
             t.reset_peak()
             if self.optimizer is not None:
@@ -584,9 +622,11 @@ def _check(model, example_inputs, loss_fn, optimizer):
 
 
 def _problem(measured: _Measured, root):
-    """The planner's problem from a recorded step: atoms, base bytes and the candidates
+    """The planner's problem from a recorded step: base bytes, atoms, the candidates
     (modules called once, not the root, not writing their inputs in place, returning a
-    tensor, keeping some bytes)."""
+    tensor, keeping some bytes), their calls, and each atom's backward extra (what backward
+    held above base and the saved bytes up to that atom: activation gradients and
+    temporaries, largest in the early, wide layers, where checkpointed steps peak)."""
     rec = measured.recorder
     atoms = list(rec.atom_bytes)
     prefix = [0]
@@ -596,6 +636,8 @@ def _problem(measured: _Measured, root):
     for c in rec.calls:
         counts[id(c.module)] = counts.get(id(c.module), 0) + 1
     base = max(0, measured.forward_backward_peak - prefix[-1])
+    backward_extras = [max(0, rec.backward_levels.get(k, 0) - base - prefix[k + 1])
+                       for k in range(len(atoms))]
     # What backward adds above the end of the forward at the eager peak (gradients made by
     # then, temporaries): in base already, so a recompute's extra counts only what exceeds it.
     backward_extra = max(0, measured.forward_backward_peak - measured.forward_end)
@@ -641,7 +683,30 @@ def _problem(measured: _Measured, root):
         calls.append(c)
     candidates = [(b, e, freed, s, extra)
                   for (b, e, freed, extra), s in zip(candidates, _twin_seconds(calls))]
-    return base, atoms, candidates, calls
+    return _Problem(base, atoms, candidates, calls, backward_extras)
+
+
+@dataclass
+class _Problem:
+    """The planner's problem (ops/fit/planner.h) and the module call of each candidate."""
+
+    base: int
+    atoms: list
+    candidates: list  # (begin, end, freed_bytes, seconds, recompute_extra_bytes)
+    calls: list
+    backward_extras: list
+
+    def plan(self, target):
+        return _C.fit.plan(self.base, self.atoms, self.candidates, target,
+                           atom_backward_extra_bytes=self.backward_extras)
+
+    def least_peak_plan(self):
+        return _C.fit.least_peak_plan(self.base, self.atoms, self.candidates,
+                                      atom_backward_extra_bytes=self.backward_extras)
+
+    def predicted_peak(self, chosen):
+        return _C.fit.predicted_peak(self.base, self.atoms, self.candidates, list(chosen),
+                                     atom_backward_extra_bytes=self.backward_extras)
 
 
 def _twin_seconds(calls) -> List[float]:
@@ -741,7 +806,8 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 return done(current.peak, current.peak)
 
         # 2. Checkpoints, planned; 3. verified and tightened.
-        base, atoms, candidates, calls = _problem(current, model)
+        problem = _problem(current, model)
+        candidates, calls = problem.candidates, problem.calls
         paths = _paths(model)
         optimizer_peak = current.optimizer_peak
         tried = {}  # chosen -> measured peak
@@ -750,7 +816,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         def attempt(target):
             """Plan for `target`, measure a new plan; (chosen, measured peak) or None."""
             nonlocal fits
-            feasible, chosen, predicted, seconds = _C.fit.plan(base, atoms, candidates, target)
+            feasible, chosen, predicted, seconds = problem.plan(target)
             if not feasible:
                 return None
             chosen = tuple(chosen)
@@ -777,7 +843,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             target -= got[1] - budget
         if low is None and optimizer_peak <= budget:
             # Nothing planned for targets down to there fits: the least-peak plan may.
-            feasible, chosen, predicted, _ = _C.fit.least_peak_plan(base, atoms, candidates)
+            feasible, chosen, predicted, _ = problem.least_peak_plan()
             if feasible and attempt(predicted) is not None and fits is not None:
                 low = predicted
         if low is not None:
@@ -796,7 +862,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             actions += _checkpoint_actions(calls, candidates, chosen, paths)
             return done(peak, predicted)
         # No plan fits: name the least peak measured (the least-peak plan's, when tried).
-        feasible, chosen, _, _ = _C.fit.least_peak_plan(base, atoms, candidates)
+        feasible, chosen, _, _ = problem.least_peak_plan()
         if feasible and tuple(chosen) not in tried:
             tried[tuple(chosen)] = _measure_plan(step, calls, chosen)
         least = min([current.peak] + list(tried.values()))

@@ -18,10 +18,12 @@ namespace py = pybind11;
 using CandidateTuple = std::tuple<int, int, int64_t, double, int64_t>;
 
 fit::Problem problem_of(int64_t base_bytes, std::vector<int64_t> atom_saved_bytes,
-                        const std::vector<CandidateTuple>& candidates) {
+                        const std::vector<CandidateTuple>& candidates,
+                        std::vector<int64_t> atom_backward_extra_bytes) {
   fit::Problem p;
   p.base_bytes = base_bytes;
   p.atom_saved_bytes = std::move(atom_saved_bytes);
+  p.atom_backward_extra_bytes = std::move(atom_backward_extra_bytes);
   p.candidates.reserve(candidates.size());
   for (const auto& [begin, end, freed, seconds, extra] : candidates) {
     p.candidates.push_back({begin, end, freed, seconds, extra});
@@ -41,8 +43,8 @@ void init_fit(py::module_& m) {
   s.def(
       "plan",
       [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
-         int64_t budget, int resolution) {
-        const fit::Problem p = problem_of(base, std::move(atoms), candidates);
+         int64_t budget, int resolution, std::vector<int64_t> extras) {
+        const fit::Problem p = problem_of(base, std::move(atoms), candidates, std::move(extras));
         fit::Plan plan;
         {
           py::gil_scoped_release release;
@@ -52,13 +54,14 @@ void init_fit(py::module_& m) {
       },
       py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"),
       py::arg("budget_bytes"), py::arg("resolution") = 4096,
+      py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
       "memlean::fit::plan: (feasible, chosen, predicted_peak_bytes, recompute_seconds); "
       "candidates are (begin, end, freed_bytes, seconds, recompute_extra_bytes).");
   s.def(
       "least_peak_plan",
       [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
-         int resolution) {
-        const fit::Problem p = problem_of(base, std::move(atoms), candidates);
+         int resolution, std::vector<int64_t> extras) {
+        const fit::Problem p = problem_of(base, std::move(atoms), candidates, std::move(extras));
         fit::Plan plan;
         {
           py::gil_scoped_release release;
@@ -67,14 +70,17 @@ void init_fit(py::module_& m) {
         return plan_tuple(plan);
       },
       py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"),
-      py::arg("resolution") = 4096, "memlean::fit::least_peak_plan, as plan().");
+      py::arg("resolution") = 4096, py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
+      "memlean::fit::least_peak_plan, as plan().");
   s.def(
       "predicted_peak",
       [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
-         const std::vector<int>& chosen) {
-        return fit::predicted_peak(problem_of(base, std::move(atoms), candidates), chosen);
+         const std::vector<int>& chosen, std::vector<int64_t> extras) {
+        return fit::predicted_peak(problem_of(base, std::move(atoms), candidates, std::move(extras)),
+                                   chosen);
       },
       py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"), py::arg("chosen"),
+      py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
       "memlean::fit::predicted_peak.");
   s.def("parse_budget", &fit::parse_budget, py::arg("text"), py::arg("argument"),
         "memlean::fit::parse_budget: '6GiB' -> bytes (ValueError naming `argument`).");
