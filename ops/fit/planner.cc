@@ -31,8 +31,8 @@ struct Prepared {
   }
   int64_t kept(int c) const { return range_sum(c) - freed[c]; }
   // What its recompute and backward hold on top of base and the kept bytes before it: its
-  // atoms' bytes plus the larger of its recompute_extra_bytes and its atoms' backward extras
-  // (less the bytes of its atoms after each, freed by then).
+  // atoms' bytes, its recompute_extra_bytes and its atoms' largest backward extra (less the
+  // bytes of its atoms after each, freed by then).
   int64_t recompute(int c) const { return recompute_bytes[c]; }
 };
 
@@ -116,8 +116,10 @@ Prepared prepare(const Problem& problem) {
     if (c.freed_bytes < 0) {
       throw std::invalid_argument(candidate_field(i, "freed_bytes") + " must be >= 0");
     }
-    if (c.recompute_extra_bytes < 0 ||
-        c.recompute_extra_bytes > kInt64Max - problem.base_bytes - prep.prefix[prep.n]) {
+    // Its atoms' backward extras, less the bytes of its atoms after each (freed by then): >= 0
+    // (the last atom's term is its extra) and <= headroom.
+    const int64_t backward = reach_max.max(c.begin, c.end) - prep.prefix[c.end];
+    if (c.recompute_extra_bytes < 0 || c.recompute_extra_bytes > headroom - backward) {
       throw std::invalid_argument(candidate_field(i, "recompute_extra_bytes") +
                                   " must be >= 0 and keep the peak within int64");
     }
@@ -125,9 +127,8 @@ Prepared prepare(const Problem& problem) {
       throw std::invalid_argument(candidate_field(i, "seconds") + " must be finite and >= 0");
     }
     prep.freed[i] = std::min(c.freed_bytes, prep.range_sum(static_cast<int>(i)));
-    const int64_t backward = reach_max.max(c.begin, c.end) - prep.prefix[c.end];
     prep.recompute_bytes[i] =
-        prep.range_sum(static_cast<int>(i)) + std::max(c.recompute_extra_bytes, backward);
+        prep.range_sum(static_cast<int>(i)) + c.recompute_extra_bytes + backward;
     prep.ending_at[c.end].push_back(static_cast<int>(i));
   }
   return prep;

@@ -10,12 +10,14 @@
 // range_sum(c) - freed_bytes, every other atom its saved bytes, and
 //   predicted_peak(S) = max(base + sum of all kept,
 //                           max over c in S of base + kept_before(c.begin) + range_sum(c)
-//                                              + recompute_extra_bytes(c),
+//                                              + recompute_extra_bytes(c) + backward(c),
 //                           max over atoms k outside S of base + kept_before(k + 1)
 //                                              + atom_backward_extra_bytes[k])
 // (while c is recomputed in backward its whole activation memory is back, everything after it
-// has been freed, and what backward made by then, e.g. the gradients of the parameters after
-// it, is alive: recompute_extra_bytes). plan() minimises the sum of seconds over S subject to
+// has been freed, and backward holds what it held there without checkpoints: backward(c), from
+// the per-atom extras below, or the gradients made by then when a caller puts them in
+// recompute_extra_bytes; plus what the recompute alone adds, e.g. its recomputed output:
+// recompute_extra_bytes). plan() minimises the sum of seconds over S subject to
 // predicted_peak(S) <= budget; ties go to the lower peak, then to fewer candidates (the
 // fewest is not guaranteed: a state keeps the lower partial peak, which may tie at the end).
 //
@@ -48,8 +50,9 @@ struct Candidate {
   int end = 0;
   int64_t freed_bytes = 0;  // clamped to the sum of its atoms' saved bytes
   double seconds = 0;       // its forward time: the cost of recomputing it
-  // Bytes alive while it is recomputed besides base, the kept bytes before it and its atoms'
-  // (gradients backward has made by then, its output's gradient); >= 0.
+  // Bytes alive while it is recomputed besides base, the kept bytes before it, its atoms' and
+  // backward(c) (its recomputed output; without per-atom extras, also the gradients backward
+  // has made by then and its output's gradient); >= 0.
   int64_t recompute_extra_bytes = 0;
 };
 
@@ -61,9 +64,10 @@ struct Problem {
   // bytes of atoms [0, k] while it runs atom k (activation gradients, temporaries, the parameter
   // gradients made by then). An atom k that no chosen candidate covers adds the peak term
   //   base + kept bytes of atoms [0, k] + atom_backward_extra_bytes[k],
-  // and a chosen c = [b, e) recomputes with at least
-  //   max over k in [b, e) of atom_backward_extra_bytes[k] - sum(atom_saved_bytes(k, e))
-  // extra bytes (its own recompute_extra_bytes when that is more). In a step without checkpoints
+  // and a chosen c = [b, e) recomputes with
+  //   backward(c) = max over k in [b, e) of atom_backward_extra_bytes[k]
+  //                                        - sum(atom_saved_bytes(k, e))
+  // bytes more (0 without extras). In a step without checkpoints
   // these terms are what backward reaches atom by atom, so measured ones keep the eager
   // prediction exact.
   std::vector<int64_t> atom_backward_extra_bytes;

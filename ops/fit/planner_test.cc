@@ -49,14 +49,14 @@ int64_t reference_peak(const Problem& p, const std::vector<int>& chosen) {
     int64_t before = 0;
     for (int k = 0; k < c.begin; ++k) before += kept[k];
     // Backward through atom k of c: its atoms up to k are alive again, with k's extra.
-    int64_t backward = c.recompute_extra_bytes;
+    int64_t backward = 0;
     for (int k = c.begin; k < c.end; ++k) {
       int64_t after = 0;
       for (int j = k + 1; j < c.end; ++j) after += p.atom_saved_bytes[j];
       backward = std::max(backward, extra(k) - after);
       covered[k] = true;
     }
-    peak = std::max(peak, p.base_bytes + before + range(c) + backward);
+    peak = std::max(peak, p.base_bytes + before + range(c) + c.recompute_extra_bytes + backward);
   }
   // Backward through an atom no candidate covers: the kept bytes up to it and its extra.
   int64_t through = 0;

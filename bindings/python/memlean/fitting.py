@@ -638,20 +638,6 @@ def _problem(measured: _Measured, root):
     base = max(0, measured.forward_backward_peak - prefix[-1])
     backward_extras = [max(0, rec.backward_levels.get(k, 0) - base - prefix[k + 1])
                        for k in range(len(atoms))]
-    # What backward adds above the end of the forward at the eager peak (gradients made by
-    # then, temporaries): in base already, so a recompute's extra counts only what exceeds it.
-    backward_extra = max(0, measured.forward_backward_peak - measured.forward_end)
-    # The gradients backward has made when it reaches atom k: those of the parameters of the
-    # modules called from k on (each parameter to its module's first call).
-    grad_bytes = [0] * (len(atoms) + 1)
-    seen_params = set()
-    for c in sorted(rec.calls, key=lambda c: c.begin):
-        for p in c.module._parameters.values():
-            if p is not None and p.requires_grad and id(p) not in seen_params:
-                seen_params.add(id(p))
-                grad_bytes[c.begin] += p.numel() * p.element_size()
-    for k in range(len(atoms) - 1, -1, -1):
-        grad_bytes[k] += grad_bytes[k + 1]
     candidates, calls = [], []
     for c in sorted(rec.calls, key=lambda c: (c.begin, -c.end)):
         if (c.module is root or counts[id(c.module)] != 1 or c.mutates_input
@@ -676,9 +662,9 @@ def _problem(measured: _Measured, root):
             atom = rec.saved.get(key)
             if atom is not None and c.begin <= atom < c.end:
                 kept += nbytes
-        # While it is recomputed: the gradients made after it and its output's gradient.
-        extra = max(0, grad_bytes[c.begin] + sum(n for key, n in c.outputs if key is not None)
-                    - backward_extra)
+        # While it is recomputed, besides what backward held there without checkpoints (the
+        # planner's per-atom backward extras): its recomputed output.
+        extra = sum(n for key, n in dict(c.outputs).items() if key is not None)
         candidates.append((c.begin, c.end, max(0, span - kept), extra))
         calls.append(c)
     candidates = [(b, e, freed, s, extra)
@@ -856,15 +842,25 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                     low = middle
                 else:
                     high = middle
+        if fits is None:
+            # Nothing fits yet: the least-peak plan, and as the plans tried may measure above
+            # their predictions, plans for just under the least peak measured while that finds
+            # lower ones (a FitError then names the least found).
+            feasible, chosen, predicted, _ = problem.least_peak_plan()
+            if feasible:
+                attempt(predicted)
+            least = min([current.peak] + list(tried.values()))
+            for _ in range(3):
+                got = attempt(least - 1)
+                if got is None or got[1] >= least or fits is not None:
+                    break
+                least = got[1]
         if fits is not None:
             chosen, peak, predicted, _ = fits
             undo_steps.extend(_wrap(calls[i].module) for i in chosen)
             actions += _checkpoint_actions(calls, candidates, chosen, paths)
             return done(peak, predicted)
-        # No plan fits: name the least peak measured (the least-peak plan's, when tried).
-        feasible, chosen, _, _ = problem.least_peak_plan()
-        if feasible and tuple(chosen) not in tried:
-            tried[tuple(chosen)] = _measure_plan(step, calls, chosen)
+        # No plan fits: name the least peak measured.
         least = min([current.peak] + list(tried.values()))
         raise FitError(
             f"{_NAME}: budget_bytes={budget} ({_gib(budget)}) is below the least step peak "
