@@ -11,16 +11,15 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <map>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <sstream>
 #include <unordered_set>
 
 #include "ops/checkpoint/checkpoint.h"
 #include "ops/fit/budget.h"
 #include "ops/fit/planner.h"
+#include "ops/fit/search.h"
 #include "runtime/memstats/memstats.h"
 #include "runtime/memstats/nn.h"
 #include "runtime/memstats/report.h"
@@ -44,9 +43,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using Runner = std::function<at::Tensor(const at::Tensor&)>;
-
-constexpr int kMaxRounds = 8;     // plans measured on the way down from the budget
-constexpr int kBisectRounds = 4;  // then on the way back up, for a faster plan that fits
 
 int64_t storage_bytes(const at::Tensor& t) {
   if (!t.defined()) return 0;
@@ -191,6 +187,44 @@ struct Step {
           "or does the loss not depend on the model's output?)");
     }
     return loss;
+  }
+
+  // One step's forward and backward, layer by layer, with a hook on each layer's output: the
+  // step's highest bytes (as measure() counts them) while backward runs each layer (from the
+  // gradient of its output to that of its input). 0 for a layer whose output needs no gradient.
+  std::vector<int64_t> backward_levels() const {
+    at::AutoGradMode grad_mode(true);
+    clear_grads();
+    synchronize(device);
+    const auto seq = model.ptr();
+    const auto n = static_cast<int64_t>(seq->size());
+    std::vector<int64_t> levels(n, 0);
+    const int64_t fixed = fixed_bytes();
+    memstats::Tracker step_tracker(device);
+    const int64_t start = step_tracker.current();
+    memstats::Tracker tracker(device);  // its peak restarts at each layer's backward
+    int64_t running = -1;               // the layer whose backward runs now
+    auto next_layer = [&](int64_t layer) {
+      if (running >= 0) {
+        levels[running] = std::max(levels[running], fixed + tracker.peak() - start);
+      }
+      tracker.reset_peak();
+      running = layer;
+    };
+    {
+      at::Tensor h = input;
+      for (int64_t i = 0; i < n; ++i) {
+        h = seq->begin()[i].forward(h);
+        if (h.requires_grad()) h.register_hook([&next_layer, i](const at::TensorBase&) { next_layer(i); });
+      }
+      at::Tensor loss = loss_of(h);
+      h = at::Tensor();
+      loss.backward();
+    }
+    synchronize(device);
+    next_layer(-1);
+    clear_grads();
+    return levels;
   }
 
   // One training step through `run`, its peak as fit() counts it.
@@ -427,37 +461,33 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     atoms += problem.atom_saved_bytes.back();
   }
   problem.base_bytes = std::max<int64_t>(0, result.eager_peak_bytes - atoms);
+  // Backward's own bytes at each layer above base and what layers 0..i saved (activation
+  // gradients, temporaries, the parameter gradients made by then): where checkpointed steps
+  // peak, in the backward of early, wide layers.
+  {
+    const std::vector<int64_t> levels = step.backward_levels();
+    int64_t through = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      through += problem.atom_saved_bytes[i];
+      problem.atom_backward_extra_bytes.push_back(
+          std::max<int64_t>(0, levels[i] - problem.base_bytes - through));
+    }
+  }
   // Candidates: every run [b, e) of layers. Checkpointed, it keeps its input (which layer b
   // may not have saved: freed_b more bytes) and its output only where layer e saves it (the
-  // output's bytes less freed_e). While it is recomputed, besides base (which holds the
-  // eager backward's own temporaries, as the recompute's backward has its own), the kept
-  // bytes before it and its layers' saved bytes: its input, its recomputed output where layer
-  // e did not keep it, the output's gradient and the gradients of the parameters of layers b
-  // on. A run that ends at the last layer saves nothing at the peak (its backward comes
-  // first, right after it is recomputed): not a candidate.
-  std::vector<int64_t> output_kept(n, 0), grad_bytes(n + 1, 0);
+  // output's bytes less freed_e). While it is recomputed, besides base, the kept bytes before
+  // it, its layers' saved bytes and backward's own bytes there (the per-layer extras): its
+  // input where layer b did not save it, and its recomputed output. A run that ends at the
+  // last layer saves nothing at the peak (its backward comes first, right after it is
+  // recomputed): not a candidate.
+  std::vector<int64_t> output_kept(n, 0);
   for (int64_t i = 0; i < n; ++i) {
     output_kept[i] = std::max<int64_t>(0, output_bytes[i] - freed[i + 1]);
-  }
-  {
-    std::unordered_set<const c10::TensorImpl*> seen;
-    const auto seq = model.ptr();
-    for (int64_t i = 0; i < n; ++i) {
-      for (const auto& p : seq->ptr(i)->parameters()) {
-        if (p.requires_grad() && p.device() == device &&
-            seen.insert(p.unsafeGetTensorImpl()).second) {
-          grad_bytes[i] += static_cast<int64_t>(p.nbytes());
-        }
-      }
-    }
-    for (int64_t i = n - 1; i >= 0; --i) grad_bytes[i] += grad_bytes[i + 1];
   }
   for (Candidate c : chain_candidates(problem.atom_saved_bytes, output_kept, seconds)) {
     if (c.end == n) continue;
     c.freed_bytes = std::max<int64_t>(0, c.freed_bytes - freed[c.begin]);
-    const int64_t out = output_bytes[c.end - 1];
-    c.recompute_extra_bytes =
-        freed[c.begin] + (out - output_kept[c.end - 1]) + out + grad_bytes[c.begin];
+    c.recompute_extra_bytes = freed[c.begin] + output_bytes[c.end - 1];
     problem.candidates.push_back(c);
   }
 
@@ -481,74 +511,25 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     return f;
   };
 
-  // Plans measured: chosen -> measured peak; and the fastest measured to fit.
-  std::map<std::vector<int>, int64_t> measured;
-  std::optional<Plan> fastest;
-  // Plans for `target` and measures it (once per plan); its measured peak, or nullopt when
-  // nothing is predicted to fit.
-  auto attempt = [&](int64_t target) -> std::optional<int64_t> {
-    const Plan p = plan(problem, target, options.resolution);
-    if (!p.feasible) return std::nullopt;
-    auto it = measured.find(p.chosen);
-    if (it == measured.end()) {
-      int64_t peak = result.eager_peak_bytes;
-      if (!p.chosen.empty()) {
+  // The search both languages run (search.h): plan, measure, tighten, bisect back up.
+  SearchOptions search_options;
+  search_options.resolution = options.resolution;
+  const SearchResult found = search(
+      problem, budget_bytes, /*floor_bytes=*/0, result.eager_peak_bytes,
+      [&](const Plan& p) {
         const FitPlan f = make(p);
-        peak = step.measure([&f](const at::Tensor& x) { return f.forward(x); });
-      }
-      it = measured.emplace(p.chosen, peak).first;
-      if (peak <= budget_bytes &&
-          (!fastest || p.recompute_seconds < fastest->recompute_seconds)) {
-        fastest = p;
-      }
-    }
-    return it->second;
-  };
-
-  // Plan for the budget; while the measured step exceeds it (the model is an estimate), lower
-  // the planner's budget by the excess. Once a plan fits after lowering, bisect back up for a
-  // faster one that fits.
-  std::optional<int64_t> low;           // a target whose plan fits
-  int64_t high = budget_bytes + 1;      // a target whose plan does not
-  int64_t target = budget_bytes;
-  for (int round = 0; round < kMaxRounds && target > 0; ++round) {
-    const auto peak = attempt(target);
-    if (!peak) break;
-    if (*peak <= budget_bytes) {
-      low = target;
-      break;
-    }
-    high = target;
-    target -= *peak - budget_bytes;
-  }
-  const Plan least = least_peak_plan(problem, options.resolution);
-  if (!low && least.feasible) {
-    // Nothing planned on the way down fits: the least-peak plan may.
-    if (const auto peak = attempt(least.predicted_peak_bytes); peak && *peak <= budget_bytes) {
-      low = least.predicted_peak_bytes;
-    }
-  }
-  if (low) {
-    for (int round = 0; round < kBisectRounds; ++round) {
-      if (high - *low <= std::max<int64_t>(budget_bytes / 200, 1)) break;
-      const int64_t middle = *low + (high - *low) / 2;
-      const auto peak = attempt(middle);
-      if (peak && *peak <= budget_bytes) {
-        low = middle;
-      } else {
-        high = middle;
-      }
-    }
-  }
-  if (fastest) {
-    FitPlan f = make(*fastest);
-    f.peak_bytes = measured.at(fastest->chosen);
+        return step.measure([&f](const at::Tensor& x) { return f.forward(x); });
+      },
+      search_options);
+  if (found.fastest) {
+    FitPlan f = make(*found.fastest);
+    f.peak_bytes = found.fastest_peak_bytes;
     snapshot.restore();
     return f;
   }
 
-  int64_t best = result.eager_peak_bytes;  // no checkpoint at all
-  for (const auto& [chosen, peak] : measured) best = std::min(best, peak);
+  const int64_t best = found.least_measured_peak_bytes;
+  const Plan& least = found.least;
   snapshot.restore();
   std::ostringstream msg;
   msg << "memlean::fit: no choice of checkpoints fits budget_bytes = " << describe_bytes(budget_bytes)

@@ -14,12 +14,14 @@
 //
 // What fit() does: measures the eager step; if it fits, returns the empty plan. Otherwise it
 // runs the forward once layer by layer to measure what each layer keeps for backward (what
-// it allocates, less its input when it does not save it) and its forward time, plans with the
-// planner of planner.h (every run of layers but those ending at the last is a candidate, with
-// what its recompute adds: its input, its recomputed output, the output's gradient, the
-// gradients made by then), and measures one step under the plan. While the measured step
-// exceeds the budget it plans again with the planner's budget lowered by the excess (then the
-// least-peak plan); once a plan fits it bisects back up for a faster one, and returns the
+// it allocates, less its input when it does not save it) and its forward time, and one step
+// with a hook on each layer's output to measure what backward holds at each layer; it plans
+// with the planner of planner.h (every run of layers but those ending at the last is a
+// candidate, with what its recompute adds: its input where the first layer does not save it,
+// its recomputed output) inside the search of search.h, the loop memlean.fit runs too: it
+// measures one step under each plan; while the measured step exceeds the budget it plans again
+// with the planner's budget lowered by the excess (then the least-peak plan); once a plan fits
+// it bisects back up for a faster one, and returns the
 // fastest plan measured to fit. It never returns a plan whose measured step exceeds the
 // budget: when none fits it throws FitError, naming the least peak measured. Everything the
 // measurement steps touch is restored exactly before fit() returns or throws: parameters,

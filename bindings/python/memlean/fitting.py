@@ -682,18 +682,6 @@ class _Problem:
     calls: list
     backward_extras: list
 
-    def plan(self, target):
-        return _C.fit.plan(self.base, self.atoms, self.candidates, target,
-                           atom_backward_extra_bytes=self.backward_extras)
-
-    def least_peak_plan(self):
-        return _C.fit.least_peak_plan(self.base, self.atoms, self.candidates,
-                                      atom_backward_extra_bytes=self.backward_extras)
-
-    def predicted_peak(self, chosen):
-        return _C.fit.predicted_peak(self.base, self.atoms, self.candidates, list(chosen),
-                                     atom_backward_extra_bytes=self.backward_extras)
-
 
 def _twin_seconds(calls) -> List[float]:
     """Each call's recompute time, the same for calls that do the same work (same module
@@ -795,73 +783,17 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         problem = _problem(current, model)
         candidates, calls = problem.candidates, problem.calls
         paths = _paths(model)
-        optimizer_peak = current.optimizer_peak
-        tried = {}  # chosen -> measured peak
-        fits = None  # (chosen, measured, predicted) of the fastest plan measured to fit
-
-        def attempt(target):
-            """Plan for `target`, measure a new plan; (chosen, measured peak) or None."""
-            nonlocal fits
-            feasible, chosen, predicted, seconds = problem.plan(target)
-            if not feasible:
-                return None
-            chosen = tuple(chosen)
-            if chosen not in tried:
-                tried[chosen] = peak = _measure_plan(step, calls, chosen)
-                if peak <= budget and (fits is None or seconds < fits[3]):
-                    fits = (chosen, peak, max(predicted, optimizer_peak), seconds)
-            return chosen, tried[chosen]
-
-        # Plan for the budget; over it (the model is an estimate), lower the target by the
-        # excess; once a plan fits after lowering, bisect back up for a faster one that fits.
-        low, high = None, budget + 1  # targets known to fit / to fail
-        target = budget
-        for _ in range(8):
-            if optimizer_peak > budget:
-                break
-            got = attempt(target)
-            if got is None:
-                break
-            if got[1] <= budget:
-                low = target
-                break
-            high = target
-            target -= got[1] - budget
-        if low is None and optimizer_peak <= budget:
-            # Nothing planned for targets down to there fits: the least-peak plan may.
-            feasible, chosen, predicted, _ = problem.least_peak_plan()
-            if feasible and attempt(predicted) is not None and fits is not None:
-                low = predicted
-        if low is not None:
-            for _ in range(4):
-                if high - low <= max(budget // 200, 1 << 16):
-                    break
-                middle = (low + high) // 2
-                got = attempt(middle)
-                if got is not None and got[1] <= budget:
-                    low = middle
-                else:
-                    high = middle
-        if fits is None:
-            # Nothing fits yet: the least-peak plan, and as the plans tried may measure above
-            # their predictions, plans for just under the least peak measured while that finds
-            # lower ones (a FitError then names the least found).
-            feasible, chosen, predicted, _ = problem.least_peak_plan()
-            if feasible:
-                attempt(predicted)
-            least = min([current.peak] + list(tried.values()))
-            for _ in range(3):
-                got = attempt(least - 1)
-                if got is None or got[1] >= least or fits is not None:
-                    break
-                least = got[1]
-        if fits is not None:
-            chosen, peak, predicted, _ = fits
+        # The search (ops/fit/search.h, the one loop of both languages): plan, measure each
+        # plan, lower the target by any excess, bisect back up; the fastest plan measured to
+        # fit, never one over the budget.
+        found, chosen, peak, predicted, _, least, _ = _C.fit.search(
+            problem.base, problem.atoms, candidates, budget, current.optimizer_peak,
+            current.peak, lambda chosen: _measure_plan(step, calls, chosen),
+            atom_backward_extra_bytes=problem.backward_extras)
+        if found:
             undo_steps.extend(_wrap(calls[i].module) for i in chosen)
             actions += _checkpoint_actions(calls, candidates, chosen, paths)
-            return done(peak, predicted)
-        # No plan fits: name the least peak measured.
-        least = min([current.peak] + list(tried.values()))
+            return done(peak, max(predicted, current.optimizer_peak))
         raise FitError(
             f"{_NAME}: budget_bytes={budget} ({_gib(budget)}) is below the least step peak "
             f"memlean.fit reaches for this model and batch: {_C.fit.describe_bytes(least)} "

@@ -9,6 +9,7 @@
 
 #include "ops/fit/budget.h"
 #include "ops/fit/planner.h"
+#include "ops/fit/search.h"
 
 namespace memlean::python {
 namespace {
@@ -82,6 +83,32 @@ void init_fit(py::module_& m) {
       py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"), py::arg("chosen"),
       py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
       "memlean::fit::predicted_peak.");
+  s.def(
+      "search",
+      [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
+         int64_t budget, int64_t floor, int64_t empty_peak, const py::function& measure,
+         int resolution, std::vector<int64_t> extras) {
+        const fit::Problem p = problem_of(base, std::move(atoms), candidates, std::move(extras));
+        fit::SearchOptions options;
+        options.resolution = resolution;
+        // The GIL stays held: measure is Python, and the planner's calls are short.
+        const fit::SearchResult r = fit::search(
+            p, budget, floor, empty_peak,
+            [&measure](const fit::Plan& plan) { return measure(plan.chosen).cast<int64_t>(); },
+            options);
+        const fit::Plan none;
+        const fit::Plan& fastest = r.fastest ? *r.fastest : none;
+        return py::make_tuple(r.fastest.has_value(), fastest.chosen, r.fastest_peak_bytes,
+                              fastest.predicted_peak_bytes, fastest.recompute_seconds,
+                              r.least_measured_peak_bytes, r.measured_plans);
+      },
+      py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"),
+      py::arg("budget_bytes"), py::arg("floor_bytes"), py::arg("empty_peak_bytes"),
+      py::arg("measure"), py::arg("resolution") = 4096,
+      py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
+      "memlean::fit::search with measure(chosen) -> measured peak: (found, chosen, "
+      "measured_peak_bytes, predicted_peak_bytes, recompute_seconds, "
+      "least_measured_peak_bytes, measured_plans).");
   s.def("parse_budget", &fit::parse_budget, py::arg("text"), py::arg("argument"),
         "memlean::fit::parse_budget: '6GiB' -> bytes (ValueError naming `argument`).");
   s.def("describe_bytes", &fit::describe_bytes, py::arg("bytes"),
