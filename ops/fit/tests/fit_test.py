@@ -303,6 +303,41 @@ class FitTest(unittest.TestCase):
                                  max(plan.peak_bytes // 50, 2**20), str(plan))
             plan.undo()
 
+    def test_timm_act_layer_memlean_swish(self):
+        # timm builds its activations from act_layer: with memlean.Swish(variant="naive") fit
+        # swaps them to the in-place variant (saving memory with no recompute) and keeps every
+        # budget; with plain memlean.Swish (in place already, as timm's inplace=True selects)
+        # there is nothing to swap and the budgets are kept by checkpoints alone.
+        import functools
+
+        import optional_deps
+
+        if not optional_deps.available("timm"):
+            self.skipTest("timm: this environment is made without it (MEMLEAN_WITHOUT)")
+        import timm
+
+        for variant in ["naive", None]:
+            with self.subTest(variant=variant):
+                torch.manual_seed(0)
+                act = (functools.partial(memlean.Swish, variant=variant) if variant
+                       else memlean.Swish)
+                model = timm.create_model("efficientnet_b0", pretrained=False, num_classes=3,
+                                          act_layer=act).train()
+                x = torch.randn(2, 3, 64, 64)
+                loss_fn = cross_entropy_of(torch.tensor([0, 2]))
+                opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+                least, eager = self.check_budgets(model, (x,), loss_fn, opt, count=3)
+                self.assertLess(least, eager)
+                plan = memlean.fit(model, (x,), eager - 1, loss_fn=loss_fn, optimizer=opt)
+                swaps = [a for a in plan.actions if a.action.endswith("swish")]
+                if variant == "naive":
+                    self.assertGreater(len(swaps), 20, str(plan))
+                    self.assertTrue(all(a.action == "inplace swish" for a in swaps), str(plan))
+                else:
+                    self.assertEqual(swaps, [], str(plan))
+                    self.assertTrue(plan.actions, str(plan))
+                plan.undo()
+
     def test_budget_strings(self):
         model, x, loss_fn, opt = self.conv_setup()
         plan = memlean.fit(model, x, "1TiB", loss_fn=loss_fn, optimizer=opt)
