@@ -3,7 +3,9 @@ in one process for: eager as shipped; timm's set_grad_checkpointing() (or every 
 torch.utils.checkpoint for the GPT stack, which timm does not build); torch.compile (inductor)
 with torch._functorch.config.activation_memory_budget in {1.0, 0.5, 0.2, 0.0}; and memlean.fit
 at budgets from its least peak to the eager peak (and, at its least budget, the fitted model
-compiled). A table and a Pareto figure (peak vs step time, one line per method).
+compiled); and memlean.fit(compile=True), every plan measured compiled, at the peak
+torch.compile reaches with activation_memory_budget 0.5, then compiled. A table and a Pareto
+figure (peak vs step time, one line per method).
 
 Peak: the budget's definition (memlean/fitting.py), the unique storages of parameters,
 buffers, optimizer state and batch plus the most a step allocates above them, exact on the
@@ -12,9 +14,7 @@ CPU (memlean.memstats). Time: the median of a few steps after a warm-up step.
     ./bazelw run //experiments:fit_frontier [-- --quick] [--out=DIR] [--device=auto|cpu|cuda]
         [--models efficientnet_b0,gpt] [--budgets 8] [--no-compile]
 """
-import argparse
 import os
-import statistics
 import time
 
 import torch
@@ -189,12 +189,14 @@ def run_model(name, batch, size, device, repeats, budgets, compile_, progress):
             budget_bytes=budget, predicted_bytes=plan.predicted_peak_bytes,
             fit_s=round(fit_s, 2), actions=len(plan.actions))
     if compile_:
+        compile_peaks = {}
         for b in COMPILE_BUDGETS:
             torch._dynamo.reset()
             model, inputs, loss_fn, opt = setup(name, batch, size, device)
             with torch._functorch.config.patch(activation_memory_budget=b):
                 compiled = torch.compile(model)
                 peak, s = measure(compiled, inputs, loss_fn, opt, device, repeats)
+            compile_peaks[b] = peak
             row("torch.compile", f"activation_memory_budget {b}", peak, s)
         torch._dynamo.reset()
         model, inputs, loss_fn, opt = setup(name, batch, size, device)
@@ -202,7 +204,30 @@ def run_model(name, batch, size, device, repeats, budgets, compile_, progress):
         peak, s = measure(torch.compile(model), inputs, loss_fn, opt, device, repeats)
         row("memlean.fit + torch.compile", f"budget {common.mib(least):.1f} MiB", peak, s,
             budget_bytes=least)
+        fit_for_compile(name, batch, size, device, repeats, compile_peaks[0.5], row)
     return rows, least, probe_s
+
+
+def fit_for_compile(name, batch, size, device, repeats, budget, row):
+    """memlean.fit(compile=True) at `budget` (torch.compile's peak at activation_memory_budget
+    0.5), then the step compiled: every plan fit tries is measured compiled. Below what it
+    reaches, it fits at the least compiled peak it names."""
+    torch._dynamo.reset()
+    model, inputs, loss_fn, opt = setup(name, batch, size, device)
+    setting = f"budget {common.mib(budget):.1f} MiB (compile 0.5's peak)"
+    t0 = time.perf_counter()
+    try:
+        plan = memlean.fit(model, inputs, budget, loss_fn=loss_fn, optimizer=opt, compile=True)
+    except memlean.FitError as e:
+        budget = e.least_peak_bytes
+        setting = f"below its least: at that, {common.mib(budget):.1f} MiB"
+        plan = memlean.fit(model, inputs, budget, loss_fn=loss_fn, optimizer=opt, compile=True)
+    fit_s = time.perf_counter() - t0
+    torch._dynamo.reset()
+    peak, s = measure(torch.compile(model), inputs, loss_fn, opt, device, repeats)
+    row("memlean.fit(compile=True) + torch.compile", setting, peak, s, budget_bytes=budget,
+        predicted_bytes=plan.predicted_peak_bytes, fit_s=round(fit_s, 2),
+        actions=len(plan.actions))
 
 
 def run(args):
@@ -213,7 +238,7 @@ def run(args):
     budgets = getattr(args, "budgets", None) or (4 if quick else 8)
     compile_ = not getattr(args, "no_compile", False) and not quick
     repeats = 1 if quick else 3
-    per_model = 2 + budgets + (len(COMPILE_BUDGETS) + 1 if compile_ else 0)
+    per_model = 2 + budgets + (len(COMPILE_BUDGETS) + 2 if compile_ else 0)
     progress = common.Progress("fit_frontier",
                                [sizes[n][0] * sizes[n][1] for n in names for _ in range(per_model)])
     rows, notes = [], []

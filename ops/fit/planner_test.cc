@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "ops/fit/planner_examples.h"
+
 namespace memlean::fit {
 namespace {
 
@@ -221,13 +223,7 @@ void expect_consistent(const Problem& p, const Plan& plan, int64_t budget) {
 //   3: [1,2) frees 20, 0.5 s   {3}: kept 10+0+30+40 -> 180; recompute 100+10+20        -> 180
 //   {0,1}: kept 5+10 -> 115; recompute 1: 100+5+70 = 175 -> 175, 3 s
 //   {3,1}: kept 10+0+10 -> 120; recompute 1: 100+10+70 = 180 -> 180, 2.5 s
-Problem example() {
-  Problem p;
-  p.base_bytes = 100;
-  p.atom_saved_bytes = {10, 20, 30, 40};
-  p.candidates = {{0, 2, 25, 1.0}, {2, 4, 60, 2.0}, {0, 4, 90, 2.5}, {1, 2, 20, 0.5}};
-  return p;
-}
+using testing::example;
 
 TEST(Planner, HandCheckedExample) {
   const Problem p = example();

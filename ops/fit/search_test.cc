@@ -10,17 +10,12 @@
 #include <stdexcept>
 #include <vector>
 
+#include "ops/fit/planner_examples.h"
+
 namespace memlean::fit {
 namespace {
 
-// Four atoms of 10..40 bytes over base 100; candidates [0,2), [2,4), [0,4), [1,2).
-Problem example() {
-  Problem p;
-  p.base_bytes = 100;
-  p.atom_saved_bytes = {10, 20, 30, 40};
-  p.candidates = {{0, 2, 25, 1.0}, {2, 4, 60, 2.0}, {0, 4, 90, 2.5}, {1, 2, 20, 0.5}};
-  return p;
-}
+using testing::example;
 
 // A measurement: the prediction plus `error(chosen)`, and a log of the calls.
 struct Measurer {

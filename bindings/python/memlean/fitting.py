@@ -413,7 +413,10 @@ class _Step:
                     found[key] = nbytes
         return found
 
-    def run(self, record=False, dataflow=False) -> _Measured:
+    def run(self, record=False, dataflow=False, forward=None) -> _Measured:
+        """One measured step; `forward`: what runs the model (default the model itself, e.g.
+        torch.compile(model))."""
+        forward = forward if forward is not None else self.model
         for p in self.params:
             p.grad = None
         resident_storages = self.storages()
@@ -428,7 +431,7 @@ class _Step:
         with memstats._collector_off(collect=False), memstats.track(self.device) as t:
             start = t.current
             with recorder or contextlib.nullcontext(), mode or contextlib.nullcontext():
-                output = self.model(*self.inputs)
+                output = forward(*self.inputs)
                 loss = self.loss_fn(output)
             if (not isinstance(loss, torch.Tensor) or loss.numel() != 1
                     or not loss.is_floating_point() or not loss.requires_grad):
@@ -700,7 +703,8 @@ def _twin_seconds(calls) -> List[float]:
 
 def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         loss_fn: Optional[Callable] = None,
-        optimizer: Optional[torch.optim.Optimizer] = None) -> FitPlan:
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        compile=False) -> FitPlan:
     """Make one training step of ``model`` on batches like ``example_inputs`` peak at or
     under ``budget_bytes`` on the model's device, changing the model in place.
 
@@ -714,6 +718,12 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             output's floating-point tensors.
         optimizer (torch.optim.Optimizer, optional): stepped in the measured steps (its state
             is part of the step's memory); its state is put back afterwards.
+        compile (bool or dict): the model will train as ``torch.compile(model, **compile)``
+            (True: ``torch.compile(model)``): fit measures every step it decides on that way
+            (compiling afresh for each plan, ``torch._dynamo.reset()`` before each and after
+            the last), so the budget holds for the compiled step. No Swish swap then (under
+            compile memlean's Swish computes what nn.SiLU does: it saves nothing there).
+            Default False: the budget is for eager steps.
 
     Returns:
         FitPlan: what changed, the measured and predicted peaks, undo().
@@ -727,11 +737,19 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
 
     fit runs a few real training steps (forward, backward, optimizer step) to measure:
     a warm-up step when the optimizer has no state yet, one eager step, one after the
-    Swish swap, and one per plan tried. Everything the steps change is put back.
+    Swish swap, and one per plan tried (with compile: two per plan, the first compiling).
+    Everything the steps change is put back.
     """
     started = time.perf_counter()
     budget = parse_budget(budget_bytes)
     inputs, loss_fn, device = _check(model, example_inputs, loss_fn, optimizer)
+    if isinstance(compile, bool):
+        compile_options = {} if compile else None
+    elif isinstance(compile, dict):
+        compile_options = dict(compile)
+    else:
+        raise TypeError(f"{_NAME}: compile must be a bool or a dict of torch.compile keyword "
+                        f"arguments, got {type(compile).__name__}")
     saved = _Saved(model, optimizer, device)
     undo_steps: List[Callable] = []
 
@@ -755,6 +773,9 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             return FitPlan(budget, peak, predicted, fixed, eager.peak, actions, undo_steps,
                            device, time.perf_counter() - started)
 
+        if compile_options is not None:
+            return _fit_compiled(step, eager, budget, compile_options, model, actions,
+                                 undo_steps, done)
         if eager.peak <= budget:
             return done(eager.peak, eager.peak)
 
@@ -794,17 +815,55 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             undo_steps.extend(_wrap(calls[i].module) for i in chosen)
             actions += _checkpoint_actions(calls, candidates, chosen, paths)
             return done(peak, max(predicted, current.optimizer_peak))
-        raise FitError(
-            f"{_NAME}: budget_bytes={budget} ({_gib(budget)}) is below the least step peak "
-            f"memlean.fit reaches for this model and batch: {_C.fit.describe_bytes(least)} "
-            f"(in-place Swish where safe, and checkpoints), measured; the eager step peaks at "
-            f"{_C.fit.describe_bytes(eager.peak)}, of which {_C.fit.describe_bytes(fixed)} are "
-            f"parameters, buffers, optimizer state and the batch. Use a larger budget or a "
-            f"smaller batch.", budget, least)
+        _raise_fit_error(budget, least, eager, "in-place Swish where safe, and checkpoints")
     except BaseException:
         undo_all()
         saved.restore()
         raise
+
+
+def _raise_fit_error(budget, least, eager, how):
+    raise FitError(
+        f"{_NAME}: budget_bytes={budget} ({_gib(budget)}) is below the least step peak "
+        f"memlean.fit reaches for this model and batch: {_C.fit.describe_bytes(least)} "
+        f"({how}), measured; the eager step peaks at {_C.fit.describe_bytes(eager.peak)}, of "
+        f"which {_C.fit.describe_bytes(eager.resident)} are parameters, buffers, optimizer "
+        f"state and the batch. Use a larger budget or a smaller batch.", budget, least)
+
+
+def _fit_compiled(step, eager, budget, options, model, actions, undo_steps, done):
+    """fit(compile=...): checkpoints planned from the eager step's model, every decision
+    measured on the compiled step."""
+    import torch._dynamo
+
+    def measure(calls, chosen):
+        wraps = [_wrap(calls[i].module) for i in chosen]
+        try:
+            torch._dynamo.reset()
+            compiled = torch.compile(model, **options)
+            step.run(forward=compiled)  # compiles
+            return step.run(forward=compiled).peak
+        finally:
+            for w in reversed(wraps):
+                w()
+
+    try:
+        plain = measure([], ())
+        if plain <= budget:
+            return done(plain, plain)
+        problem = _problem(eager, model)
+        calls = problem.calls
+        found, chosen, peak, predicted, _, least, _ = _C.fit.search(
+            problem.base, problem.atoms, problem.candidates, budget, eager.optimizer_peak, plain,
+            lambda chosen: measure(calls, chosen),
+            atom_backward_extra_bytes=problem.backward_extras)
+        if found:
+            undo_steps.extend(_wrap(calls[i].module) for i in chosen)
+            actions.extend(_checkpoint_actions(calls, problem.candidates, chosen, _paths(model)))
+            return done(peak, max(predicted, eager.optimizer_peak))
+        _raise_fit_error(budget, least, eager, "checkpoints, compiled with torch.compile")
+    finally:
+        torch._dynamo.reset()
 
 
 def _swap_swish(model, rec: _Recorder, in_place: bool, undo_steps, training) -> list:
