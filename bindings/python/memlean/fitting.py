@@ -40,9 +40,11 @@ forwards are wrapped, activations swapped for parameterless ones): state_dict ke
 change, and plan.undo() puts everything back.
 
 torch.compile: the wrapped modules run memlean.checkpoint, which dynamo runs as in eager mode
-while it compiles the rest; compiled, memlean's Swish computes what nn.SiLU does. Under
-compile, torch's own activation_memory_budget is the compiler's peer of this; memlean.fit's
-savings are for eager mode (and LibTorch: memlean::fit).
+while it compiles the rest; compiled, memlean's Swish computes what nn.SiLU does. A plan
+fitted for eager steps may peak higher compiled (inductor's graphs keep other tensors):
+fit(..., compile=True) measures every plan on the compiled step instead, so the budget holds
+there. Under compile, torch's own activation_memory_budget is the compiler's peer of this;
+memlean.fit's savings are for eager mode (and LibTorch: memlean::fit).
 """
 from __future__ import annotations
 
