@@ -723,8 +723,9 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         compile (bool or dict): the model will train as ``torch.compile(model, **compile)``
             (True: ``torch.compile(model)``): fit measures every step it decides on that way
             (compiling afresh for each plan, ``torch._dynamo.reset()`` before each and after
-            the last), so the budget holds for the compiled step. No Swish swap then (under
-            compile memlean's Swish computes what nn.SiLU does: it saves nothing there).
+            the last), so the budget holds for the compiled step: first unchanged, then with
+            the Swish swap (it still saves memory where the plan's checkpoints break the
+            graph), then each plan.
             Default False: the budget is for eager steps.
 
     Returns:
@@ -775,10 +776,13 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             return FitPlan(budget, peak, predicted, fixed, eager.peak, actions, undo_steps,
                            device, time.perf_counter() - started)
 
-        if compile_options is not None:
-            return _fit_compiled(step, eager, budget, compile_options, model, actions,
-                                 undo_steps, done)
-        if eager.peak <= budget:
+        # With compile=: every decision on the compiled step (compiled afresh each time).
+        compiled = _CompiledSteps(step, model, compile_options) if compile_options is not None else None
+        if compiled is not None:
+            plain = compiled.peak([], ())
+            if plain <= budget:
+                return done(plain, plain)
+        elif eager.peak <= budget:
             return done(eager.peak, eager.peak)
 
         # 1. Swish, no recompute.
@@ -799,8 +803,13 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             total = sum(n for _, _, n in swapped) or 1
             actions += [FitAction(path, action, saving * n // total, 0.0)
                         for path, action, n in swapped]
-            if current.peak <= budget:
-                return done(current.peak, current.peak)
+        empty_peak = current.peak
+        if compiled is not None and swapped:
+            empty_peak = compiled.peak([], ())
+        elif compiled is not None:
+            empty_peak = plain
+        if empty_peak <= budget:
+            return done(empty_peak, empty_peak)
 
         # 2. Checkpoints, planned; 3. verified and tightened.
         problem = _problem(current, model)
@@ -809,19 +818,29 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         # The search (ops/fit/search.h, the one loop of both languages): plan, measure each
         # plan, lower the target by any excess, bisect back up; the fastest plan measured to
         # fit, never one over the budget.
+        if compiled is not None:
+            measure = lambda chosen: compiled.peak(calls, chosen)  # noqa: E731
+        else:
+            measure = lambda chosen: _measure_plan(step, calls, chosen)  # noqa: E731
         found, chosen, peak, predicted, _, least, _ = _C.fit.search(
             problem.base, problem.atoms, candidates, budget, current.optimizer_peak,
-            current.peak, lambda chosen: _measure_plan(step, calls, chosen),
-            atom_backward_extra_bytes=problem.backward_extras)
+            empty_peak, measure, atom_backward_extra_bytes=problem.backward_extras)
         if found:
             undo_steps.extend(_wrap(calls[i].module) for i in chosen)
             actions += _checkpoint_actions(calls, candidates, chosen, paths)
             return done(peak, max(predicted, current.optimizer_peak))
-        _raise_fit_error(budget, least, eager, "in-place Swish where safe, and checkpoints")
+        _raise_fit_error(budget, least, eager,
+                         "in-place Swish where safe, and checkpoints" +
+                         (", compiled with torch.compile" if compiled is not None else ""))
     except BaseException:
         undo_all()
         saved.restore()
         raise
+    finally:
+        if compile_options is not None:
+            import torch._dynamo
+
+            torch._dynamo.reset()  # fit's compiled code: the caller compiles the fitted model
 
 
 def _raise_fit_error(budget, least, eager, how):
@@ -833,39 +852,25 @@ def _raise_fit_error(budget, least, eager, how):
         f"state and the batch. Use a larger budget or a smaller batch.", budget, least)
 
 
-def _fit_compiled(step, eager, budget, options, model, actions, undo_steps, done):
-    """fit(compile=...): checkpoints planned from the eager step's model, every decision
-    measured on the compiled step."""
-    import torch._dynamo
+class _CompiledSteps:
+    """fit(compile=...): measured steps of torch.compile(model), compiled afresh each time
+    (torch._dynamo.reset() first), as the caller's own compile of the fitted model will be."""
 
-    def measure(calls, chosen):
+    def __init__(self, step, model, options):
+        self.step, self.model, self.options = step, model, options
+
+    def peak(self, calls, chosen) -> int:
+        import torch._dynamo
+
         wraps = [_wrap(calls[i].module) for i in chosen]
         try:
             torch._dynamo.reset()
-            compiled = torch.compile(model, **options)
-            step.run(forward=compiled)  # compiles
-            return step.run(forward=compiled).peak
+            compiled = torch.compile(self.model, **self.options)
+            self.step.run(forward=compiled)  # compiles
+            return self.step.run(forward=compiled).peak
         finally:
             for w in reversed(wraps):
                 w()
-
-    try:
-        plain = measure([], ())
-        if plain <= budget:
-            return done(plain, plain)
-        problem = _problem(eager, model)
-        calls = problem.calls
-        found, chosen, peak, predicted, _, least, _ = _C.fit.search(
-            problem.base, problem.atoms, problem.candidates, budget, eager.optimizer_peak, plain,
-            lambda chosen: measure(calls, chosen),
-            atom_backward_extra_bytes=problem.backward_extras)
-        if found:
-            undo_steps.extend(_wrap(calls[i].module) for i in chosen)
-            actions.extend(_checkpoint_actions(calls, problem.candidates, chosen, _paths(model)))
-            return done(peak, max(predicted, eager.optimizer_peak))
-        _raise_fit_error(budget, least, eager, "checkpoints, compiled with torch.compile")
-    finally:
-        torch._dynamo.reset()
 
 
 def _swap_swish(model, rec: _Recorder, in_place: bool, undo_steps, training) -> list:
