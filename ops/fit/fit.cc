@@ -200,9 +200,8 @@ struct Step {
     const auto n = static_cast<int64_t>(seq->size());
     std::vector<int64_t> levels(n, 0);
     const int64_t fixed = fixed_bytes();
-    memstats::Tracker step_tracker(device);
-    const int64_t start = step_tracker.current();
     memstats::Tracker tracker(device);  // its peak restarts at each layer's backward
+    const int64_t start = tracker.current();
     int64_t running = -1;               // the layer whose backward runs now
     auto next_layer = [&](int64_t layer) {
       if (running >= 0) {

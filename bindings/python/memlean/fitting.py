@@ -293,7 +293,6 @@ class _Recorder:
         self._tracker = None  # a nested memstats tracker during backward
         self._offset = 0  # step bytes = resident + tracker figure - the step's start
         self._backward_atom = None
-        self.backward_peak = 0  # the step's highest bytes during backward
 
     def _next_atom(self):
         self.atom += 1
@@ -345,7 +344,6 @@ class _Recorder:
 
     def _close_level(self):
         level = self._offset + self._tracker.peak
-        self.backward_peak = max(self.backward_peak, level)
         if self._backward_atom is not None:
             previous = self.backward_levels.get(self._backward_atom, 0)
             self.backward_levels[self._backward_atom] = max(previous, level)
@@ -777,13 +775,10 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                            device, time.perf_counter() - started)
 
         # With compile=: every decision on the compiled step (compiled afresh each time).
-        compiled = _CompiledSteps(step, model, compile_options) if compile_options is not None else None
-        if compiled is not None:
-            plain = compiled.peak([], ())
-            if plain <= budget:
-                return done(plain, plain)
-        elif eager.peak <= budget:
-            return done(eager.peak, eager.peak)
+        compiled = compile_options is not None
+        plain = _measure_plan(step, [], (), compile_options) if compiled else eager.peak
+        if plain <= budget:
+            return done(plain, plain)
 
         # 1. Swish, no recompute.
         rec = eager.recorder
@@ -803,11 +798,8 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             total = sum(n for _, _, n in swapped) or 1
             actions += [FitAction(path, action, saving * n // total, 0.0)
                         for path, action, n in swapped]
-        empty_peak = current.peak
-        if compiled is not None and swapped:
-            empty_peak = compiled.peak([], ())
-        elif compiled is not None:
-            empty_peak = plain
+        empty_peak = current.peak if not compiled else (
+            _measure_plan(step, [], (), compile_options) if swapped else plain)
         if empty_peak <= budget:
             return done(empty_peak, empty_peak)
 
@@ -818,20 +810,22 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         # The search (ops/fit/search.h, the one loop of both languages): plan, measure each
         # plan, lower the target by any excess, bisect back up; the fastest plan measured to
         # fit, never one over the budget.
-        if compiled is not None:
-            measure = lambda chosen: compiled.peak(calls, chosen)  # noqa: E731
-        else:
-            measure = lambda chosen: _measure_plan(step, calls, chosen)  # noqa: E731
         found, chosen, peak, predicted, _, least, _ = _C.fit.search(
             problem.base, problem.atoms, candidates, budget, current.optimizer_peak,
-            empty_peak, measure, atom_backward_extra_bytes=problem.backward_extras)
+            empty_peak, lambda chosen: _measure_plan(step, calls, chosen, compile_options),
+            atom_backward_extra_bytes=problem.backward_extras)
         if found:
             undo_steps.extend(_wrap(calls[i].module) for i in chosen)
             actions += _checkpoint_actions(calls, candidates, chosen, paths)
             return done(peak, max(predicted, current.optimizer_peak))
-        _raise_fit_error(budget, least, eager,
-                         "in-place Swish where safe, and checkpoints" +
-                         (", compiled with torch.compile" if compiled is not None else ""))
+        raise FitError(
+            f"{_NAME}: budget_bytes={budget} ({_gib(budget)}) is below the least step peak "
+            f"memlean.fit reaches for this model and batch: {_C.fit.describe_bytes(least)} "
+            f"(in-place Swish where safe, and checkpoints"
+            f"{', compiled with torch.compile' if compiled else ''}), measured; the eager step "
+            f"peaks at {_C.fit.describe_bytes(eager.peak)}, of which "
+            f"{_C.fit.describe_bytes(fixed)} are parameters, buffers, optimizer state and the "
+            f"batch. Use a larger budget or a smaller batch.", budget, least)
     except BaseException:
         undo_all()
         saved.restore()
@@ -841,36 +835,6 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             import torch._dynamo
 
             torch._dynamo.reset()  # fit's compiled code: the caller compiles the fitted model
-
-
-def _raise_fit_error(budget, least, eager, how):
-    raise FitError(
-        f"{_NAME}: budget_bytes={budget} ({_gib(budget)}) is below the least step peak "
-        f"memlean.fit reaches for this model and batch: {_C.fit.describe_bytes(least)} "
-        f"({how}), measured; the eager step peaks at {_C.fit.describe_bytes(eager.peak)}, of "
-        f"which {_C.fit.describe_bytes(eager.resident)} are parameters, buffers, optimizer "
-        f"state and the batch. Use a larger budget or a smaller batch.", budget, least)
-
-
-class _CompiledSteps:
-    """fit(compile=...): measured steps of torch.compile(model), compiled afresh each time
-    (torch._dynamo.reset() first), as the caller's own compile of the fitted model will be."""
-
-    def __init__(self, step, model, options):
-        self.step, self.model, self.options = step, model, options
-
-    def peak(self, calls, chosen) -> int:
-        import torch._dynamo
-
-        wraps = [_wrap(calls[i].module) for i in chosen]
-        try:
-            torch._dynamo.reset()
-            compiled = torch.compile(self.model, **self.options)
-            self.step.run(forward=compiled)  # compiles
-            return self.step.run(forward=compiled).peak
-        finally:
-            for w in reversed(wraps):
-                w()
 
 
 def _swap_swish(model, rec: _Recorder, in_place: bool, undo_steps, training) -> list:
@@ -902,11 +866,21 @@ def _swap_swish(model, rec: _Recorder, in_place: bool, undo_steps, training) -> 
     return swapped
 
 
-def _measure_plan(step: _Step, calls, chosen) -> int:
-    """The measured step peak with the chosen modules checkpointed (unwrapped again after)."""
+def _measure_plan(step: _Step, calls, chosen, compile_options=None) -> int:
+    """The measured step peak with the chosen modules checkpointed (unwrapped again after).
+    compile_options not None (fit(compile=...)): the step of torch.compile(model,
+    **compile_options), compiled afresh (torch._dynamo.reset() first, as the caller's own
+    compile of the fitted model will be) in a step before the measured one."""
     wraps = [_wrap(calls[i].module) for i in chosen]
     try:
-        return step.run().peak
+        if compile_options is None:
+            return step.run().peak
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        compiled = torch.compile(step.model, **compile_options)
+        step.run(forward=compiled)  # compiles
+        return step.run(forward=compiled).peak
     finally:
         for w in reversed(wraps):
             w()
