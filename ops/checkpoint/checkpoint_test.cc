@@ -318,6 +318,35 @@ TEST(CheckpointMemory, BackwardRecomputesOneSegmentAtATime) {
   EXPECT_LT(peak[1], peak[0] - 4 * act) << peak[1] << " vs " << peak[0];
 }
 
+TEST(CheckpointMemory, BackwardFreesTheRecomputedOutputAndItsGradientEarly) {
+  // cos(sin(x)): cos keeps sin(x), and no node keeps the output. The checkpoint's backward
+  // frees the recomputed output at once, and the incoming gradient once cos's backward has
+  // used it, as the plain function's backward does (and torch's non-reentrant checkpoint):
+  // its peak is the plain backward's to the byte. Holding both until the whole segment's
+  // backward has run (torch::autograd::grad from the recomputed outputs) adds two
+  // activations.
+  constexpr int64_t n = 4096;
+  const at::Tensor x = leaf({n});
+  const at::Tensor c = at::randn({n}, f64());  // makes the incoming gradient a real tensor
+  auto f = [](const Tensors& in) { return Tensors{at::cos(at::sin(in[0]))}; };
+  int64_t peak[2] = {0, 0};
+  Tensors grads[2];
+  for (bool ckpt : {false, true}) {
+    LiveBytes live;
+    {
+      const at::Tensor y = ckpt ? checkpoint(f, 1, {x})[0] : f({x})[0];
+      const at::Tensor loss = (y * c).sum();
+      live.reset_peak();
+      loss.backward();
+    }
+    peak[ckpt] = live.peak();
+    grads[ckpt] = take_grads({x});
+  }
+  expect_same(grads[0], grads[1]);
+  EXPECT_GE(peak[0], 3 * n * 8);  // the incoming gradient, sin(x) and a gradient, at least
+  EXPECT_EQ(peak[1], peak[0]);
+}
+
 // ---- module forms --------------------------------------------------------------------
 
 TEST(CheckpointModule, SequentialGradientsEqualPlain) {

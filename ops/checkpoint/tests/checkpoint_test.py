@@ -928,3 +928,40 @@ def test_a_module_segment_keeps_the_batchnorm_statistics_of_its_tree_without_a_g
     assert int(block[1].num_batches_tracked) == 1
     # The forward and the recompute each called the 3 modules, and nothing else hooked them.
     assert hooks_seen == ["Sequential", "Linear", "BatchNorm1d"] * 2
+
+
+@pytest.mark.parametrize("how", ["function", "module"])
+def test_backward_frees_the_recomputed_output_and_its_gradient_early(how):
+    # cos(sin(x)): cos keeps sin(x), and no node keeps the output. The checkpoint's backward
+    # frees the recomputed output at once and the incoming gradient once cos's backward has
+    # used it, so a step's peak is the plain step's to the byte, and no higher than with
+    # torch's non-reentrant checkpoint (holding both through the segment's backward, as a
+    # reentrant checkpoint does, adds two activations).
+    n = 2 ** 16
+    x = torch.randn(n, dtype=D, requires_grad=True)
+    c = torch.randn(n, dtype=D)  # makes the incoming gradient a real tensor
+
+    class CosSin(nn.Module):
+        def forward(self, t):
+            return torch.cos(torch.sin(t))
+
+    f = CosSin() if how == "module" else (lambda t: torch.cos(torch.sin(t)))
+    runs = {
+        "plain": f,
+        "memlean": lambda t: memlean.checkpoint(f, t),
+        "torch": lambda t: torch.utils.checkpoint.checkpoint(f, t, use_reentrant=False),
+    }
+    peak, grad = {}, {}
+    for name, run in runs.items():
+        with memlean.memstats.track("cpu") as t:
+            before = t.current  # (the gradients of the runs before are alive)
+            loss = (run(x) * c).sum()
+            t.reset_peak()
+            loss.backward()
+            del loss
+        peak[name] = t.peak - before
+        grad[name] = grads([x])
+    assert_same(grad["memlean"], grad["plain"])
+    assert peak["plain"] >= 3 * x.nbytes  # the incoming gradient, sin(x) and a gradient
+    assert peak["memlean"] == peak["plain"], peak
+    assert peak["memlean"] <= peak["torch"], peak
