@@ -474,9 +474,10 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   }
   // Candidates: every run [b, e) of layers. Checkpointed, it keeps its input (which layer b
   // may not have saved: freed_b more bytes) and its output only where layer e saves it (the
-  // output's bytes less freed_e). While it is recomputed, besides base, the kept bytes before
-  // it, its layers' saved bytes and backward's own bytes there (the per-layer extras): its
-  // input where layer b did not save it, and its recomputed output. A run that ends at the
+  // output's bytes less freed_e). While it is recomputed and backward runs through it,
+  // besides base, the kept bytes before it and its layers' saved bytes: its input where layer
+  // b did not save it (input_bytes); then first its recomputed output (recompute_extra_bytes),
+  // later backward's own bytes there (the per-layer extras). A run that ends at the
   // last layer saves nothing at the peak (its backward comes first, right after it is
   // recomputed): not a candidate.
   std::vector<int64_t> output_kept(n, 0);
@@ -486,7 +487,8 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   for (Candidate c : chain_candidates(problem.atom_saved_bytes, output_kept, seconds)) {
     if (c.end == n) continue;
     c.freed_bytes = std::max<int64_t>(0, c.freed_bytes - freed[c.begin]);
-    c.recompute_extra_bytes = freed[c.begin] + output_bytes[c.end - 1];
+    c.input_bytes = freed[c.begin];
+    c.recompute_extra_bytes = output_bytes[c.end - 1];
     problem.candidates.push_back(c);
   }
 

@@ -31,8 +31,9 @@ struct Prepared {
   }
   int64_t kept(int c) const { return range_sum(c) - freed[c]; }
   // What its recompute and backward hold on top of base and the kept bytes before it: its
-  // atoms' bytes, its recompute_extra_bytes and its atoms' largest backward extra (less the
-  // bytes of its atoms after each, freed by then).
+  // atoms' bytes, its input_bytes, and the larger of its recompute_extra_bytes (the
+  // recompute) and its atoms' largest backward extra less the bytes of its atoms after each,
+  // freed by then (the backward through it).
   int64_t recompute(int c) const { return recompute_bytes[c]; }
 };
 
@@ -119,8 +120,13 @@ Prepared prepare(const Problem& problem) {
     // Its atoms' backward extras, less the bytes of its atoms after each (freed by then): >= 0
     // (the last atom's term is its extra) and <= headroom.
     const int64_t backward = reach_max.max(c.begin, c.end) - prep.prefix[c.end];
-    if (c.recompute_extra_bytes < 0 || c.recompute_extra_bytes > headroom - backward) {
+    if (c.recompute_extra_bytes < 0 || c.recompute_extra_bytes > headroom) {
       throw std::invalid_argument(candidate_field(i, "recompute_extra_bytes") +
+                                  " must be >= 0 and keep the peak within int64");
+    }
+    const int64_t held = std::max(c.recompute_extra_bytes, backward);
+    if (c.input_bytes < 0 || c.input_bytes > headroom - held) {
+      throw std::invalid_argument(candidate_field(i, "input_bytes") +
                                   " must be >= 0 and keep the peak within int64");
     }
     if (!std::isfinite(c.seconds) || c.seconds < 0) {
@@ -128,7 +134,7 @@ Prepared prepare(const Problem& problem) {
     }
     prep.freed[i] = std::min(c.freed_bytes, prep.range_sum(static_cast<int>(i)));
     prep.recompute_bytes[i] =
-        prep.range_sum(static_cast<int>(i)) + c.recompute_extra_bytes + backward;
+        prep.range_sum(static_cast<int>(i)) + c.input_bytes + held;
     prep.ending_at[c.end].push_back(static_cast<int>(i));
   }
   return prep;

@@ -10,14 +10,20 @@
 // range_sum(c) - freed_bytes, every other atom its saved bytes, and
 //   predicted_peak(S) = max(base + sum of all kept,
 //                           max over c in S of base + kept_before(c.begin) + range_sum(c)
-//                                              + recompute_extra_bytes(c) + backward(c),
+//                                              + input_bytes(c)
+//                                              + max(recompute_extra_bytes(c), backward(c)),
 //                           max over atoms k outside S of base + kept_before(k + 1)
 //                                              + atom_backward_extra_bytes[k])
 // (while c is recomputed in backward its whole activation memory is back, everything after it
-// has been freed, and backward holds what it held there without checkpoints: backward(c), from
-// the per-atom extras below, or the gradients made by then when a caller puts them in
-// recompute_extra_bytes; plus what the recompute alone adds, e.g. its recomputed output:
-// recompute_extra_bytes). plan() minimises the sum of seconds over S subject to
+// has been freed, and the inputs it keeps that none of its atoms saved are alive: input_bytes.
+// Two moments follow: the recompute, which adds what only it holds (its recomputed output
+// and the incoming gradient, until the first of its nodes has used them):
+// recompute_extra_bytes; then the backward through its atoms, which holds what backward held
+// there without checkpoints: backward(c), from the per-atom extras below. memlean's
+// checkpoint frees the recomputed output and the incoming gradient as soon as they are used,
+// so the two do not add up: on CPU, where bytes are exact, the planner's plans are then
+// predicted to the byte (docs/fit.md).
+// plan() minimises the sum of seconds over S subject to
 // predicted_peak(S) <= budget; ties go to the lower peak, then to fewer candidates (the
 // fewest is not guaranteed: a state keeps the lower partial peak, which may tie at the end).
 //
@@ -51,9 +57,12 @@ struct Candidate {
   int64_t freed_bytes = 0;  // clamped to the sum of its atoms' saved bytes
   double seconds = 0;       // its forward time: the cost of recomputing it
   // Bytes alive while it is recomputed besides base, the kept bytes before it, its atoms' and
-  // backward(c) (its recomputed output; without per-atom extras, also the gradients backward
-  // has made by then and its output's gradient); >= 0.
+  // input_bytes (its recomputed output, the incoming gradient; without per-atom extras, also
+  // the gradients backward has made by then); >= 0.
   int64_t recompute_extra_bytes = 0;
+  // Bytes of its inputs that none of its atoms saves: the checkpoint keeps them, alive
+  // through its recompute and the backward through it; >= 0.
+  int64_t input_bytes = 0;
 };
 
 struct Problem {
@@ -81,7 +90,7 @@ struct Plan {
 };
 
 // Throws std::invalid_argument, naming the field, for: negative base_bytes, atom_saved_bytes,
-// freed_bytes, recompute_extra_bytes or atom_backward_extra_bytes, or the latter not empty and
+// freed_bytes, recompute_extra_bytes, input_bytes or atom_backward_extra_bytes, or the latter not empty and
 // not one per atom; a candidate with begin >= end or outside [0, n]; negative or non-finite seconds;
 // base_bytes + sum(atom_saved_bytes) overflowing int64.
 void validate(const Problem& problem);

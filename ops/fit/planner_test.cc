@@ -58,7 +58,9 @@ int64_t reference_peak(const Problem& p, const std::vector<int>& chosen) {
       backward = std::max(backward, extra(k) - after);
       covered[k] = true;
     }
-    peak = std::max(peak, p.base_bytes + before + range(c) + c.recompute_extra_bytes + backward);
+    // Its recompute, then backward through it: the larger of the two.
+    peak = std::max(peak, p.base_bytes + before + range(c) + c.input_bytes +
+                              std::max(c.recompute_extra_bytes, backward));
   }
   // Backward through an atom no candidate covers: the kept bytes up to it and its extra.
   int64_t through = 0;
@@ -158,8 +160,10 @@ Problem random_laminar(std::mt19937_64& rng, int n, int64_t max_bytes) {
     const int64_t freed = std::uniform_int_distribution<int64_t>(0, range + range / 3)(rng);
     // Half of them with bytes alive besides their atoms while recomputed.
     const int64_t extra = std::uniform_int_distribution<int64_t>(-max_bytes, max_bytes)(rng);
+    // A third of them keep inputs that none of their atoms saved.
+    const int64_t input = std::uniform_int_distribution<int64_t>(-2 * max_bytes, max_bytes)(rng);
     p.candidates.push_back({b, e, freed, double(std::uniform_int_distribution<int>(0, 6)(rng)),
-                            std::max<int64_t>(0, extra)});
+                            std::max<int64_t>(0, extra), std::max<int64_t>(0, input)});
   }
   random_backward_extras(rng, &p, max_bytes);
   return p;
@@ -284,6 +288,18 @@ TEST(Planner, HandCheckedBackwardExtras) {
   const Plan least = least_peak_plan(p);
   EXPECT_EQ(least.predicted_peak_bytes, 215);
   EXPECT_EQ(least.chosen, std::vector<int>{0});
+  // The recompute and the backward through a candidate are two moments: its
+  // recompute_extra_bytes and its backward extra do not add up. [2,4) recomputing 30 more
+  // stays at 240 (its backward needs 40); recomputing 50 more reaches 100 + 30 + 70 + 50.
+  p.candidates[1].recompute_extra_bytes = 30;
+  EXPECT_EQ(predicted_peak(p, {1}), 240);
+  p.candidates[1].recompute_extra_bytes = 50;
+  EXPECT_EQ(predicted_peak(p, {1}), 250);
+  EXPECT_EQ(predicted_peak(p, {0, 1}), 225);  // 100 + 5 + 70 + 50
+  // An input it keeps that none of its atoms saved is alive in both moments.
+  p.candidates[1].recompute_extra_bytes = 0;
+  p.candidates[1].input_bytes = 15;
+  EXPECT_EQ(predicted_peak(p, {1}), 255);  // 100 + 30 + 70 + 15 + 40
 }
 
 // ---- Against brute force. ----
@@ -497,6 +513,11 @@ TEST(Validate, NamesTheBadField) {
            {[](Problem& p) { p.candidates[2].freed_bytes = -1; }, "candidates[2].freed_bytes"},
            {[](Problem& p) { p.candidates[1].recompute_extra_bytes = -1; },
             "candidates[1].recompute_extra_bytes"},
+           {[](Problem& p) { p.candidates[1].input_bytes = -1; }, "candidates[1].input_bytes"},
+           {[](Problem& p) {
+              p.candidates[1].input_bytes = std::numeric_limits<int64_t>::max() - 100;
+            },
+            "candidates[1].input_bytes"},
            {[](Problem& p) { p.candidates[0].recompute_extra_bytes = std::numeric_limits<int64_t>::max(); },
             "candidates[0].recompute_extra_bytes"},
            {[](Problem& p) { p.candidates[1].seconds = -0.5; }, "candidates[1].seconds"},

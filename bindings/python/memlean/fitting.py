@@ -60,7 +60,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from memlean import _C, memstats
-from memlean.checkpoint import checkpoint_module_forward
+from memlean.checkpoint import _module_buffers, checkpoint_module_forward
 from memlean.swish import Swish
 
 __all__ = ["FitAction", "FitError", "FitPlan", "fit", "parse_budget"]
@@ -650,6 +650,7 @@ def _problem(measured: _Measured, root):
         if span <= 0:
             continue
         kept = 0  # bytes a checkpoint of it keeps: its new inputs, and outputs saved inside it
+        held = 0  # of those, inputs that none of its atoms saves (alive through its backward)
         seen = set()
         for key, nbytes in c.inputs:
             if key is None or key in seen or key in rec.preexisting:
@@ -658,6 +659,8 @@ def _problem(measured: _Measured, root):
             atom = rec.saved.get(key)
             if atom is None or atom >= c.begin:
                 kept += nbytes
+            if atom is None:
+                held += nbytes
         for key, nbytes in c.outputs:
             if key is None or key in seen:
                 continue
@@ -665,13 +668,16 @@ def _problem(measured: _Measured, root):
             atom = rec.saved.get(key)
             if atom is not None and c.begin <= atom < c.end:
                 kept += nbytes
-        # While it is recomputed, besides what backward held there without checkpoints (the
-        # planner's per-atom backward extras): its recomputed output.
+        # Its recompute holds its recomputed output (memlean.checkpoint frees it once its
+        # nodes hold what they need) and a copy of its buffers (put back after it); the
+        # backward through it then holds what backward held there without checkpoints (the
+        # planner's per-atom backward extras).
         extra = sum(n for key, n in dict(c.outputs).items() if key is not None)
-        candidates.append((c.begin, c.end, max(0, span - kept), extra))
+        extra += sum(b.numel() * b.element_size() for b in _module_buffers(c.module))
+        candidates.append((c.begin, c.end, max(0, span - kept), extra, held))
         calls.append(c)
-    candidates = [(b, e, freed, s, extra)
-                  for (b, e, freed, extra), s in zip(candidates, _twin_seconds(calls))]
+    candidates = [(b, e, freed, s, extra, held)
+                  for (b, e, freed, extra, held), s in zip(candidates, _twin_seconds(calls))]
     return _Problem(base, atoms, candidates, calls, backward_extras)
 
 
@@ -681,7 +687,7 @@ class _Problem:
 
     base: int
     atoms: list
-    candidates: list  # (begin, end, freed_bytes, seconds, recompute_extra_bytes)
+    candidates: list  # (begin, end, freed_bytes, seconds, recompute_extra_bytes, input_bytes)
     calls: list
     backward_extras: list
 

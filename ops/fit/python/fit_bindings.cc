@@ -15,8 +15,8 @@ namespace memlean::python {
 namespace {
 
 namespace py = pybind11;
-// begin, end, freed_bytes, seconds, recompute_extra_bytes
-using CandidateTuple = std::tuple<int, int, int64_t, double, int64_t>;
+// begin, end, freed_bytes, seconds, recompute_extra_bytes, input_bytes
+using CandidateTuple = std::tuple<int, int, int64_t, double, int64_t, int64_t>;
 
 fit::Problem problem_of(int64_t base_bytes, std::vector<int64_t> atom_saved_bytes,
                         const std::vector<CandidateTuple>& candidates,
@@ -26,8 +26,8 @@ fit::Problem problem_of(int64_t base_bytes, std::vector<int64_t> atom_saved_byte
   p.atom_saved_bytes = std::move(atom_saved_bytes);
   p.atom_backward_extra_bytes = std::move(atom_backward_extra_bytes);
   p.candidates.reserve(candidates.size());
-  for (const auto& [begin, end, freed, seconds, extra] : candidates) {
-    p.candidates.push_back({begin, end, freed, seconds, extra});
+  for (const auto& [begin, end, freed, seconds, extra, input] : candidates) {
+    p.candidates.push_back({begin, end, freed, seconds, extra, input});
   }
   return p;
 }
@@ -57,7 +57,7 @@ void init_fit(py::module_& m) {
       py::arg("budget_bytes"), py::arg("resolution") = 4096,
       py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
       "memlean::fit::plan: (feasible, chosen, predicted_peak_bytes, recompute_seconds); "
-      "candidates are (begin, end, freed_bytes, seconds, recompute_extra_bytes).");
+      "candidates are (begin, end, freed_bytes, seconds, recompute_extra_bytes, input_bytes).");
   s.def(
       "least_peak_plan",
       [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,

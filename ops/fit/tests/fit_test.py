@@ -283,14 +283,17 @@ class FitTest(unittest.TestCase):
                 self.assertIn("stem.2", swapped, str(least))
                 least.undo()
 
-    def test_backward_terms_bring_the_prediction_to_the_measured_peak(self):
-        # The planner's model counts backward's working memory atom by atom. On an
-        # EfficientNet-shaped net, for the plans of the least peak and of budgets between it
-        # and eager's (the modules' times replaced by fixed ones, so the plans do not depend on
-        # the machine's speed): with those terms each prediction is nearer the measured peak
-        # than without them, and never more than 2 % over it. (Within max(2 %, 1 MiB) is the
-        # issue's target; some plans here are still predicted up to 8.7 MiB (7 %) low: see
-        # docs/fit.md.)
+    def test_the_planners_plans_are_predicted_within_bytes(self):
+        # On an EfficientNet-shaped net (the modules' times replaced by fixed ones, so the
+        # plans do not depend on the machine's speed), the plans of the least peak and of
+        # budgets between it and eager's are predicted to within a few bytes (the issue asks
+        # for max(2 %, 1 MiB)): the planner counts backward's working memory atom by atom, and
+        # memlean.checkpoint frees the recomputed output and the incoming gradient as soon as
+        # they are used. Without the per-atom terms the predictions are below the measured
+        # peaks. Any other disjoint choice of modules is predicted at or above its measured
+        # peak, within 2 %.
+        import random
+
         from memlean import _C, fitting
 
         model = MBNet()
@@ -303,8 +306,13 @@ class FitTest(unittest.TestCase):
         step.run()
         current = step.run(record=True)
         problem = fitting._problem(current, model)
-        candidates = [(b, e, freed, float(e - b), extra)
-                      for b, e, freed, _, extra in problem.candidates]
+        candidates = [(b, e, freed, float(e - b), extra, held)
+                      for b, e, freed, _, extra, held in problem.candidates]
+
+        def predicted(chosen, extras=problem.backward_extras):
+            return _C.fit.predicted_peak(problem.base, problem.atoms, candidates, list(chosen),
+                                         atom_backward_extra_bytes=extras)
+
         least = _C.fit.least_peak_plan(problem.base, problem.atoms, candidates,
                                        atom_backward_extra_bytes=problem.backward_extras)
         plans = {tuple(least[1])}
@@ -312,17 +320,27 @@ class FitTest(unittest.TestCase):
             target = least[2] + (current.peak - least[2]) * i // 4
             plans.add(tuple(_C.fit.plan(problem.base, problem.atoms, candidates, target,
                                         atom_backward_extra_bytes=problem.backward_extras)[1]))
-        closer = 0
+        self.assertGreaterEqual(len(plans), 3)
+        below_without_terms = 0
         for chosen in plans:
             measured = fitting._measure_plan(step, problem.calls, chosen)
-            with_terms = _C.fit.predicted_peak(problem.base, problem.atoms, candidates,
-                                               list(chosen),
-                                               atom_backward_extra_bytes=problem.backward_extras)
-            without = _C.fit.predicted_peak(problem.base, problem.atoms, candidates, list(chosen))
-            self.assertLessEqual(abs(measured - with_terms), abs(measured - without), chosen)
-            self.assertLessEqual(with_terms, measured + measured // 50, chosen)
-            closer += abs(measured - with_terms) < abs(measured - without)
-        self.assertGreater(closer, 0)
+            # (Exact but for a few bytes: one plan here peaks 8 bytes, a scalar, above its
+            # prediction of 81,101,016.)
+            self.assertLessEqual(abs(predicted(chosen) - measured), 64, chosen)
+            below_without_terms += predicted(chosen, []) < measured
+        self.assertGreater(below_without_terms, 0)
+        rng = random.Random(0)
+        for _ in range(8):
+            chosen, used = [], set()
+            for i in rng.sample(range(len(candidates)), len(candidates)):
+                atoms = set(range(candidates[i][0], candidates[i][1]))
+                if rng.random() < 0.3 and not atoms & used:
+                    chosen.append(i)
+                    used |= atoms
+            chosen.sort(key=lambda i: candidates[i][0])
+            measured = fitting._measure_plan(step, problem.calls, tuple(chosen))
+            self.assertGreaterEqual(predicted(chosen), measured, chosen)
+            self.assertLessEqual(predicted(chosen), measured + measured // 50, chosen)
         saved.restore()
 
     def test_timm_act_layer_memlean_swish(self):
