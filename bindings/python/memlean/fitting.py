@@ -569,6 +569,13 @@ def _wrap(module):
     def forward(*args, **kwargs):
         return checkpoint_module_forward(module, original, args, kwargs)
 
+    # Under torch.compile the checkpointed call runs eagerly (dynamo does not trace into the
+    # checkpoint): skip the whole wrapper, so that dynamo neither traces its prelude nor
+    # compiles it once per wrapped module (every wrapper shares one code object, and the
+    # recompiles would reach dynamo's recompile limit after 8 modules).
+    import torch._dynamo  # (not at import: it takes a while to load)
+
+    forward = torch._dynamo.disable(forward)
     forward.__memlean_fit__ = True
     module.forward = forward
 
