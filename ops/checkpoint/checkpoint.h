@@ -15,8 +15,12 @@
 // grad mode on and asks autograd for the gradients of exactly those inputs and parameters,
 // which it returns as the gradients of this node: it never walks past the segment, and
 // every parameter's gradient is accumulated once, by the outer backward (so DDP's hooks
-// fire once per parameter). A function that uses a tensor requiring grad that is neither
-// an input nor a listed parameter is an error in backward (its gradient would be lost).
+// fire once per parameter). The recomputed output and the incoming gradient are freed as
+// soon as the segment's first nodes have used them, so backward through the segment holds
+// what the plain backward holds there (as torch's non-reentrant checkpoint; a reentrant one
+// holds both until the segment's backward ends). A function that uses a tensor requiring
+// grad that is neither an input nor a listed parameter is an error in backward (its
+// gradient would be lost).
 //
 // The RNG state (CPU, and that of every CUDA device holding an input or a parameter) is
 // saved before the forward and restored for the recompute, so dropout drops the same
