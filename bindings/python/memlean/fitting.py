@@ -736,7 +736,8 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             (compiling afresh for each plan, ``torch._dynamo.reset()`` before each and after
             the last), so the budget holds for the compiled step: first unchanged, then with
             the Swish swap (it still saves memory where the plan's checkpoints break the
-            graph), then each plan.
+            graph), then each plan. Shapes are static (``dynamic=False``) unless the dict
+            sets ``dynamic``: fit measures the one example batch.
             Default False: the budget is for eager steps.
 
     Returns:
@@ -764,6 +765,11 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
     else:
         raise TypeError(f"{_NAME}: compile must be a bool or a dict of torch.compile keyword "
                         f"arguments, got {type(compile).__name__}")
+    if compile_options is not None:
+        # fit measures one example batch: static shapes, unless the caller says otherwise.
+        # (With dynamo's automatic dynamic shapes, recompiling a plan's graphs made inductor
+        # fail on timm convnext_tiny: "cannot determine truth value of Relational".)
+        compile_options.setdefault("dynamic", False)
     saved = _Saved(model, optimizer, device)
     undo_steps: List[Callable] = []
 
