@@ -16,8 +16,8 @@
 //                                              + atom_backward_extra_bytes[k])
 // (while c is recomputed in backward its whole activation memory is back, everything after it
 // has been freed, and the inputs it keeps that none of its atoms saved are alive: input_bytes.
-// Two moments follow: the recompute, which adds what only it holds (its recomputed output
-// and the incoming gradient, until the first of its nodes has used them):
+// Two moments follow: the recompute, which adds what only it holds (its recomputed output,
+// until its graph's nodes hold what they need; the buffer copies a recompute puts back):
 // recompute_extra_bytes; then the backward through its atoms, which holds what backward held
 // there without checkpoints: backward(c), from the per-atom extras below. memlean's
 // checkpoint frees the recomputed output and the incoming gradient as soon as they are used,
@@ -57,8 +57,8 @@ struct Candidate {
   int64_t freed_bytes = 0;  // clamped to the sum of its atoms' saved bytes
   double seconds = 0;       // its forward time: the cost of recomputing it
   // Bytes alive while it is recomputed besides base, the kept bytes before it, its atoms' and
-  // input_bytes (its recomputed output, the incoming gradient; without per-atom extras, also
-  // the gradients backward has made by then); >= 0.
+  // input_bytes (its recomputed output, copies of buffers the recompute puts back; without
+  // per-atom extras, also the gradients backward has made by then); >= 0.
   int64_t recompute_extra_bytes = 0;
   // Bytes of its inputs that none of its atoms saves: the checkpoint keeps them, alive
   // through its recompute and the backward through it; >= 0.
@@ -90,9 +90,9 @@ struct Plan {
 };
 
 // Throws std::invalid_argument, naming the field, for: negative base_bytes, atom_saved_bytes,
-// freed_bytes, recompute_extra_bytes, input_bytes or atom_backward_extra_bytes, or the latter not empty and
-// not one per atom; a candidate with begin >= end or outside [0, n]; negative or non-finite seconds;
-// base_bytes + sum(atom_saved_bytes) overflowing int64.
+// freed_bytes, recompute_extra_bytes, input_bytes or atom_backward_extra_bytes, or the latter
+// not empty and not one per atom; a candidate with begin >= end or outside [0, n]; negative or
+// non-finite seconds; base_bytes + sum(atom_saved_bytes) overflowing int64.
 void validate(const Problem& problem);
 
 // The exact predicted peak of a set of candidates (any order). Throws std::invalid_argument if
