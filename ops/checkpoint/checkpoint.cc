@@ -568,9 +568,10 @@ std::vector<at::Tensor> checkpoint(const torch::nn::Module& module, const Tensor
                                    const CheckpointOptions& options) {
   std::vector<c10::IValue> args(inputs.begin(), inputs.end());
   for (const auto& p : module.parameters()) args.emplace_back(p);
-  std::vector<at::Tensor> buffers;
+  std::vector<at::Tensor> buffers;  // each once: a buffer two layers share is copied once
+  std::unordered_set<const c10::TensorImpl*> seen;
   for (const auto& b : module.buffers()) {
-    if (b.defined()) buffers.push_back(b);
+    if (b.defined() && seen.insert(b.unsafeGetTensorImpl()).second) buffers.push_back(b);
   }
   return to_tensors(detail::checkpoint_impl({to_ivalue_function(function), std::move(buffers)},
                                             static_cast<int64_t>(inputs.size()), args, options));

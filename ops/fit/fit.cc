@@ -473,22 +473,40 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     }
   }
   // Candidates: every run [b, e) of layers. Checkpointed, it keeps its input (which layer b
-  // may not have saved: freed_b more bytes) and its output only where layer e saves it (the
-  // output's bytes less freed_e). While it is recomputed and backward runs through it,
-  // besides base, the kept bytes before it and its layers' saved bytes: its input where layer
-  // b did not save it (input_bytes); then first its recomputed output (recompute_extra_bytes),
-  // later backward's own bytes there (the per-layer extras). A run that ends at the
-  // last layer saves nothing at the peak (its backward comes first, right after it is
-  // recomputed): not a candidate.
+  // may not have saved: freed_b more bytes) and its output where layer e or layer e - 1 saved
+  // it (the output's bytes less freed_e; freed_e = 0 does not say which: an activation that
+  // saves its output, such as Tanh, keeps it in the checkpoint's place only when the next run
+  // is checkpointed too, else the prediction is that output's bytes high, never low). While it
+  // is recomputed and backward runs through it, besides base, the kept bytes before it and its
+  // layers' saved bytes: its input where layer b did not save it (input_bytes); then first its
+  // recomputed output where no layer saved it (freed_e: one that layer e - 1 or e saved is
+  // among the saved bytes already) and the copy of its layers' buffers that memlean::checkpoint
+  // puts back after the recompute (BufferRestore): recompute_extra_bytes; later backward's own
+  // bytes there (the per-layer extras). A run that ends at the last layer saves nothing at the
+  // peak (its backward comes first, right after it is recomputed): not a candidate.
   std::vector<int64_t> output_kept(n, 0);
   for (int64_t i = 0; i < n; ++i) {
     output_kept[i] = std::max<int64_t>(0, output_bytes[i] - freed[i + 1]);
   }
+  std::vector<std::vector<at::Tensor>> layer_buffers(n);
+  for (int64_t i = 0; i < n; ++i) layer_buffers[i] = model->begin()[i].ptr()->buffers();
+  auto buffer_copy_bytes = [&](int64_t b, int64_t e) {  // as BufferRestore clones them
+    std::unordered_set<const c10::TensorImpl*> seen;
+    int64_t total = 0;
+    for (int64_t i = b; i < e; ++i) {
+      for (const auto& t : layer_buffers[i]) {
+        if (t.defined() && seen.insert(t.unsafeGetTensorImpl()).second) {
+          total += static_cast<int64_t>(t.nbytes());
+        }
+      }
+    }
+    return total;
+  };
   for (Candidate c : chain_candidates(problem.atom_saved_bytes, output_kept, seconds)) {
     if (c.end == n) continue;
     c.freed_bytes = std::max<int64_t>(0, c.freed_bytes - freed[c.begin]);
     c.input_bytes = freed[c.begin];
-    c.recompute_extra_bytes = output_bytes[c.end - 1];
+    c.recompute_extra_bytes = freed[c.end] + buffer_copy_bytes(c.begin, c.end);
     problem.candidates.push_back(c);
   }
 
