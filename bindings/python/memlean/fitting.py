@@ -676,10 +676,11 @@ def _problem(measured: _Measured, root):
             if atom is not None and c.begin <= atom < c.end:
                 kept += nbytes
         # Its recompute holds its recomputed output (memlean.checkpoint frees it once its
-        # nodes hold what they need) and a copy of its buffers (put back after it); the
-        # backward through it then holds what backward held there without checkpoints (the
-        # planner's per-atom backward extras).
-        extra = sum(n for key, n in dict(c.outputs).items() if key is not None)
+        # nodes hold what they need; one that its own atoms saved is in span already) and a
+        # copy of its buffers (put back after it); the backward through it then holds what
+        # backward held there without checkpoints (the planner's per-atom backward extras).
+        extra = sum(n for key, n in dict(c.outputs).items()
+                    if key is not None and not c.begin <= rec.saved.get(key, -1) < c.end)
         extra += sum(b.numel() * b.element_size() for b in _module_buffers(c.module))
         candidates.append((c.begin, c.end, max(0, span - kept), extra, held))
         calls.append(c)
