@@ -9,7 +9,11 @@ figure (peak vs step time, one line per method).
 
 Peak: the budget's definition (memlean/fitting.py), the unique storages of parameters,
 buffers, optimizer state and batch plus the most a step allocates above them, exact on the
-CPU (memlean.memstats). Time: the median of a few steps after a warm-up step.
+CPU (memlean.memstats). Time: the median of a few steps after a warm-up step. Every
+torch.compile here is dynamic=False (one batch shape): a fitted model's checkpoints break the
+graph inside its stages, so dynamo compiles a stage's forward once per stage, with other
+channel counts, and then marks that dimension dynamic, on which inductor fails for
+convnext_tiny at batch 32 ('cannot determine truth value of Relational', torch 2.14.1).
 
     ./bazelw run //experiments:fit_frontier [-- --quick] [--out=DIR] [--device=auto|cpu|cuda]
         [--models efficientnet_b0,gpt] [--budgets 8] [--no-compile]
@@ -194,14 +198,15 @@ def run_model(name, batch, size, device, repeats, budgets, compile_, progress):
             torch._dynamo.reset()
             model, inputs, loss_fn, opt = setup(name, batch, size, device)
             with torch._functorch.config.patch(activation_memory_budget=b):
-                compiled = torch.compile(model)
+                compiled = torch.compile(model, dynamic=False)
                 peak, s = measure(compiled, inputs, loss_fn, opt, device, repeats)
             compile_peaks[b] = peak
             row("torch.compile", f"activation_memory_budget {b}", peak, s)
         torch._dynamo.reset()
         model, inputs, loss_fn, opt = setup(name, batch, size, device)
         plan = memlean.fit(model, inputs, least, loss_fn=loss_fn, optimizer=opt)
-        peak, s = measure(torch.compile(model), inputs, loss_fn, opt, device, repeats)
+        peak, s = measure(torch.compile(model, dynamic=False), inputs, loss_fn, opt, device,
+                          repeats)
         row("memlean.fit + torch.compile", f"budget {common.mib(least):.1f} MiB", peak, s,
             budget_bytes=least)
         fit_for_compile(name, batch, size, device, repeats, compile_peaks[0.5], row)
@@ -224,7 +229,7 @@ def fit_for_compile(name, batch, size, device, repeats, budget, row):
         plan = memlean.fit(model, inputs, budget, loss_fn=loss_fn, optimizer=opt, compile=True)
     fit_s = time.perf_counter() - t0
     torch._dynamo.reset()
-    peak, s = measure(torch.compile(model), inputs, loss_fn, opt, device, repeats)
+    peak, s = measure(torch.compile(model, dynamic=False), inputs, loss_fn, opt, device, repeats)
     row("memlean.fit(compile=True) + torch.compile", setting, peak, s, budget_bytes=budget,
         predicted_bytes=plan.predicted_peak_bytes, fit_s=round(fit_s, 2),
         actions=len(plan.actions))

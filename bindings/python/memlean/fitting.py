@@ -733,12 +733,13 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         optimizer (torch.optim.Optimizer, optional): stepped in the measured steps (its state
             is part of the step's memory); its state is put back afterwards.
         compile (bool or dict): the model will train as ``torch.compile(model, **compile)``
-            (True: ``torch.compile(model)``): fit measures every step it decides on that way
-            (compiling afresh for each plan, ``torch._dynamo.reset()`` before each and after
-            the last), so the budget holds for the compiled step: first unchanged, then with
-            the Swish swap (it still saves memory where the plan's checkpoints break the
-            graph), then each plan. Shapes are static (``dynamic=False``) unless the dict
-            sets ``dynamic``: fit measures the one example batch.
+            (True: ``torch.compile(model, dynamic=False)``): fit measures every step it
+            decides on that way (compiling afresh for each plan, ``torch._dynamo.reset()``
+            before each and after the last), so the budget holds for the compiled step: first
+            unchanged, then with the Swish swap (it still saves memory where the plan's
+            checkpoints break the graph), then each plan. Shapes are static
+            (``dynamic=False``) unless the dict sets ``dynamic``: fit measures the one example
+            batch; compile the fitted model the same way (docs/fit.md says why).
             Default False: the budget is for eager steps.
 
     Returns:
