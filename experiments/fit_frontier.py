@@ -13,7 +13,7 @@ CPU (memlean.memstats). Time: the median of a few steps after a warm-up step. Ev
 torch.compile here is dynamic=False (one batch shape): a fitted model's checkpoints break the
 graph inside its stages, so dynamo compiles a stage's forward once per stage, with other
 channel counts, and then marks that dimension dynamic, on which inductor fails for
-convnext_tiny at batch 32 ('cannot determine truth value of Relational', torch 2.14.1).
+convnext_tiny at batch 8 ('cannot determine truth value of Relational', torch 2.14.1).
 
     ./bazelw run //experiments:fit_frontier [-- --quick] [--out=DIR] [--device=auto|cpu|cuda]
         [--models efficientnet_b0,gpt] [--budgets 8] [--no-compile]

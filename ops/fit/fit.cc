@@ -491,15 +491,12 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   std::vector<std::vector<at::Tensor>> layer_buffers(n);
   for (int64_t i = 0; i < n; ++i) layer_buffers[i] = model->begin()[i].ptr()->buffers();
   auto buffer_copy_bytes = [&](int64_t b, int64_t e) {  // as BufferRestore clones them
-    std::unordered_set<const c10::TensorImpl*> seen;
-    int64_t total = 0;
+    std::vector<at::Tensor> run;
     for (int64_t i = b; i < e; ++i) {
-      for (const auto& t : layer_buffers[i]) {
-        if (t.defined() && seen.insert(t.unsafeGetTensorImpl()).second) {
-          total += static_cast<int64_t>(t.nbytes());
-        }
-      }
+      run.insert(run.end(), layer_buffers[i].begin(), layer_buffers[i].end());
     }
+    int64_t total = 0;
+    for (const auto& t : unique_tensors(run)) total += static_cast<int64_t>(t.nbytes());
     return total;
   };
   for (Candidate c : chain_candidates(problem.atom_saved_bytes, output_kept, seconds)) {
