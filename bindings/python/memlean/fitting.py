@@ -226,6 +226,22 @@ def _tensors(obj):
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
+def _storage_parts(tensors):
+    """The tensors whose storages hold `tensors`: a sparse tensor's indices and values (it has
+    no storage of its own; e.g. SGD's momentum for a sparse gradient), others as they are."""
+    parts = []
+    for t in tensors:
+        if t.layout == torch.sparse_coo:
+            parts += [t._indices(), t._values()]
+        elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
+            parts += [t.crow_indices(), t.col_indices(), t.values()]
+        elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
+            parts += [t.ccol_indices(), t.row_indices(), t.values()]
+        else:
+            parts.append(t)
+    return parts
+
+
 def _key(t: torch.Tensor):
     """(memstats.storage_key(t), its storage's bytes), or (None, 0) without a storage."""
     try:
@@ -406,7 +422,7 @@ class _Step:
         tensors = list(self.params) + list(self.model.buffers()) + _tensors(self.inputs)
         if self.optimizer is not None:
             tensors += _tensors(list(self.optimizer.state.values()))
-        for t in tensors:
+        for t in _storage_parts(tensors):
             if t.device == self.device:
                 key, nbytes = _key(t)
                 if key is not None:
@@ -444,6 +460,10 @@ class _Step:
             if recorder is not None:
                 recorder.backward_begin(self.device, resident - start)
             loss.backward()
+            # Whether every trainable parameter got a dense gradient (what fit's warm-up on
+            # zero gradients assumes).
+            self.all_dense_grads = all(p.grad is not None and p.grad.layout == torch.strided
+                                       for p in self.params if p.requires_grad)
             if self.cuda:
                 torch.cuda.synchronize(self.device)
             if recorder is not None:
@@ -753,7 +773,8 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             tensor; a batch on another device than the model).
 
     fit runs a few real training steps (forward, backward, optimizer step) to measure:
-    a warm-up step when the optimizer has no state yet, one eager step, one after the
+    one eager step (when the optimizer has no state yet, after an optimizer step on zero
+    gradients that gives it its state, or a real step where that would differ and on CUDA), one after the
     Swish swap, and one per plan tried (with compile: two per plan, the first compiling).
     Everything the steps change is put back.
     """
@@ -783,9 +804,22 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
     try:
         model.train()
         step = _Step(model, inputs, loss_fn, optimizer, device)
-        if optimizer is not None and len(optimizer.state) == 0:
-            step.run()  # the optimizer's state, as every later step has it
+        # The optimizer's state, as every later step has it. On the CPU it comes from an
+        # optimizer step on zero gradients (a whole training step less), unless the optimizer
+        # refuses them or a parameter then gets no gradient or a sparse one (a real first step
+        # would give it other state): then from a real step. On CUDA always a real step: it
+        # also makes lazily allocated workspaces (cuBLAS's) before anything is measured.
+        fresh = optimizer is not None and len(optimizer.state) == 0
+        warmed = fresh and not step.cuda and _warm_on_zero_gradients(optimizer, step.params)
+        if fresh and not warmed and not step.cuda:
+            saved.restore()  # a partial step on zero gradients
+        if (fresh and not warmed) or step.cuda:
+            step.run()
         eager = step.run(record=True, dataflow=True)
+        if warmed and not step.all_dense_grads:
+            saved.restore()
+            step.run()
+            eager = step.run(record=True, dataflow=True)
         fixed = eager.resident
         actions: List[FitAction] = []
 
@@ -856,6 +890,24 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             import torch._dynamo
 
             torch._dynamo.reset()  # fit's compiled code: the caller compiles the fitted model
+
+
+def _warm_on_zero_gradients(optimizer, params) -> bool:
+    """Give a stateless optimizer the state its first step would, by a step on zero gradients
+    of every trainable parameter: the state's shapes, dtypes and layouts are what fit's steps
+    measure with, and _Saved.restore() puts back the caller's empty state and parameters.
+    False where the optimizer refuses dense zero gradients (it may have stepped partly)."""
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    try:
+        optimizer.step()
+        return True
+    except Exception:  # e.g. SparseAdam ("does not support dense gradients"): a real step
+        return False
+    finally:
+        for p in params:
+            p.grad = None
 
 
 def _swap_swish(model, rec: _Recorder, in_place: bool, undo_steps, training) -> list:

@@ -139,6 +139,9 @@ class MBNet(nn.Module):
 def storages(tensors):
     found = {}
     for t in tensors:
+        if t.is_sparse:  # its indices and values hold it (SGD's momentum of a sparse gradient)
+            tensors.extend([t._indices(), t._values()])
+            continue
         s = t.untyped_storage()
         found[s.data_ptr()] = s.nbytes()
     return found
@@ -402,6 +405,45 @@ class FitTest(unittest.TestCase):
         self.assertTrue(any(a.action == "checkpoint" for a in plan.actions), str(plan))
         assert_same_state(self, before, snapshot(model, opt))
         self.assertEqual(flags, [m.training for m in model.modules()])
+
+    def test_a_fresh_optimizer_is_measured_with_the_state_a_real_first_step_gives(self):
+        # fit gives a stateless optimizer its state by a step on zero gradients, except where
+        # a real first step would give other state: a parameter that gets no gradient (no
+        # state at all) and a sparse gradient (sparse momentum). Each: fit's eager peak is
+        # the step measured here after a real first step, and the optimizer is left empty.
+        class WithUnused(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net = ConvNet()
+                self.unused = nn.Parameter(torch.zeros(50_000))
+
+            def forward(self, x):
+                return self.net(x)
+
+        class SparseBag(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(20_000, 16, sparse=True)
+                self.head = nn.Sequential(nn.Linear(16, 64), nn.SiLU(), nn.Linear(64, 1))
+
+            def forward(self, idx):
+                return self.head(self.emb(idx).mean(1))
+
+        x = torch.randn(8, 3, 24, 24)
+        cases = [("unused parameter, AdamW", WithUnused(), x,
+                  lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)),
+                 ("dense, SGD momentum", ConvNet(), x,
+                  lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)),
+                 ("sparse gradient, SGD momentum", SparseBag(), torch.randint(0, 20_000, (8, 5)),
+                  lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))]
+        for name, model, inputs, make_opt in cases:
+            with self.subTest(name):
+                opt = make_opt(model)
+                plan = memlean.fit(model, inputs, 2**50, loss_fn=lambda o: o.sum(), optimizer=opt)
+                self.assertEqual(len(opt.state), 0, "fit left the optimizer's state")
+                step_peak(model, (inputs,), lambda o: o.sum(), opt)  # a real first step
+                self.assertEqual(plan.eager_peak_bytes,
+                                 step_peak(model, (inputs,), lambda o: o.sum(), opt))
 
     def test_fitted_training_equals_eager_training(self):
         # float64, no Swish (checkpoints only): equal to float tolerance; three steps with
