@@ -24,6 +24,7 @@
 
 #include "ops/checkpoint/internal/checkpoint.h"
 #include "third_party/torch/compat.h"
+#include "third_party/torch/tensors.h"
 
 namespace memlean {
 namespace {
@@ -568,11 +569,8 @@ std::vector<at::Tensor> checkpoint(const torch::nn::Module& module, const Tensor
                                    const CheckpointOptions& options) {
   std::vector<c10::IValue> args(inputs.begin(), inputs.end());
   for (const auto& p : module.parameters()) args.emplace_back(p);
-  std::vector<at::Tensor> buffers;  // each once: a buffer two layers share is copied once
-  std::unordered_set<const c10::TensorImpl*> seen;
-  for (const auto& b : module.buffers()) {
-    if (b.defined() && seen.insert(b.unsafeGetTensorImpl()).second) buffers.push_back(b);
-  }
+  // Each buffer once: a buffer two layers share is copied once.
+  std::vector<at::Tensor> buffers = unique_tensors(module.buffers());
   return to_tensors(detail::checkpoint_impl({to_ivalue_function(function), std::move(buffers)},
                                             static_cast<int64_t>(inputs.size()), args, options));
 }

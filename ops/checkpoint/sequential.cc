@@ -8,10 +8,10 @@
 #include <cmath>
 #include <limits>
 #include <memory>
-#include <unordered_set>
 
 #include "ops/checkpoint/internal/checkpoint.h"
 #include "runtime/memstats/live_bytes.h"
+#include "third_party/torch/tensors.h"
 
 namespace memlean {
 namespace {
@@ -230,16 +230,16 @@ at::Tensor checkpoint_chain(const std::shared_ptr<const Chain>& chain,
     if (j + 1 == starts.size()) return run(*chain, s, e, h);
 
     Segment segment;
-    std::vector<c10::IValue> args = {h};
-    std::unordered_set<const c10::TensorImpl*> seen;
+    // The segment's parameters and buffers, each once (layers may share them).
+    std::vector<at::Tensor> params;
     for (int64_t i = s; i < e; ++i) {
-      for (const auto& p : chain->parameters[i]) {
-        if (p.defined() && seen.insert(p.unsafeGetTensorImpl()).second) args.emplace_back(p);
-      }
-      for (const auto& b : chain->buffers[i]) {
-        if (b.defined() && seen.insert(b.unsafeGetTensorImpl()).second) segment.buffers.push_back(b);
-      }
+      params.insert(params.end(), chain->parameters[i].begin(), chain->parameters[i].end());
+      segment.buffers.insert(segment.buffers.end(), chain->buffers[i].begin(),
+                             chain->buffers[i].end());
     }
+    std::vector<c10::IValue> args = {h};
+    for (const auto& p : unique_tensors(params)) args.emplace_back(p);
+    segment.buffers = unique_tensors(segment.buffers);
     segment.function = [chain, s, e, run](const std::vector<c10::IValue>& in) {
       return std::vector<c10::IValue>{run(*chain, s, e, in[0].toTensor())};
     };

@@ -24,6 +24,7 @@
 #include "runtime/memstats/nn.h"
 #include "runtime/memstats/report.h"
 #include "third_party/torch/devices.h"
+#include "third_party/torch/tensors.h"
 
 namespace memlean::fit {
 
@@ -246,15 +247,6 @@ struct Step {
     return fixed + (tracker.peak() - start);
   }
 };
-
-std::vector<at::Tensor> unique_tensors(const std::vector<at::Tensor>& tensors) {
-  std::unordered_set<const c10::TensorImpl*> seen;
-  std::vector<at::Tensor> out;
-  for (const auto& t : tensors) {
-    if (t.defined() && seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
-  }
-  return out;
-}
 
 bool all_digits(const std::string& s) {
   return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });

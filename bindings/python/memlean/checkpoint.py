@@ -438,6 +438,14 @@ def checkpoint_module_forward(module: torch.nn.Module, forward: Callable, args, 
                  _module_buffers(module), True, watch_batchnorm=False)
 
 
+def checkpoint_run_forward(forward: Callable, params, buffers, args, kwargs):
+    """``forward(*args, **kwargs)`` checkpointed with ``params`` listed and ``buffers`` put
+    back after the recompute: memlean.fit's run of sibling modules (forward calls their own
+    forwards in turn; params and buffers are all of theirs, each once)."""
+    return _call("memlean.fit", forward, tuple(args), kwargs, list(params), list(buffers),
+                 True, watch_batchnorm=False)
+
+
 class CheckpointFunction:
     """pytorch-checkpoint's call form: CheckpointFunction.apply(function, n, *args).
 

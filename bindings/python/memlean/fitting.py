@@ -60,7 +60,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from memlean import _C, memstats
-from memlean.checkpoint import _module_buffers, checkpoint_module_forward
+from memlean.checkpoint import (_module_buffers, checkpoint_module_forward,
+                                checkpoint_run_forward, module_parameters)
 from memlean.swish import Swish
 
 __all__ = ["FitAction", "FitError", "FitPlan", "fit", "parse_budget"]
@@ -267,6 +268,9 @@ class _Call:
     outputs: tuple = ()
     input_key: object = None  # the first tensor input's storage key (the Swish check)
     mutates_input: bool = False
+    parent: object = None  # the _Call it runs inside (None: the outermost)
+    input_id: int = 0  # id() of its argument when that is one tensor, positional; else 0
+    output_id: int = 0  # id() of its output when that is one tensor; else 0
 
 
 class _Dataflow(TorchDispatchMode):
@@ -320,9 +324,12 @@ class _Recorder:
     def _pre(self, module, args, kwargs):
         self._next_atom()
         tensors = _tensors((args, kwargs))
+        single = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
         call = _Call(module, self.atom, seq_begin=self._seq(),
                      inputs=tuple(_key(t) for t in tensors),
-                     input_key=_key(tensors[0])[0] if tensors else None)
+                     input_key=_key(tensors[0])[0] if tensors else None,
+                     parent=self.stack[-1][0] if self.stack else None,
+                     input_id=id(args[0]) if single else 0)
         self.stack.append((call, [t._version for t in tensors]))
         if self.cuda:
             torch.cuda.synchronize()
@@ -339,6 +346,7 @@ class _Recorder:
         tensors = _tensors((args, kwargs))
         call.mutates_input = any(t._version != v for t, v in zip(tensors, versions))
         call.outputs = tuple(_key(t) for t in _tensors(output))
+        call.output_id = id(output) if isinstance(output, torch.Tensor) else 0
         self.calls.append(call)
         self._next_atom()
 
@@ -582,7 +590,9 @@ def _replace(model, old, new):
 
 def _wrap(module):
     """Run `module`'s forward under memlean.checkpoint (its hooks, state_dict keys and place
-    in its parent unchanged); returns the undo."""
+    in its parent unchanged); returns the undo. A _Run: see _wrap_run."""
+    if isinstance(module, _Run):
+        return _wrap_run(module)
     own = module.__dict__.get("forward")
     original = module.forward
 
@@ -606,6 +616,117 @@ def _wrap(module):
             module.forward = own
 
     return undo
+
+
+def _wrap_run(run: _Run):
+    """Checkpoint a run of sibling modules as one; returns the undo. While their parent's
+    forward runs a training step (grad enabled, the first module in training mode), the first
+    module's forward runs them all (their own forwards, in turn) under memlean.checkpoint
+    with all their parameters and buffers, and each later one hands on the tensor the run
+    returned, called in turn as in the measured forward. Anything else (eval, no_grad, a
+    module called on its own outside its parent's forward) runs the modules' own forwards.
+    A parent forward that strays from the measured chain (another tensor handed to a later
+    module, a module skipped or called out of turn) raises, naming the run, never a wrong
+    value in silence."""
+    modules, parent = run.modules, run.parent
+    owns = [m.__dict__.get("forward") for m in modules]
+    originals = [m.forward for m in modules]
+    state = _RunState()
+
+    def chain(x):
+        for f in originals:
+            x = f(x)
+        return x
+
+    def strayed(what):
+        state.handed, state.out = 0, None
+        raise RuntimeError(
+            f"memlean.fit: {what}: the run {run.path(_paths_of(parent, modules))} is checkpointed "
+            f"as one because the measured forward called its modules one after the other, each "
+            f"on the output of the one before; this forward does not. Undo the plan "
+            f"(plan.undo()) or fit again with this forward.")
+
+    def head(*args, **kwargs):
+        if state.handed:
+            strayed(f"{type(modules[0]).__name__} was called again inside the run")
+        if not (state.active and torch.is_grad_enabled() and modules[0].training):
+            return originals[0](*args, **kwargs)
+        out = checkpoint_run_forward(chain, run.parameters(), run.buffers(), args, kwargs)
+        state.handed, state.out = 1, out
+        return out
+
+    def later(k):
+        def forward(*args, **kwargs):
+            if state.handed == 0:
+                return originals[k](*args, **kwargs)  # no run in progress
+            if state.handed != k or len(args) != 1 or kwargs or args[0] is not state.out:
+                strayed(f"module {k + 1} of {len(modules)} was not called on the run's output "
+                        f"in turn")
+            state.handed = k + 1 if k + 1 < len(modules) else 0
+            out = state.out
+            if state.handed == 0:
+                state.out = None
+            return out
+        return forward
+
+    parent_own, parent_forward = parent.__dict__.get("forward"), parent.forward
+
+    def enter():
+        # Each call of the parent starts afresh (a forward that raised left its state).
+        state.active, state.handed, state.out = 1, 0, None
+
+    def leave():
+        state.active = 0
+        if state.handed:
+            strayed("the parent's forward ended inside the run")
+
+    def parent_wrapper(*args, **kwargs):
+        # (Its own forward, not hooks: torch.compile(model) skips the root module's hooks.
+        # No try/finally: dynamo compiles no frame with a graph break inside one, and every
+        # child of the parent would be a graph of its own.)
+        enter_()
+        out = parent_forward(*args, **kwargs)
+        leave_()
+        return out
+
+    import torch._dynamo  # (as in _wrap)
+
+    enter_, leave_ = torch._dynamo.disable(enter), torch._dynamo.disable(leave)
+    forwards = [head] + [later(k) for k in range(1, len(modules))]
+    for m, f in zip(modules, forwards):
+        f = torch._dynamo.disable(f)
+        f.__memlean_fit__ = True
+        m.forward = f
+    parent.forward = parent_wrapper
+
+    def undo():
+        if parent_own is None:
+            del parent.forward
+        else:
+            parent.forward = parent_own
+        for m, own in zip(modules, owns):
+            if own is None:
+                del m.forward
+            else:
+                m.forward = own
+
+    return undo
+
+
+class _RunState:
+    """One checkpointed run's progress through its parent's forward."""
+
+    def __init__(self):
+        self.active = 0  # the parent's forwards running
+        self.handed = 0  # the next module of the run in progress to hand on; 0: none
+        self.out = None  # the run's output, until its last module handed it on
+
+
+def _paths_of(parent, modules):
+    paths = {id(parent): type(parent).__name__}
+    for name, m in parent.named_children():
+        paths[id(m)] = name
+    return paths
 
 
 def _paths(model):
@@ -651,7 +772,130 @@ def _check(model, example_inputs, loss_fn, optimizer):
     return example_inputs, loss_fn, device
 
 
-def _problem(measured: _Measured, root):
+class _Run:
+    """Consecutive sibling module calls that hand one tensor along, x -> m1 -> m2 -> ...,
+    with nothing between them (a stretch of a block's forward, e.g. an inverted residual
+    block's middle without its 1x1 convolutions; two blocks of a stage): checkpointed as
+    one, so the tensors passed inside it are not kept. A candidate finer than a module."""
+
+    def __init__(self, modules, parent):
+        self.modules = tuple(modules)
+        self.parent = parent  # the module whose forward calls them
+
+    def parameters(self):
+        return list({id(p): p for m in self.modules for p in module_parameters(m)}.values())
+
+    def buffers(self):
+        return list({id(b): b for m in self.modules for b in _module_buffers(m)}.values())
+
+    def path(self, paths) -> str:
+        first = paths.get(id(self.modules[0]), "?")
+        last = paths.get(id(self.modules[-1]), "?")
+        parent, _, name = first.rpartition(".")
+        if parent and last.startswith(parent + "."):
+            last = last[len(parent) + 1:]
+        return f"{parent + '.' if parent else ''}({name}..{last})"
+
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_LONGEST_RUN = 32  # module calls
+
+
+def _runs(eager: _Recorder, current: _Recorder, root) -> List[List[int]]:
+    """The runs of 2 or more sibling calls that can be checkpointed as one, as indices into
+    current.calls (the step planned on), checked on eager's dataflow (its op numbers and
+    reads; current is the same forward after the Swish swap). A run's calls each take one
+    positional tensor, the one the call before returned (the same tensor, no op between),
+    return one tensor, are the only calls of their modules and have no hooks; the tensors
+    passed inside it are read by no op after it nor handed to any call outside it; its
+    first call does not write its input, nor does a later one write that input's storage;
+    and it is not all of a parent whose forward does nothing else."""
+    calls, found = current.calls, []
+    flow = eager.dataflow
+    if flow is None or len(eager.calls) != len(calls):
+        return []
+    for a, b in zip(eager.calls, calls):
+        if (a.begin, a.end) != (b.begin, b.end) or not (
+                a.module is b.module
+                or (_swish_beta(a.module) is not None and isinstance(b.module, Swish))):
+            return []  # not the same forward: no runs (module candidates only)
+    counts = {}
+    for c in calls:
+        counts[id(c.module)] = counts.get(id(c.module), 0) + 1
+    last_read = {key: max(seqs) for key, seqs in flow.reads.items()}
+    users = {}  # storage key -> (begin, end) of the calls taking or returning it
+    for c in eager.calls:
+        for key, _ in c.inputs + c.outputs:
+            users.setdefault(key, []).append((c.begin, c.end))
+    index = {id(c): k for k, c in enumerate(eager.calls)}
+    siblings = {}
+    for k, c in enumerate(eager.calls):
+        siblings.setdefault(index.get(id(c.parent)), []).append(k)
+
+    def member(k):
+        c, m = eager.calls[k], calls[k].module
+        return (c.input_id and c.output_id and c.module is not root
+                and counts[id(m)] == 1 and not any(getattr(m, h, None) for h in _HOOKS))
+
+    def linked(k, n):
+        a, b = eager.calls[k], eager.calls[n]
+        return (b.input_id == a.output_id and b.seq_begin == a.seq_end - 1
+                and b.inputs[:1] == a.outputs[:1])
+
+    for parent, kids in siblings.items():
+        if parent is None:
+            continue
+        kids.sort(key=lambda k: eager.calls[k].begin)
+        p = eager.calls[parent]
+        whole = (eager.calls[kids[0]].seq_begin == p.seq_begin
+                 and eager.calls[kids[-1]].seq_end == p.seq_end)  # nothing but its children
+        start = 0
+        while start < len(kids):
+            stop = start + 1  # [start, stop): a chain of linked members
+            if member(kids[start]):
+                while (stop < len(kids) and member(kids[stop])
+                       and linked(kids[stop - 1], kids[stop])):
+                    stop += 1
+            for i in range(start, stop):
+                for j in range(i + 1, min(stop, i + _LONGEST_RUN)):
+                    if whole and i == 0 and j == len(kids) - 1:
+                        continue  # the parent itself is the candidate
+                    run = kids[i:j + 1]
+                    if _run_is_safe(eager, current, run, last_read, users):
+                        found.append(run)
+            start = stop
+    return found
+
+
+def _run_is_safe(eager, current, run, last_read, users) -> bool:
+    first, last = eager.calls[run[0]], eager.calls[run[-1]]
+    head = current.calls[run[0]]
+    if head.mutates_input or any(current.calls[k].mutates_input
+                                 and current.calls[k].input_key == head.input_key
+                                 for k in run[1:]):
+        return False  # memlean.checkpoint refuses a function that writes its input
+    parent = first.parent
+    if any(c.mutates_input and last.end <= c.begin and c.end <= parent.end
+           for c in current.calls):
+        # A module after it in its parent's forward writes its input in place (an in-place
+        # activation). Compiled (torch.compile of the fitted model), the rest of the parent
+        # is a graph of its own in which that write becomes a copy: the compiled step then
+        # peaks above the eager one (seen: 14 % on fit_test's ConvNet). A run that takes
+        # the activation in does as well in eager mode.
+        return False
+    ends = {first.inputs[0][0], last.outputs[0][0]}
+    inner = {eager.calls[k].outputs[0][0] for k in run[:-1]} - ends - {None}
+    if any(last_read.get(key, 0) >= last.seq_end for key in inner):
+        return False  # an op after the run reads a tensor passed inside it
+    return not any(not (first.begin <= b and e <= last.end)
+                   for key in inner for b, e in users.get(key, ()))  # a call outside takes it
+
+
+def _buffers_of(module):
+    return module.buffers() if isinstance(module, _Run) else _module_buffers(module)
+
+
+def _problem(measured: _Measured, root, runs=()):
     """The planner's problem from a recorded step: base bytes, atoms, the candidates
     (modules called once, not the root, not writing their inputs in place, returning a
     tensor, keeping some bytes), their calls, and each atom's backward extra (what backward
@@ -669,8 +913,16 @@ def _problem(measured: _Measured, root):
     backward_extras = [max(0, rec.backward_levels.get(k, 0) - base - prefix[k + 1])
                        for k in range(len(atoms))]
     candidates, calls = [], []
-    for c in sorted(rec.calls, key=lambda c: (c.begin, -c.end)):
-        if (c.module is root or counts[id(c.module)] != 1 or c.mutates_input
+    run_calls = []
+    for run in runs:
+        first, last = rec.calls[run[0]], rec.calls[run[-1]]
+        run_calls.append(_Call(_Run((rec.calls[k].module for k in run), first.parent.module),
+                               first.begin, last.end,
+                               seconds=sum(rec.calls[k].seconds for k in run),
+                               inputs=first.inputs, outputs=last.outputs,
+                               input_key=first.input_key))
+    for c in sorted(rec.calls + run_calls, key=lambda c: (c.begin, -c.end)):
+        if (c.module is root or counts.get(id(c.module), 1) != 1 or c.mutates_input
                 or not c.outputs):
             continue
         span = prefix[c.end] - prefix[c.begin]
@@ -701,7 +953,7 @@ def _problem(measured: _Measured, root):
         # backward held there without checkpoints (the planner's per-atom backward extras).
         extra = sum(n for key, n in dict(c.outputs).items()
                     if key is not None and not c.begin <= rec.saved.get(key, -1) < c.end)
-        extra += sum(b.numel() * b.element_size() for b in _module_buffers(c.module))
+        extra += sum(b.numel() * b.element_size() for b in _buffers_of(c.module))
         candidates.append((c.begin, c.end, max(0, span - kept), extra, held))
         calls.append(c)
     candidates = [(b, e, freed, s, extra, held)
@@ -727,7 +979,9 @@ def _twin_seconds(calls) -> List[float]:
     planner then breaks the tie by the lower peak, so the plan depends on the budget alone,
     not on the noise of one measurement (a fitted peak that rose as the budget fell came
     from that)."""
-    signatures = [(type(c.module), tuple((tuple(p.shape), p.dtype) for p in c.module.parameters()),
+    signatures = [(tuple(map(type, c.module.modules)) if isinstance(c.module, _Run)
+                   else type(c.module),
+                   tuple((tuple(p.shape), p.dtype) for p in c.module.parameters()),
                    tuple(n for _, n in c.inputs), tuple(n for _, n in c.outputs)) for c in calls]
     groups = {}
     for signature, c in zip(signatures, calls):
@@ -859,7 +1113,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             return done(empty_peak, empty_peak)
 
         # 2. Checkpoints, planned; 3. verified and tightened.
-        problem = _problem(current, model)
+        problem = _problem(current, model, _runs(eager.recorder, current.recorder, model))
         candidates, calls = problem.candidates, problem.calls
         paths = _paths(model)
         # The search (ops/fit/search.h, the one loop of both languages): plan, measure each
@@ -960,6 +1214,7 @@ def _measure_plan(step: _Step, calls, chosen, compile_options=None) -> int:
 
 
 def _checkpoint_actions(calls, candidates, chosen, paths):
-    return [FitAction(paths.get(id(calls[i].module), "?"), "checkpoint", int(candidates[i][2]),
+    return [FitAction(calls[i].module.path(paths) if isinstance(calls[i].module, _Run)
+                      else paths.get(id(calls[i].module), "?"), "checkpoint", int(candidates[i][2]),
                       float(candidates[i][3])) for i in chosen]
 
