@@ -684,6 +684,11 @@ def _wrap_run(run: _Run):
         # (Its own forward, not hooks: torch.compile(model) skips the root module's hooks.
         # No try/finally: dynamo compiles no frame with a graph break inside one, and every
         # child of the parent would be a graph of its own.)
+        if torch.compiler.is_compiling():
+            # Compiled (torch.compile of the fitted model), the run is not checkpointed: it
+            # would split the parent's graph, and inductor's graphs around it kept more than
+            # the run saved (fit_test's ConvNet: above the model compiled without fit).
+            return parent_forward(*args, **kwargs)
         enter_()
         out = parent_forward(*args, **kwargs)
         leave_()
@@ -992,7 +997,7 @@ def _twin_seconds(calls) -> List[float]:
 def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         loss_fn: Optional[Callable] = None,
         optimizer: Optional[torch.optim.Optimizer] = None,
-        compile=False) -> FitPlan:
+        compile=False, runs: bool = False) -> FitPlan:
     """Make one training step of ``model`` on batches like ``example_inputs`` peak at or
     under ``budget_bytes`` on the model's device, changing the model in place.
 
@@ -1015,6 +1020,14 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             (``dynamic=False``) unless the dict sets ``dynamic``: fit measures the one example
             batch; compile the fitted model the same way (docs/fit.md says why).
             Default False: the budget is for eager steps.
+        runs (bool): also checkpoint runs of sibling module calls as one (a stretch of a
+            block's forward, e.g. an inverted residual block's middle without its 1x1
+            convolutions; two blocks of a stage): lower peaks at less recompute in eager
+            mode (EfficientNet-B0: docs/results.md). Eager only: under torch.compile the
+            runs are not checkpointed (they split inductor's graphs, which then kept more
+            than the runs saved), so a model fitted with runs and then compiled may peak
+            above the budget; ignored with ``compile``. Default False. docs/fit.md says
+            where a run is one.
 
     Returns:
         FitPlan: what changed, the measured and predicted peaks, undo().
@@ -1042,6 +1055,8 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
     else:
         raise TypeError(f"{_NAME}: compile must be a bool or a dict of torch.compile keyword "
                         f"arguments, got {type(compile).__name__}")
+    if not isinstance(runs, bool):
+        raise TypeError(f"{_NAME}: runs must be a bool, got {type(runs).__name__}")
     if compile_options is not None:
         # fit measures one example batch: static shapes, unless the caller says otherwise.
         # (With dynamo's automatic dynamic shapes, recompiling a plan's graphs made inductor
@@ -1113,7 +1128,9 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             return done(empty_peak, empty_peak)
 
         # 2. Checkpoints, planned; 3. verified and tightened.
-        problem = _problem(current, model, _runs(eager.recorder, current.recorder, model))
+        # Runs of sibling modules are eager-only (not checkpointed under torch.compile).
+        problem = _problem(current, model, _runs(eager.recorder, current.recorder, model)
+                           if runs and not compiled else ())
         candidates, calls = problem.candidates, problem.calls
         paths = _paths(model)
         # The search (ops/fit/search.h, the one loop of both languages): plan, measure each

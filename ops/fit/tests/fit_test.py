@@ -215,23 +215,25 @@ class FitTest(unittest.TestCase):
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         return model, x, cross_entropy_of(y), opt
 
-    def least_and_eager(self, model, x, loss_fn, opt):
+    def least_and_eager(self, model, x, loss_fn, opt, **options):
         with self.assertRaises(memlean.FitError) as caught:
-            memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
-        plan = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt)
+            memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt, **options)
+        plan = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt, **options)
         self.assertEqual(plan.actions, [])
         return caught.exception.least_peak_bytes, plan.eager_peak_bytes
 
-    def check_budgets(self, model, inputs, loss_fn, opt, count=8):
+    def check_budgets(self, model, inputs, loss_fn, opt, count=8, **options):
         """For `count` budgets from the least reachable peak to the eager one: the step, measured
         here, peaks at or under the budget, equal to fit's own figure; the peak never rises as
-        the budget falls."""
-        least, eager = self.least_and_eager(model, inputs, loss_fn, opt)
+        the budget falls. Returns (least, eager, the plans' actions)."""
+        least, eager = self.least_and_eager(model, inputs, loss_fn, opt, **options)
+        actions = []
         self.assertLess(least, eager)
         previous = None
         for i in range(count):
             budget = eager - (eager - least) * i // (count - 1)
-            plan = memlean.fit(model, inputs, budget, loss_fn=loss_fn, optimizer=opt)
+            plan = memlean.fit(model, inputs, budget, loss_fn=loss_fn, optimizer=opt, **options)
+            actions += plan.actions
             # A warm step gives the optimizer its state, as fit measured with.
             if opt is not None and not opt.state:
                 step_peak(model, inputs, loss_fn, opt)
@@ -243,19 +245,34 @@ class FitTest(unittest.TestCase):
                 self.assertLessEqual(plan.peak_bytes, previous, "the peak rose as the budget fell")
             previous = plan.peak_bytes
             plan.undo()
-        return least, eager
+        return least, eager, actions
 
     def test_budget_is_a_promise_conv(self):
         model, x, loss_fn, opt = self.conv_setup()
-        least, eager = self.check_budgets(model, (x,), loss_fn, opt)
+        least, eager, _ = self.check_budgets(model, (x,), loss_fn, opt)
         self.assertLess(least, 0.75 * eager)
 
     def test_budget_is_a_promise_transformer_with_keyword_arguments(self):
         model = GPT()
         idx = torch.randint(0, 50, (4, 48))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        least, eager = self.check_budgets(model, (idx,), lm_loss_of(torch.roll(idx, -1, 1)), opt)
+        least, eager, _ = self.check_budgets(model, (idx,), lm_loss_of(torch.roll(idx, -1, 1)), opt)
         self.assertLess(least, 0.8 * eager)
+
+    def test_budget_is_a_promise_with_runs_of_sibling_modules(self):
+        # fit(runs=True): budgets kept as without, plans that checkpoint runs, and a least
+        # peak below the one without runs (the runs inside MBConv blocks skip their wide
+        # middle's saved tensors without recomputing the whole block).
+        model = MBNet()
+        x = torch.randn(8, 3, 32, 32)
+        loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        least, eager, actions = self.check_budgets(model, (x,), loss_fn, opt, runs=True)
+        self.assertTrue(any("(" in a.path for a in actions), [a.path for a in actions])
+        without, _ = self.least_and_eager(model, x, loss_fn, opt)
+        self.assertLess(least, without)
+        with self.assertRaisesRegex(TypeError, "runs must be a bool"):
+            memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt, runs=1)
 
     def test_budget_is_a_promise_on_the_paths_users_take(self):
         # channels_last weights and batch; a bf16 autocast step (fit called inside the
@@ -424,7 +441,7 @@ class FitTest(unittest.TestCase):
                 x = torch.randn(2, 3, 64, 64)
                 loss_fn = cross_entropy_of(torch.tensor([0, 2]))
                 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-                least, eager = self.check_budgets(model, (x,), loss_fn, opt, count=3)
+                least, eager, _ = self.check_budgets(model, (x,), loss_fn, opt, count=3)
                 self.assertLess(least, eager)
                 plan = memlean.fit(model, (x,), eager - 1, loss_fn=loss_fn, optimizer=opt)
                 swaps = [a for a in plan.actions if a.action.endswith("swish")]
@@ -629,26 +646,19 @@ class FitTest(unittest.TestCase):
         loss_fn(compiled(x)).backward()
         self.assertTrue(all(p.grad is not None for p in model.parameters()))
 
-    def test_fitted_for_eager_then_compiled_with_inductor(self):
+    def test_fitted_then_compiled_with_inductor_honours_the_budget(self):
         # The plan's checkpoints run eagerly inside the compiled model (graph breaks), the
-        # code between them is inductor's. The budget is promised for the compiled step only
-        # with fit(compile=True) (py_fit_compile_test): inductor's graphs between the
-        # checkpoints may keep more than eager did (here up to 14 % over the budget with a
-        # run of sibling modules inside a block). What holds: the compiled fitted step peaks
-        # below the compiled step of the model as it was, from the least peak to halfway.
+        # code between them is inductor's: the compiled step, measured here, still peaks
+        # at or under the budget, from the least peak to halfway to eager's. (Not with
+        # fit(runs=True): runs of sibling modules are eager-only.)
         model, x, loss_fn, opt = self.conv_setup()
         least, eager = self.least_and_eager(model, x, loss_fn, opt)
-        compiled = torch.compile(model, backend="inductor")
-        step_peak(compiled, (x,), loss_fn, opt)  # compiles
-        unfitted = step_peak(compiled, (x,), loss_fn, opt)
-        torch._dynamo.reset()
         for budget in [least, least + (eager - least) // 5, (least + eager) // 2]:
             plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
             compiled = torch.compile(model, backend="inductor")
             step_peak(compiled, (x,), loss_fn, opt)  # compiles
             measured = step_peak(compiled, (x,), loss_fn, opt)
-            self.assertLess(measured, unfitted, f"compiled fitted: {measured}\n{plan}")
-            self.assertLess(measured, budget + budget // 4, f"budget {budget}\n{plan}")
+            self.assertLessEqual(measured, budget, f"compiled: {measured} > budget {budget}\n{plan}")
             plan.undo()
             torch._dynamo.reset()
 
