@@ -879,15 +879,6 @@ def _run_is_safe(eager, current, run, last_read, users) -> bool:
                                  and current.calls[k].input_key == head.input_key
                                  for k in run[1:]):
         return False  # memlean.checkpoint refuses a function that writes its input
-    parent = first.parent
-    if any(c.mutates_input and last.end <= c.begin and c.end <= parent.end
-           for c in current.calls):
-        # A module after it in its parent's forward writes its input in place (an in-place
-        # activation). Compiled (torch.compile of the fitted model), the rest of the parent
-        # is a graph of its own in which that write becomes a copy: the compiled step then
-        # peaks above the eager one (seen: 14 % on fit_test's ConvNet). A run that takes
-        # the activation in does as well in eager mode.
-        return False
     ends = {first.inputs[0][0], last.outputs[0][0]}
     inner = {eager.calls[k].outputs[0][0] for k in run[:-1]} - ends - {None}
     if any(last_read.get(key, 0) >= last.seq_end for key in inner):
