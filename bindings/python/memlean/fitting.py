@@ -609,13 +609,15 @@ def _wrap(module):
     forward.__memlean_fit__ = True
     module.forward = forward
 
-    def undo():
-        if own is None:
-            del module.forward
-        else:
-            module.forward = own
+    return lambda: _restore_forward(module, own)
 
-    return undo
+
+def _restore_forward(module, own):
+    """Put back a module's forward as it was: its own attribute `own`, or none (its class's)."""
+    if own is None:
+        del module.forward
+    else:
+        module.forward = own
 
 
 def _wrap_run(run: _Run):
@@ -705,15 +707,9 @@ def _wrap_run(run: _Run):
     parent.forward = parent_wrapper
 
     def undo():
-        if parent_own is None:
-            del parent.forward
-        else:
-            parent.forward = parent_own
+        _restore_forward(parent, parent_own)
         for m, own in zip(modules, owns):
-            if own is None:
-                del m.forward
-            else:
-                m.forward = own
+            _restore_forward(m, own)
 
     return undo
 
