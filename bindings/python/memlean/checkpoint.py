@@ -434,16 +434,18 @@ def checkpoint_module_forward(module: torch.nn.Module, forward: Callable, args, 
     recompute. ``forward`` is the module's own (unwrapped) forward: memlean.fit puts a
     function calling this in place of a module's forward, so the module keeps its hooks,
     its place in its parent and its state_dict keys."""
-    return _call("memlean.fit", forward, tuple(args), kwargs, module_parameters(module),
-                 _module_buffers(module), True, watch_batchnorm=False)
+    return checkpoint_run_forward(forward, module_parameters(module), _module_buffers(module),
+                                  args, kwargs)
 
 
-def checkpoint_run_forward(forward: Callable, params, buffers, args, kwargs):
+def checkpoint_run_forward(forward: Callable, params: List[torch.Tensor],
+                           buffers: List[torch.Tensor], args, kwargs):
     """``forward(*args, **kwargs)`` checkpointed with ``params`` listed and ``buffers`` put
-    back after the recompute: memlean.fit's run of sibling modules (forward calls their own
-    forwards in turn; params and buffers are all of theirs, each once)."""
-    return _call("memlean.fit", forward, tuple(args), kwargs, list(params), list(buffers),
-                 True, watch_batchnorm=False)
+    back after the recompute: memlean.fit's checkpointed module (its own forward) or run of
+    sibling modules (forward calls their own forwards in turn; params and buffers are all of
+    theirs, each once)."""
+    return _call("memlean.fit", forward, tuple(args), kwargs, params, buffers, True,
+                 watch_batchnorm=False)
 
 
 class CheckpointFunction:

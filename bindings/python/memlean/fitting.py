@@ -643,7 +643,7 @@ def _wrap_run(run: _Run):
     def strayed(what):
         state.handed, state.out = 0, None
         raise RuntimeError(
-            f"memlean.fit: {what}: the run {run.path(_paths_of(parent, modules))} is checkpointed "
+            f"memlean.fit: {what}: the run {run.path(_paths(parent))} is checkpointed "
             f"as one because the measured forward called its modules one after the other, each "
             f"on the output of the one before; this forward does not. Undo the plan "
             f"(plan.undo()) or fit again with this forward.")
@@ -718,16 +718,9 @@ class _RunState:
     """One checkpointed run's progress through its parent's forward."""
 
     def __init__(self):
-        self.active = 0  # the parent's forwards running
+        self.active = 0  # 1 while the parent's forward runs (each call starts afresh)
         self.handed = 0  # the next module of the run in progress to hand on; 0: none
         self.out = None  # the run's output, until its last module handed it on
-
-
-def _paths_of(parent, modules):
-    paths = {id(parent): type(parent).__name__}
-    for name, m in parent.named_children():
-        paths[id(m)] = name
-    return paths
 
 
 def _paths(model):
@@ -820,9 +813,7 @@ def _runs(eager: _Recorder, current: _Recorder, root) -> List[List[int]]:
                 a.module is b.module
                 or (_swish_beta(a.module) is not None and isinstance(b.module, Swish))):
             return []  # not the same forward: no runs (module candidates only)
-    counts = {}
-    for c in calls:
-        counts[id(c.module)] = counts.get(id(c.module), 0) + 1
+    counts = _call_counts(calls)
     last_read = {key: max(seqs) for key, seqs in flow.reads.items()}
     users = {}  # storage key -> (begin, end) of the calls taking or returning it
     for c in eager.calls:
@@ -883,6 +874,14 @@ def _run_is_safe(eager, current, run, last_read, users) -> bool:
                    for key in inner for b, e in users.get(key, ()))  # a call outside takes it
 
 
+def _call_counts(calls):
+    """{id(module): how many times the recorded forward called it}."""
+    counts = {}
+    for c in calls:
+        counts[id(c.module)] = counts.get(id(c.module), 0) + 1
+    return counts
+
+
 def _buffers_of(module):
     return module.buffers() if isinstance(module, _Run) else _module_buffers(module)
 
@@ -898,9 +897,7 @@ def _problem(measured: _Measured, root, runs=()):
     prefix = [0]
     for b in atoms:
         prefix.append(prefix[-1] + b)
-    counts = {}
-    for c in rec.calls:
-        counts[id(c.module)] = counts.get(id(c.module), 0) + 1
+    counts = _call_counts(rec.calls)
     base = max(0, measured.forward_backward_peak - prefix[-1])
     backward_extras = [max(0, rec.backward_levels.get(k, 0) - base - prefix[k + 1])
                        for k in range(len(atoms))]
