@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, List, Optional
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -271,22 +272,41 @@ class _Call:
     parent: object = None  # the _Call it runs inside (None: the outermost)
     input_id: int = 0  # id() of its argument when that is one tensor, positional; else 0
     output_id: int = 0  # id() of its output when that is one tensor; else 0
+    flow_inputs: tuple = ()  # with the dataflow mode: _Dataflow.identity of inputs, outputs
+    flow_outputs: tuple = ()
 
 
 class _Dataflow(TorchDispatchMode):
-    """Numbers the ops of the forward and notes which storages each reads."""
+    """Numbers the ops of the forward and notes which storages each reads, by identity."""
 
     def __init__(self):
         super().__init__()
         self.seq = 0
-        self.reads = {}  # storage key -> op numbers that read it
+        self.reads = {}  # storage identity -> op numbers that read it
+        self._seen = {}  # storage identity -> a weak reference to that storage
+
+    def identity(self, t: torch.Tensor):
+        """Its storage's identity in this forward (None without a storage). Not the address
+        (memstats.storage_key): a storage freed in the forward leaves its address to a later
+        one, and the later one's reads would count as the first's (an inner tensor of a run
+        then looked read after it, refusing it depending on the allocator). The identity is
+        the StorageImpl's: the weak reference kept here keeps that object (not its data)
+        allocated, so no later storage of the forward can have it."""
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # no storage (sparse, nested, fake)
+            return None
+        identity = storage._cdata
+        if identity not in self._seen:
+            self._seen[identity] = StorageWeakRef(storage)
+        return identity
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.seq += 1
         for t in _tensors((args, kwargs or {})):
-            key, _ = _key(t)
-            if key is not None:
-                self.reads.setdefault(key, []).append(self.seq)
+            identity = self.identity(t)
+            if identity is not None:
+                self.reads.setdefault(identity, []).append(self.seq)
         return func(*args, **(kwargs or {}))
 
 
@@ -321,6 +341,9 @@ class _Recorder:
     def _seq(self):
         return self.dataflow.seq if self.dataflow is not None else 0
 
+    def _identities(self, tensors):
+        return tuple(map(self.dataflow.identity, tensors)) if self.dataflow is not None else ()
+
     def _pre(self, module, args, kwargs):
         self._next_atom()
         tensors = _tensors((args, kwargs))
@@ -329,7 +352,8 @@ class _Recorder:
                      inputs=tuple(_key(t) for t in tensors),
                      input_key=_key(tensors[0])[0] if tensors else None,
                      parent=self.stack[-1][0] if self.stack else None,
-                     input_id=id(args[0]) if single else 0)
+                     input_id=id(args[0]) if single else 0,
+                     flow_inputs=self._identities(tensors))
         self.stack.append((call, [t._version for t in tensors]))
         if self.cuda:
             torch.cuda.synchronize()
@@ -347,6 +371,7 @@ class _Recorder:
         call.mutates_input = any(t._version != v for t, v in zip(tensors, versions))
         call.outputs = tuple(_key(t) for t in _tensors(output))
         call.output_id = id(output) if isinstance(output, torch.Tensor) else 0
+        call.flow_outputs = self._identities(_tensors(output))
         self.calls.append(call)
         self._next_atom()
 
@@ -568,7 +593,8 @@ def _safe_in_place(call: _Call, recorder: _Recorder) -> bool:
     saved_in = recorder.saved.get(key)
     if saved_in is not None and saved_in < call.begin:
         return False
-    return all(s <= call.seq_end - 1 for s in recorder.dataflow.reads.get(key, ()))
+    return all(s <= call.seq_end - 1
+               for s in recorder.dataflow.reads.get(call.flow_inputs[0], ()))
 
 
 def _replace(model, old, new):
@@ -815,10 +841,10 @@ def _runs(eager: _Recorder, current: _Recorder, root) -> List[List[int]]:
             return []  # not the same forward: no runs (module candidates only)
     counts = _call_counts(calls)
     last_read = {key: max(seqs) for key, seqs in flow.reads.items()}
-    users = {}  # storage key -> (begin, end) of the calls taking or returning it
+    users = {}  # storage identity -> (begin, end) of the calls taking or returning it
     for c in eager.calls:
-        for key, _ in c.inputs + c.outputs:
-            users.setdefault(key, []).append((c.begin, c.end))
+        for identity in c.flow_inputs + c.flow_outputs:
+            users.setdefault(identity, []).append((c.begin, c.end))
     index = {id(c): k for k, c in enumerate(eager.calls)}
     siblings = {}
     for k, c in enumerate(eager.calls):
@@ -832,7 +858,7 @@ def _runs(eager: _Recorder, current: _Recorder, root) -> List[List[int]]:
     def linked(k, n):
         a, b = eager.calls[k], eager.calls[n]
         return (b.input_id == a.output_id and b.seq_begin == a.seq_end - 1
-                and b.inputs[:1] == a.outputs[:1])
+                and b.flow_inputs[:1] == a.flow_outputs[:1])
 
     for parent, kids in siblings.items():
         if parent is None:
@@ -866,8 +892,8 @@ def _run_is_safe(eager, current, run, last_read, users) -> bool:
                                  and current.calls[k].input_key == head.input_key
                                  for k in run[1:]):
         return False  # memlean.checkpoint refuses a function that writes its input
-    ends = {first.inputs[0][0], last.outputs[0][0]}
-    inner = {eager.calls[k].outputs[0][0] for k in run[:-1]} - ends - {None}
+    ends = {first.flow_inputs[0], last.flow_outputs[0]}
+    inner = {eager.calls[k].flow_outputs[0] for k in run[:-1]} - ends - {None}
     if any(last_read.get(key, 0) >= last.seq_end for key in inner):
         return False  # an op after the run reads a tensor passed inside it
     return not any(not (first.begin <= b and e <= last.end)
