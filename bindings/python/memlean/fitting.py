@@ -265,46 +265,51 @@ class _Call:
     seq_begin: int = 0  # dataflow: op numbers it spans
     seq_end: int = 0
     seconds: float = 0.0
-    inputs: tuple = ()  # (storage key, nbytes) of its tensor inputs
+    inputs: tuple = ()  # (storage identity, nbytes) of its tensor inputs (_Identities)
     outputs: tuple = ()
-    input_key: object = None  # the first tensor input's storage key (the Swish check)
+    input_key: object = None  # the first tensor input's storage identity (the Swish check)
     mutates_input: bool = False
     parent: object = None  # the _Call it runs inside (None: the outermost)
     input_id: int = 0  # id() of its argument when that is one tensor, positional; else 0
     output_id: int = 0  # id() of its output when that is one tensor; else 0
-    flow_inputs: tuple = ()  # with the dataflow mode: _Dataflow.identity of inputs, outputs
-    flow_outputs: tuple = ()
 
 
-class _Dataflow(TorchDispatchMode):
-    """Numbers the ops of the forward and notes which storages each reads, by identity."""
+class _Identities:
+    """Storage identities over one recorded step. Not addresses (memstats.storage_key): a
+    storage freed in the forward leaves its address to a later one, whose reads, saves and
+    calls would count as the first's (a run's inner tensor then looked read after it, or an
+    input saved, depending on the allocator). An identity is the storage's StorageImpl: the
+    weak reference kept here keeps that object (not its data) allocated, so no later
+    storage can have it while these identities are in use."""
 
     def __init__(self):
-        super().__init__()
-        self.seq = 0
-        self.reads = {}  # storage identity -> op numbers that read it
-        self._seen = {}  # storage identity -> a weak reference to that storage
+        self._seen = {}  # identity -> a weak reference to its storage
 
-    def identity(self, t: torch.Tensor):
-        """Its storage's identity in this forward (None without a storage). Not the address
-        (memstats.storage_key): a storage freed in the forward leaves its address to a later
-        one, and the later one's reads would count as the first's (an inner tensor of a run
-        then looked read after it, refusing it depending on the allocator). The identity is
-        the StorageImpl's: the weak reference kept here keeps that object (not its data)
-        allocated, so no later storage of the forward can have it."""
+    def key(self, t: torch.Tensor):
+        """(its storage's identity, the storage's bytes), or (None, 0) without a storage."""
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # no storage (sparse, nested, fake)
-            return None
+            return None, 0
         identity = storage._cdata
         if identity not in self._seen:
             self._seen[identity] = StorageWeakRef(storage)
-        return identity
+        return identity, storage.nbytes()
+
+
+class _Dataflow(TorchDispatchMode):
+    """Numbers the ops of the forward and notes which storages each reads."""
+
+    def __init__(self, identities: _Identities):
+        super().__init__()
+        self.identities = identities
+        self.seq = 0
+        self.reads = {}  # storage identity -> op numbers that read it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.seq += 1
         for t in _tensors((args, kwargs or {})):
-            identity = self.identity(t)
+            identity, _ = self.identities.key(t)
             if identity is not None:
                 self.reads.setdefault(identity, []).append(self.seq)
         return func(*args, **(kwargs or {}))
@@ -318,14 +323,15 @@ class _Recorder:
     and backward_end()), the step's bytes at their highest while backward uses each atom's
     saved tensors: backward_levels[atom]."""
 
-    def __init__(self, model, preexisting, cuda, dataflow=None):
+    def __init__(self, model, identities: _Identities, preexisting, cuda, dataflow=None):
         self.model = model
-        self.preexisting = preexisting
+        self.identities = identities
+        self.preexisting = preexisting  # identities of the storages alive before the step
         self.cuda = cuda
         self.dataflow = dataflow
         self.atom = 0
         self.atom_bytes = [0]
-        self.saved = {}  # storage key -> atom that saved it first
+        self.saved = {}  # storage identity -> atom that saved it first
         self.calls: List[_Call] = []
         self.stack: List[tuple] = []
         self.handles = []
@@ -341,19 +347,15 @@ class _Recorder:
     def _seq(self):
         return self.dataflow.seq if self.dataflow is not None else 0
 
-    def _identities(self, tensors):
-        return tuple(map(self.dataflow.identity, tensors)) if self.dataflow is not None else ()
-
     def _pre(self, module, args, kwargs):
         self._next_atom()
         tensors = _tensors((args, kwargs))
         single = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
         call = _Call(module, self.atom, seq_begin=self._seq(),
-                     inputs=tuple(_key(t) for t in tensors),
-                     input_key=_key(tensors[0])[0] if tensors else None,
+                     inputs=tuple(map(self.identities.key, tensors)),
+                     input_key=self.identities.key(tensors[0])[0] if tensors else None,
                      parent=self.stack[-1][0] if self.stack else None,
-                     input_id=id(args[0]) if single else 0,
-                     flow_inputs=self._identities(tensors))
+                     input_id=id(args[0]) if single else 0)
         self.stack.append((call, [t._version for t in tensors]))
         if self.cuda:
             torch.cuda.synchronize()
@@ -369,14 +371,13 @@ class _Recorder:
         call.seq_end = self._seq() + 1
         tensors = _tensors((args, kwargs))
         call.mutates_input = any(t._version != v for t, v in zip(tensors, versions))
-        call.outputs = tuple(_key(t) for t in _tensors(output))
+        call.outputs = tuple(map(self.identities.key, _tensors(output)))
         call.output_id = id(output) if isinstance(output, torch.Tensor) else 0
-        call.flow_outputs = self._identities(_tensors(output))
         self.calls.append(call)
         self._next_atom()
 
     def _pack(self, t):
-        key, nbytes = _key(t)
+        key, nbytes = self.identities.key(t)
         if key is not None and key not in self.preexisting and key not in self.saved:
             self.saved[key] = self.atom
             self.atom_bytes[self.atom] += nbytes
@@ -448,18 +449,18 @@ class _Step:
         self.cuda = device.type == "cuda"
         self.params = [p for p in model.parameters()]
 
-    def storages(self):
+    def storages(self, key=None):
         """{storage key: nbytes} of what lives through a step: parameters, buffers, optimizer
-        state, the batch (on the model's device)."""
+        state, the batch (on the model's device). key: what keys them (default _key)."""
         found = {}
         tensors = list(self.params) + list(self.model.buffers()) + _tensors(self.inputs)
         if self.optimizer is not None:
             tensors += _tensors(list(self.optimizer.state.values()))
         for t in _storage_parts(tensors):
             if t.device == self.device:
-                key, nbytes = _key(t)
-                if key is not None:
-                    found[key] = nbytes
+                k, nbytes = (key or _key)(t)
+                if k is not None:
+                    found[k] = nbytes
         return found
 
     def run(self, record=False, dataflow=False, forward=None) -> _Measured:
@@ -470,8 +471,10 @@ class _Step:
             p.grad = None
         resident_storages = self.storages()
         resident = sum(resident_storages.values())
-        mode = _Dataflow() if dataflow else None
-        recorder = _Recorder(self.model, set(resident_storages), self.cuda, mode) if record else None
+        identities = _Identities()
+        mode = _Dataflow(identities) if dataflow else None
+        recorder = (_Recorder(self.model, identities, set(self.storages(identities.key)),
+                              self.cuda, mode) if record else None)
         if self.cuda:
             torch.cuda.synchronize(self.device)
         # The collector off, not run first (it would cost each of fit's steps a collection):
@@ -594,7 +597,7 @@ def _safe_in_place(call: _Call, recorder: _Recorder) -> bool:
     if saved_in is not None and saved_in < call.begin:
         return False
     return all(s <= call.seq_end - 1
-               for s in recorder.dataflow.reads.get(call.flow_inputs[0], ()))
+               for s in recorder.dataflow.reads.get(key, ()))
 
 
 def _replace(model, old, new):
@@ -843,8 +846,8 @@ def _runs(eager: _Recorder, current: _Recorder, root) -> List[List[int]]:
     last_read = {key: max(seqs) for key, seqs in flow.reads.items()}
     users = {}  # storage identity -> (begin, end) of the calls taking or returning it
     for c in eager.calls:
-        for identity in c.flow_inputs + c.flow_outputs:
-            users.setdefault(identity, []).append((c.begin, c.end))
+        for key, _ in c.inputs + c.outputs:
+            users.setdefault(key, []).append((c.begin, c.end))
     index = {id(c): k for k, c in enumerate(eager.calls)}
     siblings = {}
     for k, c in enumerate(eager.calls):
@@ -858,7 +861,7 @@ def _runs(eager: _Recorder, current: _Recorder, root) -> List[List[int]]:
     def linked(k, n):
         a, b = eager.calls[k], eager.calls[n]
         return (b.input_id == a.output_id and b.seq_begin == a.seq_end - 1
-                and b.flow_inputs[:1] == a.flow_outputs[:1])
+                and b.inputs[:1] == a.outputs[:1])
 
     for parent, kids in siblings.items():
         if parent is None:
@@ -892,8 +895,8 @@ def _run_is_safe(eager, current, run, last_read, users) -> bool:
                                  and current.calls[k].input_key == head.input_key
                                  for k in run[1:]):
         return False  # memlean.checkpoint refuses a function that writes its input
-    ends = {first.flow_inputs[0], last.flow_outputs[0]}
-    inner = {eager.calls[k].flow_outputs[0] for k in run[:-1]} - ends - {None}
+    ends = {first.inputs[0][0], last.outputs[0][0]}
+    inner = {eager.calls[k].outputs[0][0] for k in run[:-1]} - ends - {None}
     if any(last_read.get(key, 0) >= last.seq_end for key in inner):
         return False  # an op after the run reads a tensor passed inside it
     return not any(not (first.begin <= b and e <= last.end)
