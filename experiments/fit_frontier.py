@@ -4,19 +4,24 @@ torch.utils.checkpoint for the GPT stack, which timm does not build); torch.comp
 with torch._functorch.config.activation_memory_budget in {1.0, 0.5, 0.2, 0.0}; and memlean.fit
 at budgets from its least peak to the eager peak (and, at its least budget, the fitted model
 compiled); and memlean.fit(compile=True), every plan measured compiled, at the peak
-torch.compile reaches with activation_memory_budget 0.5, then compiled. A table and a Pareto
-figure (peak vs step time, one line per method).
+torch.compile reaches with activation_memory_budget 0.5, then compiled. With --runs, also
+memlean.fit(runs=True) (runs of sibling module calls as candidates, eager only) from its own
+least peak to the eager peak. A table and a Pareto figure (peak vs step time, one line per
+method).
 
 Peak: the budget's definition (memlean/fitting.py), the unique storages of parameters,
 buffers, optimizer state and batch plus the most a step allocates above them, exact on the
-CPU (memlean.memstats). Time: the median of a few steps after a warm-up step. Every
+CPU (memlean.memstats). Time: the median of a few steps after a warm-up step; with --paired,
+each row's steps are followed by eager's (the model as shipped, kept from the first row), and
+"vs eager time (paired)" divides by that: this machine's speed drifts 10-20 % between
+minutes, and a ratio of neighbouring measurements is what drifts least. Every
 torch.compile here is dynamic=False (one batch shape): a fitted model's checkpoints break the
 graph inside its stages, so dynamo compiles a stage's forward once per stage, with other
 channel counts, and then marks that dimension dynamic, on which inductor fails for
 convnext_tiny at batch 8 ('cannot determine truth value of Relational', torch 2.14.1).
 
     ./bazelw run //experiments:fit_frontier [-- --quick] [--out=DIR] [--device=auto|cpu|cuda]
-        [--models efficientnet_b0,gpt] [--budgets 8] [--no-compile]
+        [--models efficientnet_b0,gpt] [--budgets 8] [--no-compile] [--runs] [--paired]
 """
 import os
 import time
@@ -149,13 +154,20 @@ def measure(model, inputs, loss_fn, opt, device, repeats):
     return fixed + peak, common.median_seconds(step, repeats, 0, device)
 
 
-def run_model(name, batch, size, device, repeats, budgets, compile_, progress):
+def run_model(name, batch, size, device, repeats, budgets, compile_, progress, runs=False,
+              paired=False):
     rows = []
+    eager_step = None  # with paired: eager's step, timed after each row's
 
     def row(method, setting, peak, seconds, eager=None, **extra):
+        cells = {}
+        if eager_step is not None:
+            eager_now = common.median_seconds(eager_step, repeats, 1, device)
+            cells = {"eager s (paired)": float(eager_now),
+                     "vs eager time (paired)": round(float(seconds) / float(eager_now), 3)}
         rows.append({"model": name, "batch": batch, "size": size, "method": method,
                      "setting": setting, "step peak MiB": common.mib(peak), "peak bytes": peak,
-                     **common.time_cells(seconds, device), **extra})
+                     **common.time_cells(seconds, device), **cells, **extra})
         progress.step(f"{name} {method} {setting}")
 
     model, inputs, loss_fn, opt = setup(name, batch, size, device)
@@ -163,6 +175,8 @@ def run_model(name, batch, size, device, repeats, budgets, compile_, progress):
     # at full size they measured 18 % slower than the same eager step later.
     measure(model, inputs, loss_fn, opt, device, repeats)
     eager_peak, eager_s = measure(model, inputs, loss_fn, opt, device, repeats)
+    if paired:
+        eager_step = make_step(model, inputs, loss_fn, opt)
     row("eager", "as shipped", eager_peak, eager_s)
 
     model, inputs, loss_fn, opt = setup(name, batch, size, device)
@@ -171,27 +185,9 @@ def run_model(name, batch, size, device, repeats, budgets, compile_, progress):
     row("per-block checkpoint", "timm set_grad_checkpointing()" if name != "gpt"
         else "torch.utils.checkpoint per block", peak, s)
 
-    # memlean.fit, from its least peak to the eager peak.
-    model, inputs, loss_fn, opt = setup(name, batch, size, device)
-    t0 = time.perf_counter()
-    try:
-        memlean.fit(model, inputs, 1, loss_fn=loss_fn, optimizer=opt)
-        raise AssertionError("a 1-byte budget fit")
-    except memlean.FitError as e:
-        least = e.least_peak_bytes
-    probe_s = time.perf_counter() - t0
-    fit_rows = []
-    for i in range(budgets):
-        budget = eager_peak - (eager_peak - least) * i // (budgets - 1)
-        model, inputs, loss_fn, opt = setup(name, batch, size, device)
-        t0 = time.perf_counter()
-        plan = memlean.fit(model, inputs, budget, loss_fn=loss_fn, optimizer=opt)
-        fit_s = time.perf_counter() - t0
-        peak, s = measure(model, inputs, loss_fn, opt, device, repeats)
-        fit_rows.append((budget, peak, plan))
-        row("memlean.fit", f"budget {common.mib(budget):.1f} MiB", peak, s,
-            budget_bytes=budget, predicted_bytes=plan.predicted_peak_bytes,
-            fit_s=round(fit_s, 2), actions=len(plan.actions))
+    least, probe_s = fit_rows(name, batch, size, device, repeats, budgets, eager_peak, row)
+    if runs:
+        fit_rows(name, batch, size, device, repeats, budgets, eager_peak, row, runs=True)
     if compile_:
         compile_peaks = {}
         for b in COMPILE_BUDGETS:
@@ -204,13 +200,38 @@ def run_model(name, batch, size, device, repeats, budgets, compile_, progress):
             row("torch.compile", f"activation_memory_budget {b}", peak, s)
         torch._dynamo.reset()
         model, inputs, loss_fn, opt = setup(name, batch, size, device)
-        plan = memlean.fit(model, inputs, least, loss_fn=loss_fn, optimizer=opt)
+        memlean.fit(model, inputs, least, loss_fn=loss_fn, optimizer=opt)
         peak, s = measure(torch.compile(model, dynamic=False), inputs, loss_fn, opt, device,
                           repeats)
         row("memlean.fit + torch.compile", f"budget {common.mib(least):.1f} MiB", peak, s,
             budget_bytes=least)
         fit_for_compile(name, batch, size, device, repeats, compile_peaks[0.5], row)
     return rows, least, probe_s
+
+
+def fit_rows(name, batch, size, device, repeats, budgets, eager_peak, row, runs=False):
+    """memlean.fit (runs=True: with runs of sibling calls) at `budgets` budgets from its least
+    peak to the eager peak, a row each; returns (least peak, seconds the probe took)."""
+    model, inputs, loss_fn, opt = setup(name, batch, size, device)
+    t0 = time.perf_counter()
+    try:
+        memlean.fit(model, inputs, 1, loss_fn=loss_fn, optimizer=opt, runs=runs)
+        raise AssertionError("a 1-byte budget fit")
+    except memlean.FitError as e:
+        least = e.least_peak_bytes
+    probe_s = time.perf_counter() - t0
+    for i in range(budgets):
+        budget = eager_peak - (eager_peak - least) * i // (budgets - 1)
+        model, inputs, loss_fn, opt = setup(name, batch, size, device)
+        t0 = time.perf_counter()
+        plan = memlean.fit(model, inputs, budget, loss_fn=loss_fn, optimizer=opt, runs=runs)
+        fit_s = time.perf_counter() - t0
+        peak, s = measure(model, inputs, loss_fn, opt, device, repeats)
+        row("memlean.fit(runs=True)" if runs else "memlean.fit",
+            f"budget {common.mib(budget):.1f} MiB", peak, s, budget_bytes=budget,
+            predicted_bytes=plan.predicted_peak_bytes, fit_s=round(fit_s, 2),
+            actions=len(plan.actions))
+    return least, probe_s
 
 
 def fit_for_compile(name, batch, size, device, repeats, budget, row):
@@ -243,14 +264,16 @@ def run(args):
     budgets = getattr(args, "budgets", None) or (4 if quick else 8)
     compile_ = not getattr(args, "no_compile", False) and not quick
     repeats = 1 if quick else 3
-    per_model = 2 + budgets + (len(COMPILE_BUDGETS) + 2 if compile_ else 0)
+    runs = getattr(args, "runs", False)
+    paired = getattr(args, "paired", False)
+    per_model = 2 + budgets * (2 if runs else 1) + (len(COMPILE_BUDGETS) + 2 if compile_ else 0)
     progress = common.Progress("fit_frontier",
                                [sizes[n][0] * sizes[n][1] for n in names for _ in range(per_model)])
     rows, notes = [], []
     for name in names:
         batch, size = sizes[name]
         got, least, probe_s = run_model(name, batch, size, device, repeats, budgets, compile_,
-                                        progress)
+                                        progress, runs, paired)
         eager = got[0]
         for r in got:
             r["vs eager peak"] = round(r["peak bytes"] / eager["peak bytes"], 3)
@@ -285,6 +308,10 @@ def main(argv=None):
                    help=f"comma-separated, of {','.join(ALL)}")
     p.add_argument("--budgets", type=int, default=None, help="memlean.fit budgets per model")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    p.add_argument("--runs", action="store_true",
+                   help="also memlean.fit(runs=True) at --budgets budgets (eager only)")
+    p.add_argument("--paired", action="store_true",
+                   help="time eager again after each row; adds 'vs eager time (paired)'")
     args = common.parse_args(p, argv)
     if args.models:
         unknown = [m for m in args.models if m not in ALL]

@@ -1,7 +1,8 @@
-"""fit_frontier --quick: memlean.fit's rows keep their budgets (exact CPU bytes, measured by
-the experiment apart from fit), their peaks never rise as the budget falls, fit's least peak is
-below eager's and below per-block checkpointing's for EfficientNet-B0, and the figure is
-drawn beside the table."""
+"""fit_frontier --quick --runs --paired: memlean.fit's rows, with and without runs, keep their
+budgets (exact CPU bytes, measured by the experiment apart from fit), their peaks never rise as
+the budget falls, fit's least peak is below eager's and below per-block checkpointing's for
+EfficientNet-B0 (with runs at or below it without), every row has its paired eager time, and
+the figure is drawn beside the table."""
 import argparse
 import os
 
@@ -15,7 +16,8 @@ from experiments import fit_frontier
 def table(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("out"))
     (table,) = fit_frontier.run(argparse.Namespace(quick=True, out=out, device=torch.device("cpu"),
-                                                   models=None, budgets=None, no_compile=True))
+                                                   models=None, budgets=None, no_compile=True,
+                                                   runs=True, paired=True))
     return table
 
 
@@ -23,9 +25,10 @@ def rows_of(table, model, method):
     return [r for r in table.rows if r["model"] == model and r["method"] == method]
 
 
+@pytest.mark.parametrize("method", ["memlean.fit", "memlean.fit(runs=True)"])
 @pytest.mark.parametrize("model", ["efficientnet_b0", "gpt"])
-def test_budgets_kept_and_peaks_fall_with_them(table, model):
-    fits = rows_of(table, model, "memlean.fit")
+def test_budgets_kept_and_peaks_fall_with_them(table, model, method):
+    fits = rows_of(table, model, method)
     assert len(fits) == 4
     for r in fits:
         assert r["peak bytes"] <= r["budget_bytes"], r
@@ -42,6 +45,14 @@ def test_least_fit_peak_below_per_block_checkpointing_on_efficientnet(table):
     (timm_ckpt,) = rows_of(table, "efficientnet_b0", "per-block checkpoint")
     least = rows_of(table, "efficientnet_b0", "memlean.fit")[-1]
     assert least["peak bytes"] < timm_ckpt["peak bytes"]
+    least_with_runs = rows_of(table, "efficientnet_b0", "memlean.fit(runs=True)")[-1]
+    assert least_with_runs["peak bytes"] <= least["peak bytes"]
+
+
+def test_every_row_timed_beside_eager(table):
+    for r in table.rows:
+        assert r["eager s (paired)"] > 0, r
+        assert r["vs eager time (paired)"] == round(r["s/step"] / r["eager s (paired)"], 3), r
 
 
 def test_figure_beside_the_table(table):
