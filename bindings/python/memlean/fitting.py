@@ -448,6 +448,7 @@ class _Step:
         self.device = device
         self.cuda = device.type == "cuda"
         self.params = [p for p in model.parameters()]
+        self.all_dense_grads = True  # set by each recorded step
 
     def storages(self, key=None):
         """{storage key: nbytes} of what lives through a step: parameters, buffers, optimizer
@@ -496,10 +497,11 @@ class _Step:
             if recorder is not None:
                 recorder.backward_begin(self.device, resident - start)
             loss.backward()
-            # Whether every trainable parameter got a dense gradient (what fit's warm-up on
-            # zero gradients assumes).
-            self.all_dense_grads = all(p.grad is not None and p.grad.layout == torch.strided
-                                       for p in self.params if p.requires_grad)
+            if recorder is not None:
+                # Whether every trainable parameter got a dense gradient (what fit's warm-up
+                # on zero gradients assumes; fit asks after its recorded eager step).
+                self.all_dense_grads = all(p.grad is not None and p.grad.layout == torch.strided
+                                           for p in self.params if p.requires_grad)
             if self.cuda:
                 torch.cuda.synchronize(self.device)
             if recorder is not None:
