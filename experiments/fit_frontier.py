@@ -286,20 +286,25 @@ def run(args):
             f"{repeats} step(s) after a warm-up step, all methods in one process. Budgets for "
             "memlean.fit are spread evenly from its least peak to the eager peak. "
             + "; ".join(notes) + "." + common.device_note(device, timed=True))
-    panel = {}
-    for r in rows:
-        key = "s/step" if "s/step" in r else "ms/step"
-        # One colour per method, one line style per model.
-        xs, ys = panel.setdefault((r["method"], r["model"]), ([], []))
-        xs.append(r[key])
-        ys.append(r["step peak MiB"])
-    plot = common.plot(os.path.join(args.out, "fit_frontier.png"),
-                       "Training-step peak vs step time, by method", [
-                           ("s/step" if device.type != "cuda" else "ms/step", "step peak MiB",
-                            {k: (list(v[0]), list(v[1])) for k, v in panel.items()})])
+    plot = figure(rows, os.path.join(args.out, "fit_frontier.png"), device)
     return [common.Table("fit_frontier", "memlean.fit: peak and step time beside eager, "
                          "per-block checkpointing and torch.compile", rows, note,
                          [plot] if plot else [])]
+
+
+def figure(rows, path, device):
+    """The Pareto figure: step peak against step time (against the paired ratio to eager's
+    time when the rows have it), one colour per method, one line style per model."""
+    paired = all("vs eager time (paired)" in r for r in rows)
+    x = ("vs eager time (paired)" if paired else "s/step" if device.type != "cuda"
+         else "ms/step")
+    panel = {}
+    for r in rows:
+        xs, ys = panel.setdefault((r["method"], r["model"]), ([], []))
+        xs.append(float(r[x]))
+        ys.append(float(r["step peak MiB"]))
+    return common.plot(path, "Training-step peak vs step time, by method",
+                       [(x, "step peak MiB", {k: (v[0], v[1]) for k, v in panel.items()})])
 
 
 def main(argv=None):
