@@ -598,8 +598,7 @@ def _safe_in_place(call: _Call, recorder: _Recorder) -> bool:
     saved_in = recorder.saved.get(key)
     if saved_in is not None and saved_in < call.begin:
         return False
-    return all(s <= call.seq_end - 1
-               for s in recorder.dataflow.reads.get(key, ()))
+    return all(s <= call.seq_end - 1 for s in recorder.dataflow.reads.get(key, ()))
 
 
 def _replace(model, old, new):
