@@ -267,11 +267,15 @@ class _Call:
     seconds: float = 0.0
     inputs: tuple = ()  # (storage identity, nbytes) of its tensor inputs (_Identities)
     outputs: tuple = ()
-    input_key: object = None  # the first tensor input's storage identity (the Swish check)
     mutates_input: bool = False
     parent: object = None  # the _Call it runs inside (None: the outermost)
     input_id: int = 0  # id() of its argument when that is one tensor, positional; else 0
     output_id: int = 0  # id() of its output when that is one tensor; else 0
+
+    @property
+    def input_key(self):
+        """Its first tensor input's storage identity (the Swish check), or None."""
+        return self.inputs[0][0] if self.inputs else None
 
 
 class _Identities:
@@ -353,7 +357,6 @@ class _Recorder:
         single = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
         call = _Call(module, self.atom, seq_begin=self._seq(),
                      inputs=tuple(map(self.identities.key, tensors)),
-                     input_key=self.identities.key(tensors[0])[0] if tensors else None,
                      parent=self.stack[-1][0] if self.stack else None,
                      input_id=id(args[0]) if single else 0)
         self.stack.append((call, [t._version for t in tensors]))
@@ -938,8 +941,7 @@ def _problem(measured: _Measured, root, runs=()):
         run_calls.append(_Call(_Run((rec.calls[k].module for k in run), first.parent.module),
                                first.begin, last.end,
                                seconds=sum(rec.calls[k].seconds for k in run),
-                               inputs=first.inputs, outputs=last.outputs,
-                               input_key=first.input_key))
+                               inputs=first.inputs, outputs=last.outputs))
     for c in sorted(rec.calls + run_calls, key=lambda c: (c.begin, -c.end)):
         if (c.module is root or counts.get(id(c.module), 1) != 1 or c.mutates_input
                 or not c.outputs):
