@@ -54,6 +54,14 @@ const InplaceBackwardOp& inplace_backward_op() {
   return op;
 }
 
+const InplaceBackwardIntoOp& inplace_backward_into_op() {
+  static const InplaceBackwardIntoOp op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("memlean::_swish_inplace_backward_", "")
+          .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  return op;
+}
+
 namespace {
 
 // ---- Meta kernels: shapes and checks only (torch.compile, torch.export, FakeTensor) ----
@@ -69,6 +77,11 @@ at::Tensor inplace_backward_meta(const at::Tensor& grad, const at::Tensor& y,
                                  const at::Tensor& mask, double beta) {
   check_inplace_backward_args(grad, y, mask, beta);
   return at::empty_like(y);
+}
+
+void inplace_backward_into_meta(at::Tensor& grad, const at::Tensor& y, const at::Tensor& mask,
+                                double beta) {
+  check_inplace_backward_into_args(grad, y, mask, beta);
 }
 
 at::Tensor forward_meta(const at::Tensor& x, double beta) {
@@ -143,6 +156,9 @@ TORCH_LIBRARY_FRAGMENT(memlean, m) {
   m.def("swish_(Tensor(a!) x, float beta=1.0) -> ()");
   m.def("_swish_inplace_with_mask(Tensor(a!) x, float beta) -> Tensor");
   m.def("_swish_inplace_backward(Tensor grad, Tensor y, Tensor mask, float beta) -> Tensor");
+  // The same, writing the gradient over grad (the in-place variant's backward does so when
+  // nothing else holds grad: autograd/swish_autograd.cc).
+  m.def("_swish_inplace_backward_(Tensor(a!) grad, Tensor y, Tensor mask, float beta) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(memlean, Meta, m) {
@@ -151,5 +167,6 @@ TORCH_LIBRARY_IMPL(memlean, Meta, m) {
   m.impl("swish_", &memlean::swish_detail::inplace_meta);
   m.impl("_swish_inplace_with_mask", &memlean::swish_detail::inplace_with_mask_meta);
   m.impl("_swish_inplace_backward", &memlean::swish_detail::inplace_backward_meta);
+  m.impl("_swish_inplace_backward_", &memlean::swish_detail::inplace_backward_into_meta);
 }
 

@@ -3,6 +3,7 @@
 // version bumps of the in-place ops. They call the operators below autograd through the
 // typed handles of internal/op_handles.h.
 #include <ATen/ATen.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -13,6 +14,7 @@ namespace {
 
 using swish_detail::backward_op;
 using swish_detail::forward_op;
+using swish_detail::inplace_backward_into_op;
 using swish_detail::inplace_backward_op;
 using swish_detail::inplace_op;
 using swish_detail::inplace_with_mask_op;
@@ -70,15 +72,55 @@ class SwishInplaceFunction : public torch::autograd::Function<SwishInplaceFuncti
     return x;
   }
 
+  // grads by reference: autograd's CppNode hands over the list it built from the incoming
+  // gradients (moved, not copied), so a gradient nobody else holds has one reference here.
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
+                                                 torch::autograd::variable_list& grads) {
     TORCH_CHECK(!at::GradMode::is_enabled(),
                 "memlean::swish_: double backward (create_graph=True) is not supported by the "
                 "in-place variant; use the memory_efficient variant");
     const auto saved = ctx->get_saved_variables();  // fails if y was modified since
     const double beta = ctx->saved_data["beta"].toDouble();
     if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};
-    return {inplace_backward_op().call(grads[0], saved[0], saved[1], beta), at::Tensor()};
+    at::Tensor grad = std::move(grads[0]);
+    if (owned_alone(grad, saved[0])) {
+      // Nothing else sees grad's memory: write grad_x over it, and the backward allocates
+      // nothing (one tensor of y's size less at its peak).
+      inplace_backward_into_op().call(grad, saved[0], saved[1], beta);
+      return {std::move(grad), at::Tensor()};
+    }
+    return {inplace_backward_op().call(grad, saved[0], saved[1], beta), at::Tensor()};
+  }
+
+ private:
+  // Whether grad may be overwritten: this is its one reference and its storage's only
+  // tensor (not a view of a gradient handed on elsewhere, e.g. cat's or add's backward; not
+  // kept by a hook or retain_grad, nor captured by torch.autograd.grad), it spans all of its
+  // storage, has y's dtype and strides, and is a plain tensor (no tensor subclass, FakeTensor,
+  // functionalization or functorch wrapper, no TorchDispatchMode: under tracing the
+  // out-of-place op is recorded, as before).
+  static bool owned_alone(const at::Tensor& grad, const at::Tensor& y) {
+    static const c10::DispatchKeySet wrapped({c10::DispatchKey::Python,
+                                              c10::DispatchKey::PythonTLSSnapshot,
+                                              c10::DispatchKey::Functionalize,
+                                              c10::DispatchKey::FuncTorchGradWrapper,
+                                              c10::DispatchKey::FuncTorchBatched,
+                                              c10::DispatchKey::Batched});
+    if (grad.use_count() != 1 || !grad.has_storage() || grad.storage().use_count() != 1) {
+      return false;
+    }
+    if (grad.key_set().has_any(wrapped) || y.key_set().has_any(wrapped) ||
+        c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
+      return false;
+    }
+    if (!(grad.device().is_cpu() || grad.device().is_cuda()) || grad.layout() != at::kStrided) {
+      return false;
+    }
+    return grad.scalar_type() == y.scalar_type() && grad.device() == y.device() &&
+           y.is_non_overlapping_and_dense() && grad.strides() == y.strides() &&
+           grad.sizes() == y.sizes() &&
+           grad.storage().nbytes() == static_cast<size_t>(grad.numel()) * grad.element_size() &&
+           grad.storage_offset() == 0;
   }
 };
 

@@ -61,6 +61,15 @@ at::Tensor inplace_backward_cpu(const at::Tensor& grad, const at::Tensor& y, con
       });
 }
 
+// The same, grad_x written over grad (same strides as y, checked): the kernel reads each
+// element of grad before it writes it, and nothing else.
+void inplace_backward_into_cpu(at::Tensor& grad, const at::Tensor& y, const at::Tensor& mask,
+                               double beta) {
+  check_inplace_backward_into_args(grad, y, mask, beta);
+  const at::Tensor g = memory_order(grad);
+  swish_cpu::kernels().inplace_backward(g, memory_order(y), mask.contiguous(), g, beta);
+}
+
 }  // namespace
 }  // namespace memlean::swish_detail
 
@@ -70,5 +79,6 @@ TORCH_LIBRARY_IMPL(memlean, CPU, m) {
   m.impl("swish_", &memlean::swish_detail::inplace_cpu);
   m.impl("_swish_inplace_with_mask", &memlean::swish_detail::inplace_with_mask_cpu);
   m.impl("_swish_inplace_backward", &memlean::swish_detail::inplace_backward_cpu);
+  m.impl("_swish_inplace_backward_", &memlean::swish_detail::inplace_backward_into_cpu);
 }
 

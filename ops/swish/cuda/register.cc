@@ -89,6 +89,20 @@ at::Tensor inplace_backward_cuda(const at::Tensor& grad, const at::Tensor& y,
       });
 }
 
+// The same, grad_x written over grad (same strides as y, checked): each thread reads its
+// elements of grad before it writes them, and no other.
+void inplace_backward_into_cuda(at::Tensor& grad, const at::Tensor& y, const at::Tensor& mask,
+                                double beta) {
+  swish_detail::check_inplace_backward_into_args(grad, y, mask, beta);
+  const c10::cuda::CUDAGuard guard(y.device());
+  const at::Tensor m = mask.contiguous();
+  const at::Tensor yf = swish_detail::memory_order(y);
+  swish_cuda::inplace_backward(dtype_of(yf), grad.const_data_ptr(), yf.const_data_ptr(),
+                               m.const_data_ptr<uint8_t>(), grad.data_ptr(), yf.numel(), beta,
+                               stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 }  // namespace memlean
 
@@ -98,4 +112,5 @@ TORCH_LIBRARY_IMPL(memlean, CUDA, m) {
   m.impl("swish_", &memlean::inplace_cuda);
   m.impl("_swish_inplace_with_mask", &memlean::inplace_with_mask_cuda);
   m.impl("_swish_inplace_backward", &memlean::inplace_backward_cuda);
+  m.impl("_swish_inplace_backward_", &memlean::inplace_backward_into_cuda);
 }

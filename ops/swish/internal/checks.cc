@@ -44,15 +44,9 @@ void check_grad_and_saved(const at::Tensor& grad, const at::Tensor& x, double be
               " is on ", x.device());
 }
 
-}  // namespace
-
-void check_backward_args(const at::Tensor& grad, const at::Tensor& x, double beta) {
-  check_grad_and_saved(grad, x, beta, "x", "memlean::swish_backward");
-}
-
-void check_inplace_backward_args(const at::Tensor& grad, const at::Tensor& y,
-                                 const at::Tensor& mask, double beta) {
-  constexpr const char* op = "memlean::_swish_inplace_backward";
+// As above for the in-place variant's backward: y and its packed side bits.
+void check_grad_y_and_mask(const at::Tensor& grad, const at::Tensor& y, const at::Tensor& mask,
+                           double beta, const char* op) {
   check_grad_and_saved(grad, y, beta, "y", op);
   TORCH_CHECK(mask.defined() && mask.scalar_type() == at::kByte, op,
               ": mask must be a uint8 tensor of packed bits");
@@ -62,6 +56,28 @@ void check_inplace_backward_args(const at::Tensor& grad, const at::Tensor& y,
               " bytes but y has ", y.sym_numel(), " elements (expected ", expected, " bytes)");
   TORCH_CHECK(mask.device() == y.device(), op, ": mask is on ", mask.device(), " but y is on ",
               y.device());
+}
+
+}  // namespace
+
+void check_backward_args(const at::Tensor& grad, const at::Tensor& x, double beta) {
+  check_grad_and_saved(grad, x, beta, "x", "memlean::swish_backward");
+}
+
+void check_inplace_backward_args(const at::Tensor& grad, const at::Tensor& y,
+                                 const at::Tensor& mask, double beta) {
+  check_grad_y_and_mask(grad, y, mask, beta, "memlean::_swish_inplace_backward");
+}
+
+void check_inplace_backward_into_args(const at::Tensor& grad, const at::Tensor& y,
+                                      const at::Tensor& mask, double beta) {
+  constexpr const char* op = "memlean::_swish_inplace_backward_";
+  check_grad_y_and_mask(grad, y, mask, beta, op);
+  TORCH_CHECK(y.is_non_overlapping_and_dense() && grad.sym_strides() == y.sym_strides(), op,
+              ": grad must have y's strides and y must be dense (grad has strides ",
+              grad.sym_strides(), ", y ", y.sym_strides(), ")");
+  at::assert_no_overlap(grad, y);
+  at::assert_no_overlap(grad, mask);
 }
 
 void check_inplace_input(const at::Tensor& x, double beta) {

@@ -15,6 +15,11 @@ void check_backward_args(const at::Tensor& grad, const at::Tensor& x, double bet
 // As above, and mask: uint8 with ceil(numel / 8) bytes, on y's device.
 void check_inplace_backward_args(const at::Tensor& grad, const at::Tensor& y,
                                  const at::Tensor& mask, double beta);
+// As check_inplace_backward_args, for the variant that writes grad_x over grad
+// (memlean::_swish_inplace_backward_): grad also has y's strides, y is dense, and grad shares
+// no memory with y or mask.
+void check_inplace_backward_into_args(const at::Tensor& grad, const at::Tensor& y,
+                                      const at::Tensor& mask, double beta);
 // x: a valid input whose elements do not share memory.
 void check_inplace_input(const at::Tensor& x, double beta);
 

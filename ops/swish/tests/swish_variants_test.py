@@ -146,6 +146,7 @@ def test_opcheck_every_swish_op():
     y = x.clone()
     mask = ops._swish_inplace_with_mask(y, 0.7)
     torch.library.opcheck(ops._swish_inplace_backward.default, (g, y, mask, 0.7))
+    torch.library.opcheck(ops._swish_inplace_backward_.default, (g.clone(), y, mask, 0.7))
 
 
 class Net(torch.nn.Module):
@@ -224,7 +225,8 @@ def test_onnx_export_standard_ops_and_onnxruntime(dynamo, beta):
     torch.testing.assert_close(torch.from_numpy(out), model(x).detach(), rtol=1e-5, atol=1e-5)
 
 
-OPS = ["swish", "swish_backward", "swish_", "_swish_inplace_with_mask", "_swish_inplace_backward"]
+OPS = ["swish", "swish_backward", "swish_", "_swish_inplace_with_mask", "_swish_inplace_backward",
+       "_swish_inplace_backward_"]
 
 
 def test_cuda_kernels_are_registered_when_built_with_cuda():
@@ -255,7 +257,130 @@ def test_cuda_matches_float64_reference(dtype, variant):
     assert err <= max(BOUND[dtype], tol), (dtype, variant, err)
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _inplace_step(x0, w, keep_grad=False):
+    """x -> x + 0 -> swish_ -> * w -> sum, backward: the backward's peak above its start in
+    bytes (memstats on CPU, torch.cuda on CUDA), x's gradient, and dL/dy if keep_grad (a
+    hook holding the gradient that reaches swish_'s backward). Only mul's and swish_'s
+    backwards allocate: add's hands its gradient on, x.grad takes the one it gets."""
+    x = x0.clone().requires_grad_(True)
+    y = memlean.swish_(x + 0, 1.0)
+    held = []
+    if keep_grad:
+        y.register_hook(held.append)
+    loss = (y * w).sum()
+    if x0.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        loss.backward()
+        peak = torch.cuda.max_memory_allocated() - start
+    else:
+        memlean.memstats.enable()
+        with memlean.memstats.track() as t:
+            start = t.current
+            loss.backward()
+            peak = t.peak - start
+    return peak, x.grad, held
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_inplace_backward_writes_over_a_gradient_nobody_else_holds(device, dtype, memory_format):
+    # The gradient reaching swish_'s backward is mul's fresh output, held by autograd alone:
+    # the in-place variant writes grad_x over it, so the backward peaks at that one gradient,
+    # where it held two (dL/dy and dL/dx) when a hook keeps dL/dy (which must then not be
+    # overwritten).
+    torch.manual_seed(0)
+    x0 = (torch.randn(4, 8, 64, 65, dtype=torch.float64) * 3).to(dtype).to(device)
+    w = torch.randn(4, 8, 64, 65, dtype=torch.float64).to(dtype).to(device)
+    x0, w = (t.contiguous(memory_format=memory_format) for t in (x0, w))
+    peak, grad, _ = _inplace_step(x0, w)
+    peak_held, grad_held, held = _inplace_step(x0, w, keep_grad=True)
+    root = x0.element_size()  # backward()'s gradient of the scalar loss, alive throughout
+    assert peak == root + x0.nbytes
+    assert peak_held == root + 2 * x0.nbytes
+    assert torch.equal(held[0], w)  # the hook's gradient is dL/dy, not overwritten
+    assert torch.equal(grad, grad_held)  # the same kernel, in place or not
+    assert grad.stride() == x0.stride()
+    if dtype == torch.float64:
+        ref = x0.clone().requires_grad_(True)
+        (ref * torch.sigmoid(ref) * w).sum().backward()
+        assert (grad - ref.grad).abs().max().item() <= BOUND[dtype]
+
+
+def _reference(fn, *xs):
+    leaves = [x.detach().double().requires_grad_(True) for x in xs]
+    fn(*leaves).backward()
+    return [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.parametrize("case", ["add", "cat", "retain_grad", "autograd.grad", "hook", "chain"])
+def test_inplace_backward_leaves_shared_gradients_alone(case):
+    # Where the gradient reaching swish_'s backward is also another's (add's backward hands one
+    # tensor to both inputs; cat's hands views of one; retain_grad, a hook or
+    # torch.autograd.grad keep it), writing over it would corrupt the other: every gradient
+    # equals float64 autograd's (within the in-place backward's bound).
+    torch.manual_seed(0)
+    a0, b0, w = torch.randn(1000, dtype=torch.float64), torch.randn(1000, dtype=torch.float64), torch.randn(2000, dtype=torch.float64)
+
+    def silu(t, ours):
+        return memlean.swish_(t, 1.0) if ours else t * torch.sigmoid(t)
+
+    def f(a, b, ours=True):
+        if case == "add":
+            return ((silu(a * 2, ours) + silu(b * 3, ours)) * w[:1000]).sum()
+        if case == "cat":
+            return (torch.cat([silu(a * 2, ours), b * 3]) * w).sum()
+        if case == "chain":  # swish_ twice in a row: each writes over the gradient it gets
+            return (silu(silu(a * 2, ours) * 1.5, ours) * w[:1000] + b).sum()
+        return (silu(a * 2, ours) * w[:1000]).sum() + b.sum()
+
+    a, b = a0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
+    want = _reference(lambda a, b: f(a, b, ours=False), a0, b0)
+    if case in ("add", "cat", "chain"):
+        f(a, b).backward()
+        got = [a.grad, b.grad]
+    else:
+        y = memlean.swish_(a * 2, 1.0)
+        loss = (y * w[:1000]).sum() + b.sum()
+        held = []
+        if case == "retain_grad":
+            y.retain_grad()
+        elif case == "hook":
+            y.register_hook(held.append)
+        if case == "autograd.grad":
+            gy, ga, gb = torch.autograd.grad(loss, [y, a, b])
+            got = [ga, gb]
+        else:
+            loss.backward()
+            got = [a.grad, b.grad]
+            gy = y.grad if case == "retain_grad" else held[0]
+        assert torch.equal(gy, w[:1000])
+    for g, r in zip(got, want):
+        assert (g - r).abs().max().item() <= BOUND[torch.float64]
+
+
+def test_inplace_backward_into_checks_its_arguments():
+    ops = torch.ops.memlean
+    y = torch.randn(6, 4, dtype=torch.float64)
+    mask = ops._swish_inplace_with_mask(y, 1.0)
+    with pytest.raises(RuntimeError, match="_swish_inplace_backward_: grad must have y's strides"):
+        ops._swish_inplace_backward_(torch.randn(4, 6, dtype=torch.float64).t(), y, mask, 1.0)
+    with pytest.raises(RuntimeError, match="_swish_inplace_backward_: grad has dtype Float"):
+        ops._swish_inplace_backward_(torch.randn(6, 4), y, mask, 1.0)
+    with pytest.raises(RuntimeError, match="refer to a single memory location"):
+        ops._swish_inplace_backward_(y, y, mask, 1.0)
+    g = torch.randn(6, 4, dtype=torch.float64)
+    want = ops._swish_inplace_backward(g, y, mask, 1.0)
+    ops._swish_inplace_backward_(g, y, mask, 1.0)
+    assert torch.equal(g, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_inplace_backward_keeps_nan(device, dtype):
     # A NaN input gives a NaN gradient on every device and dtype (the CUDA double path once
