@@ -71,9 +71,12 @@ def run(args):
         f"{what}, hidden={hidden}. At batch 512 the memory-efficient Swish is "
         f"{100 * fwd:.1f}% below naive right after forward and {100 * peak:.1f}% below at the "
         f"step's true peak (in-place: {100 * inpl:.1f}%); source: {SOURCE_CLAIM}. The true peak "
-        "of this MLP is inside backward (Swish's backward holds its saved input, the incoming "
-        "gradient and the outgoing one), where in-place equals memory-efficient plus its 1-bit "
-        "mask; right after forward in-place keeps one activation fewer."
+        "of this MLP is inside backward, in the second Linear's backward (its saved input, "
+        "Swish's output, and the gradient it makes), where memory-efficient and torch's SiLU "
+        "also keep Swish's input and in-place only its 1-bit mask: one activation less. "
+        "Swish's own backward no longer sets it: memlean's write the input gradient over the "
+        "incoming one (torch's silu_backward makes a third tensor there). Right after forward "
+        "in-place keeps one activation fewer."
         + common.device_note(device)
     )
     # One colour per activation, one line style per measure. torch's SiLU after forward is

@@ -20,10 +20,13 @@ def test_direction_and_size_of_the_claim():
     assert naive["after forward"] - me["after forward"] == act
     assert me["after forward"] - inpl["after forward"] == act - 512 * hidden // 8
     assert 1 - me["step peak"] / naive["step peak"] >= 0.15
-    # At the true peak (in backward) in-place holds what memory-efficient holds plus its
-    # mask, give or take the tiny (batch x 1) tensors of the loss, freed in another order.
+    # The true peak is in the second Linear's backward (its saved input, Swish's output, and
+    # the gradient it makes): memory-efficient also keeps Swish's input there, in-place only
+    # its mask, give or take the tiny (batch x 1) tensors of the loss, freed in another order.
+    # (Swish's own backward no longer peaks: both variants write the input gradient over the
+    # incoming one, where torch's silu_backward allocates a third tensor.)
     mask, tiny = 512 * hidden // 8, 512 * 4
-    assert me["step peak"] + mask - tiny <= inpl["step peak"] <= me["step peak"] + mask
+    assert me["step peak"] - act + mask - tiny <= inpl["step peak"] <= me["step peak"] - act + mask
     # torch's fused SiLU keeps only its input, as memory_efficient does.
     assert m["silu"][1]["after forward"] == me["after forward"]
 

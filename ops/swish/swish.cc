@@ -32,6 +32,14 @@ const BackwardOp& backward_op() {
   return op;
 }
 
+const BackwardIntoOp& backward_into_op() {
+  static const BackwardIntoOp op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("memlean::_swish_backward_", "")
+          .typed<void(at::Tensor&, const at::Tensor&, double)>();
+  return op;
+}
+
 const InplaceOp& inplace_op() {
   static const InplaceOp op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("memlean::swish_", "")
@@ -82,6 +90,10 @@ at::Tensor inplace_backward_meta(const at::Tensor& grad, const at::Tensor& y,
 void inplace_backward_into_meta(at::Tensor& grad, const at::Tensor& y, const at::Tensor& mask,
                                 double beta) {
   check_inplace_backward_into_args(grad, y, mask, beta);
+}
+
+void backward_into_meta(at::Tensor& grad, const at::Tensor& x, double beta) {
+  check_backward_into_args(grad, x, beta);
 }
 
 at::Tensor forward_meta(const at::Tensor& x, double beta) {
@@ -151,6 +163,9 @@ int64_t swish_inplace_mask_bytes(int64_t numel) { return swish_constants::mask_b
 TORCH_LIBRARY_FRAGMENT(memlean, m) {
   m.def("swish(Tensor x, float beta=1.0) -> Tensor");
   m.def("swish_backward(Tensor grad, Tensor x, float beta) -> Tensor");
+  // The same, writing the gradient over grad (the memory-efficient variant's backward does so
+  // when nothing else holds grad: autograd/swish_autograd.cc).
+  m.def("_swish_backward_(Tensor(a!) grad, Tensor x, float beta) -> ()");
   // No return value: functionalization (torch.compile, torch.export) supports mutating
   // custom ops only when their outputs do not alias inputs. memlean::swish_ returns x.
   m.def("swish_(Tensor(a!) x, float beta=1.0) -> ()");
@@ -164,6 +179,7 @@ TORCH_LIBRARY_FRAGMENT(memlean, m) {
 TORCH_LIBRARY_IMPL(memlean, Meta, m) {
   m.impl("swish", &memlean::swish_detail::forward_meta);
   m.impl("swish_backward", &memlean::swish_detail::backward_meta);
+  m.impl("_swish_backward_", &memlean::swish_detail::backward_into_meta);
   m.impl("swish_", &memlean::swish_detail::inplace_meta);
   m.impl("_swish_inplace_with_mask", &memlean::swish_detail::inplace_with_mask_meta);
   m.impl("_swish_inplace_backward", &memlean::swish_detail::inplace_backward_meta);

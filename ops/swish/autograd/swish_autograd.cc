@@ -12,12 +12,44 @@
 namespace memlean {
 namespace {
 
+using swish_detail::backward_into_op;
 using swish_detail::backward_op;
 using swish_detail::forward_op;
 using swish_detail::inplace_backward_into_op;
 using swish_detail::inplace_backward_op;
 using swish_detail::inplace_op;
 using swish_detail::inplace_with_mask_op;
+
+// Whether grad may be overwritten: this is its one reference and its storage's only
+// tensor (not a view of a gradient handed on elsewhere, e.g. cat's or add's backward; not
+// kept by a hook or retain_grad, nor captured by torch.autograd.grad), it spans all of its
+// storage, has the saved tensor's dtype and strides (y, the in-place variant's output, or x,
+// the memory-efficient variant's input), and is a plain tensor (no tensor subclass, FakeTensor,
+// functionalization or functorch wrapper, no TorchDispatchMode: under tracing the
+// out-of-place op is recorded, as before).
+bool owned_alone(const at::Tensor& grad, const at::Tensor& y) {
+  static const c10::DispatchKeySet wrapped({c10::DispatchKey::Python,
+                                            c10::DispatchKey::PythonTLSSnapshot,
+                                            c10::DispatchKey::Functionalize,
+                                            c10::DispatchKey::FuncTorchGradWrapper,
+                                            c10::DispatchKey::FuncTorchBatched,
+                                            c10::DispatchKey::Batched});
+  if (grad.use_count() != 1 || !grad.has_storage() || grad.storage().use_count() != 1) {
+    return false;
+  }
+  if (grad.key_set().has_any(wrapped) || y.key_set().has_any(wrapped) ||
+      c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
+    return false;
+  }
+  if (!(grad.device().is_cpu() || grad.device().is_cuda()) || grad.layout() != at::kStrided) {
+    return false;
+  }
+  return grad.scalar_type() == y.scalar_type() && grad.device() == y.device() &&
+         y.is_non_overlapping_and_dense() && grad.strides() == y.strides() &&
+         grad.sizes() == y.sizes() &&
+         grad.storage().nbytes() == static_cast<size_t>(grad.numel()) * grad.element_size() &&
+         grad.storage_offset() == 0;
+}
 
 // Saves x only; backward recomputes sigmoid(beta * x) inside the kernel.
 class SwishFunction : public torch::autograd::Function<SwishFunction> {
@@ -30,17 +62,22 @@ class SwishFunction : public torch::autograd::Function<SwishFunction> {
     return forward_op().call(x, beta);
   }
 
+  // grads by reference, as SwishInplaceFunction's (below).
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
+                                                 torch::autograd::variable_list& grads) {
     const at::Tensor x = ctx->get_saved_variables()[0];
     const double beta = ctx->saved_data["beta"].toDouble();
-    const at::Tensor& grad = grads[0];
-    if (!grad.defined()) return {at::Tensor(), at::Tensor()};
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};
+    at::Tensor grad = std::move(grads[0]);
     if (at::GradMode::is_enabled()) {
       // create_graph=True: build the gradient from differentiable ops so that it can be
       // differentiated again.
       const at::Tensor s = at::sigmoid(x * beta);
       return {grad * s * (1 + beta * x * (1 - s)), at::Tensor()};
+    }
+    if (owned_alone(grad, x)) {  // nothing else sees grad's memory: grad_x over it
+      backward_into_op().call(grad, x, beta);
+      return {std::move(grad), at::Tensor()};
     }
     return {backward_op().call(grad, x, beta), at::Tensor()};
   }
@@ -73,7 +110,8 @@ class SwishInplaceFunction : public torch::autograd::Function<SwishInplaceFuncti
   }
 
   // grads by reference: autograd's CppNode hands over the list it built from the incoming
-  // gradients (moved, not copied), so a gradient nobody else holds has one reference here.
+  // gradients (moved, not copied), so a gradient nobody else holds has one reference here
+  // (owned_alone, above).
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list& grads) {
     TORCH_CHECK(!at::GradMode::is_enabled(),
@@ -92,36 +130,6 @@ class SwishInplaceFunction : public torch::autograd::Function<SwishInplaceFuncti
     return {inplace_backward_op().call(grad, saved[0], saved[1], beta), at::Tensor()};
   }
 
- private:
-  // Whether grad may be overwritten: this is its one reference and its storage's only
-  // tensor (not a view of a gradient handed on elsewhere, e.g. cat's or add's backward; not
-  // kept by a hook or retain_grad, nor captured by torch.autograd.grad), it spans all of its
-  // storage, has y's dtype and strides, and is a plain tensor (no tensor subclass, FakeTensor,
-  // functionalization or functorch wrapper, no TorchDispatchMode: under tracing the
-  // out-of-place op is recorded, as before).
-  static bool owned_alone(const at::Tensor& grad, const at::Tensor& y) {
-    static const c10::DispatchKeySet wrapped({c10::DispatchKey::Python,
-                                              c10::DispatchKey::PythonTLSSnapshot,
-                                              c10::DispatchKey::Functionalize,
-                                              c10::DispatchKey::FuncTorchGradWrapper,
-                                              c10::DispatchKey::FuncTorchBatched,
-                                              c10::DispatchKey::Batched});
-    if (grad.use_count() != 1 || !grad.has_storage() || grad.storage().use_count() != 1) {
-      return false;
-    }
-    if (grad.key_set().has_any(wrapped) || y.key_set().has_any(wrapped) ||
-        c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
-      return false;
-    }
-    if (!(grad.device().is_cpu() || grad.device().is_cuda()) || grad.layout() != at::kStrided) {
-      return false;
-    }
-    return grad.scalar_type() == y.scalar_type() && grad.device() == y.device() &&
-           y.is_non_overlapping_and_dense() && grad.strides() == y.strides() &&
-           grad.sizes() == y.sizes() &&
-           grad.storage().nbytes() == static_cast<size_t>(grad.numel()) * grad.element_size() &&
-           grad.storage_offset() == 0;
-  }
 };
 
 // The graph is rebased onto x itself (mark_dirty), so the op needs no return value.

@@ -33,6 +33,18 @@ at::Tensor backward_cpu(const at::Tensor& grad, const at::Tensor& x, double beta
   return grad_x;
 }
 
+// The same, grad_x written over grad (TensorIterator allows an output that is exactly an
+// input: each element is read before it is written).
+void backward_into_cpu(at::Tensor& grad, const at::Tensor& x, double beta) {
+  check_backward_into_args(grad, x, beta);
+  auto iter = at::TensorIteratorConfig()
+                  .add_output(grad)
+                  .add_const_input(grad)
+                  .add_const_input(x)
+                  .build();
+  swish_cpu::kernels().backward(iter, beta);
+}
+
 // The in-place kernels walk memory order (layout.h): no copy for any dense layout.
 void run_inplace_cpu(at::Tensor& x, const at::Tensor& mask, double beta) {
   swish_detail::inplace_in_memory_order(
@@ -76,6 +88,7 @@ void inplace_backward_into_cpu(at::Tensor& grad, const at::Tensor& y, const at::
 TORCH_LIBRARY_IMPL(memlean, CPU, m) {
   m.impl("swish", &memlean::swish_detail::forward_cpu);
   m.impl("swish_backward", &memlean::swish_detail::backward_cpu);
+  m.impl("_swish_backward_", &memlean::swish_detail::backward_into_cpu);
   m.impl("swish_", &memlean::swish_detail::inplace_cpu);
   m.impl("_swish_inplace_with_mask", &memlean::swish_detail::inplace_with_mask_cpu);
   m.impl("_swish_inplace_backward", &memlean::swish_detail::inplace_backward_cpu);

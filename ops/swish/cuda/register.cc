@@ -52,6 +52,17 @@ at::Tensor backward_cuda(const at::Tensor& grad, const at::Tensor& x, double bet
       });
 }
 
+// The same, grad_x written over grad (same strides as x, checked): each thread reads its
+// elements of grad before it writes them, and no other.
+void backward_into_cuda(at::Tensor& grad, const at::Tensor& x, double beta) {
+  swish_detail::check_backward_into_args(grad, x, beta);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xf = swish_detail::memory_order(x);
+  swish_cuda::backward(dtype_of(xf), grad.const_data_ptr(), xf.const_data_ptr(), grad.data_ptr(),
+                       xf.numel(), beta, stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void run_inplace_cuda(at::Tensor& x, const at::Tensor& mask, double beta) {
   const c10::cuda::CUDAGuard guard(x.device());
   swish_detail::inplace_in_memory_order(x, [&](const at::Tensor& xf) {
@@ -109,6 +120,7 @@ void inplace_backward_into_cuda(at::Tensor& grad, const at::Tensor& y, const at:
 TORCH_LIBRARY_IMPL(memlean, CUDA, m) {
   m.impl("swish", &memlean::forward_cuda);
   m.impl("swish_backward", &memlean::backward_cuda);
+  m.impl("_swish_backward_", &memlean::backward_into_cuda);
   m.impl("swish_", &memlean::inplace_cuda);
   m.impl("_swish_inplace_with_mask", &memlean::inplace_with_mask_cuda);
   m.impl("_swish_inplace_backward", &memlean::inplace_backward_cuda);

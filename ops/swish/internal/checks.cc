@@ -58,10 +58,36 @@ void check_grad_y_and_mask(const at::Tensor& grad, const at::Tensor& y, const at
               y.device());
 }
 
+// at::assert_no_overlap where addresses are known: a tensor with symbolic sizes or strides
+// (torch.compile's FakeTensors with dynamic shapes) has none to compare (torch 2.13 throws).
+void no_overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
+      b.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    return;
+  }
+  at::assert_no_overlap(a, b);
+}
+
+// grad, to be overwritten with the gradient of `saved` (named `name`): the same strides,
+// dense, no memory shared.
+void check_writable_grad(const at::Tensor& grad, const at::Tensor& saved, const char* name,
+                         const char* op) {
+  TORCH_CHECK(saved.is_non_overlapping_and_dense() && grad.sym_strides() == saved.sym_strides(),
+              op, ": grad must have ", name, "'s strides and ", name, " must be dense (grad has "
+              "strides ", grad.sym_strides(), ", ", name, " ", saved.sym_strides(), ")");
+  no_overlap(grad, saved);
+}
+
 }  // namespace
 
 void check_backward_args(const at::Tensor& grad, const at::Tensor& x, double beta) {
   check_grad_and_saved(grad, x, beta, "x", "memlean::swish_backward");
+}
+
+void check_backward_into_args(const at::Tensor& grad, const at::Tensor& x, double beta) {
+  constexpr const char* op = "memlean::_swish_backward_";
+  check_grad_and_saved(grad, x, beta, "x", op);
+  check_writable_grad(grad, x, "x", op);
 }
 
 void check_inplace_backward_args(const at::Tensor& grad, const at::Tensor& y,
@@ -73,11 +99,8 @@ void check_inplace_backward_into_args(const at::Tensor& grad, const at::Tensor& 
                                       const at::Tensor& mask, double beta) {
   constexpr const char* op = "memlean::_swish_inplace_backward_";
   check_grad_y_and_mask(grad, y, mask, beta, op);
-  TORCH_CHECK(y.is_non_overlapping_and_dense() && grad.sym_strides() == y.sym_strides(), op,
-              ": grad must have y's strides and y must be dense (grad has strides ",
-              grad.sym_strides(), ", y ", y.sym_strides(), ")");
-  at::assert_no_overlap(grad, y);
-  at::assert_no_overlap(grad, mask);
+  check_writable_grad(grad, y, "y", op);
+  no_overlap(grad, mask);
 }
 
 void check_inplace_input(const at::Tensor& x, double beta) {

@@ -12,7 +12,10 @@ void check_input(const at::Tensor& x, const char* name, const char* op);
 void check_beta(double beta, const at::Tensor& x, const char* op);
 // grad and x: valid inputs of the same dtype, shape and device.
 void check_backward_args(const at::Tensor& grad, const at::Tensor& x, double beta);
-// As above, and mask: uint8 with ceil(numel / 8) bytes, on y's device.
+// As above, for the variant that writes grad_x over grad (memlean::_swish_backward_): grad
+// also has x's strides, x is dense, and grad shares no memory with x.
+void check_backward_into_args(const at::Tensor& grad, const at::Tensor& x, double beta);
+// As check_backward_args, and mask: uint8 with ceil(numel / 8) bytes, on y's device.
 void check_inplace_backward_args(const at::Tensor& grad, const at::Tensor& y,
                                  const at::Tensor& mask, double beta);
 // As check_inplace_backward_args, for the variant that writes grad_x over grad

@@ -141,6 +141,7 @@ def test_opcheck_every_swish_op():
     torch.library.opcheck(ops.swish.default, (x.clone().requires_grad_(True), 1.5))
     torch.library.opcheck(ops.swish.default, (x, 1.0))
     torch.library.opcheck(ops.swish_backward.default, (g, x, 1.5))
+    torch.library.opcheck(ops._swish_backward_.default, (g.clone(), x, 1.5))
     torch.library.opcheck(ops.swish_.default, (x.clone(), 0.7))
     torch.library.opcheck(ops._swish_inplace_with_mask.default, (x.clone(), 0.7))
     y = x.clone()
@@ -225,8 +226,8 @@ def test_onnx_export_standard_ops_and_onnxruntime(dynamo, beta):
     torch.testing.assert_close(torch.from_numpy(out), model(x).detach(), rtol=1e-5, atol=1e-5)
 
 
-OPS = ["swish", "swish_backward", "swish_", "_swish_inplace_with_mask", "_swish_inplace_backward",
-       "_swish_inplace_backward_"]
+OPS = ["swish", "swish_backward", "_swish_backward_", "swish_", "_swish_inplace_with_mask",
+       "_swish_inplace_backward", "_swish_inplace_backward_"]
 
 
 def test_cuda_kernels_are_registered_when_built_with_cuda():
@@ -260,13 +261,13 @@ def test_cuda_matches_float64_reference(dtype, variant):
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _inplace_step(x0, w, keep_grad=False):
-    """x -> x + 0 -> swish_ -> * w -> sum, backward: the backward's peak above its start in
+def _swish_step(x0, w, variant, keep_grad=False):
+    """x -> x + 0 -> swish (the variant) -> * w -> sum, backward: the backward's peak above its start in
     bytes (memstats on CPU, torch.cuda on CUDA), x's gradient, and dL/dy if keep_grad (a
-    hook holding the gradient that reaches swish_'s backward). Only mul's and swish_'s
+    hook holding the gradient that reaches swish's backward). Only mul's and swish's
     backwards allocate: add's hands its gradient on, x.grad takes the one it gets."""
     x = x0.clone().requires_grad_(True)
-    y = memlean.swish_(x + 0, 1.0)
+    y = memlean.swish(x + 0, 1.0, variant=variant)
     held = []
     if keep_grad:
         y.register_hook(held.append)
@@ -289,17 +290,18 @@ def _inplace_step(x0, w, keep_grad=False):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
-def test_inplace_backward_writes_over_a_gradient_nobody_else_holds(device, dtype, memory_format):
-    # The gradient reaching swish_'s backward is mul's fresh output, held by autograd alone:
-    # the in-place variant writes grad_x over it, so the backward peaks at that one gradient,
+@pytest.mark.parametrize("variant", ["inplace", "memory_efficient"])
+def test_backward_writes_over_a_gradient_nobody_else_holds(variant, device, dtype, memory_format):
+    # The gradient reaching swish's backward is mul's fresh output, held by autograd alone:
+    # memlean's backward writes grad_x over it, so the backward peaks at that one gradient,
     # where it held two (dL/dy and dL/dx) when a hook keeps dL/dy (which must then not be
     # overwritten).
     torch.manual_seed(0)
     x0 = (torch.randn(4, 8, 64, 65, dtype=torch.float64) * 3).to(dtype).to(device)
     w = torch.randn(4, 8, 64, 65, dtype=torch.float64).to(dtype).to(device)
     x0, w = (t.contiguous(memory_format=memory_format) for t in (x0, w))
-    peak, grad, _ = _inplace_step(x0, w)
-    peak_held, grad_held, held = _inplace_step(x0, w, keep_grad=True)
+    peak, grad, _ = _swish_step(x0, w, variant)
+    peak_held, grad_held, held = _swish_step(x0, w, variant, keep_grad=True)
     root = x0.element_size()  # backward()'s gradient of the scalar loss, alive throughout
     assert peak == root + x0.nbytes
     assert peak_held == root + 2 * x0.nbytes
@@ -319,8 +321,9 @@ def _reference(fn, *xs):
 
 
 @pytest.mark.parametrize("case", ["add", "cat", "retain_grad", "autograd.grad", "hook", "chain"])
-def test_inplace_backward_leaves_shared_gradients_alone(case):
-    # Where the gradient reaching swish_'s backward is also another's (add's backward hands one
+@pytest.mark.parametrize("variant", ["inplace", "memory_efficient"])
+def test_backward_leaves_shared_gradients_alone(variant, case):
+    # Where the gradient reaching swish's backward is also another's (add's backward hands one
     # tensor to both inputs; cat's hands views of one; retain_grad, a hook or
     # torch.autograd.grad keep it), writing over it would corrupt the other: every gradient
     # equals float64 autograd's (within the in-place backward's bound).
@@ -328,14 +331,14 @@ def test_inplace_backward_leaves_shared_gradients_alone(case):
     a0, b0, w = torch.randn(1000, dtype=torch.float64), torch.randn(1000, dtype=torch.float64), torch.randn(2000, dtype=torch.float64)
 
     def silu(t, ours):
-        return memlean.swish_(t, 1.0) if ours else t * torch.sigmoid(t)
+        return memlean.swish(t, 1.0, variant=variant) if ours else t * torch.sigmoid(t)
 
     def f(a, b, ours=True):
         if case == "add":
             return ((silu(a * 2, ours) + silu(b * 3, ours)) * w[:1000]).sum()
         if case == "cat":
             return (torch.cat([silu(a * 2, ours), b * 3]) * w).sum()
-        if case == "chain":  # swish_ twice in a row: each writes over the gradient it gets
+        if case == "chain":  # swish twice in a row: each writes over the gradient it gets
             return (silu(silu(a * 2, ours) * 1.5, ours) * w[:1000] + b).sum()
         return (silu(a * 2, ours) * w[:1000]).sum() + b.sum()
 
@@ -345,7 +348,7 @@ def test_inplace_backward_leaves_shared_gradients_alone(case):
         f(a, b).backward()
         got = [a.grad, b.grad]
     else:
-        y = memlean.swish_(a * 2, 1.0)
+        y = memlean.swish(a * 2, 1.0, variant=variant)
         loss = (y * w[:1000]).sum() + b.sum()
         held = []
         if case == "retain_grad":
@@ -364,7 +367,7 @@ def test_inplace_backward_leaves_shared_gradients_alone(case):
         assert (g - r).abs().max().item() <= BOUND[torch.float64]
 
 
-def test_inplace_backward_into_checks_its_arguments():
+def test_backward_into_checks_its_arguments():
     ops = torch.ops.memlean
     y = torch.randn(6, 4, dtype=torch.float64)
     mask = ops._swish_inplace_with_mask(y, 1.0)
@@ -377,6 +380,17 @@ def test_inplace_backward_into_checks_its_arguments():
     g = torch.randn(6, 4, dtype=torch.float64)
     want = ops._swish_inplace_backward(g, y, mask, 1.0)
     ops._swish_inplace_backward_(g, y, mask, 1.0)
+    assert torch.equal(g, want)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="_swish_backward_: grad must have x's strides"):
+        ops._swish_backward_(torch.randn(4, 6, dtype=torch.float64).t(), x, 1.0)
+    with pytest.raises(RuntimeError, match="_swish_backward_: grad has shape"):
+        ops._swish_backward_(torch.randn(6, 5, dtype=torch.float64), x, 1.0)
+    with pytest.raises(RuntimeError, match="refer to a single memory location"):
+        ops._swish_backward_(x, x, 1.0)
+    g = torch.randn(6, 4, dtype=torch.float64)
+    want = ops.swish_backward(g, x, 1.5)
+    ops._swish_backward_(g, x, 1.5)
     assert torch.equal(g, want)
 
 
