@@ -1,7 +1,8 @@
 // Swish-β's Autograd and ADInplaceOrView kernels: the autograd function that saves only x
 // (memory_efficient), the in-place one that saves y and one bit per element, and the
 // version bumps of the in-place ops. They call the operators below autograd through the
-// typed handles of internal/op_handles.h.
+// typed handles of internal/op_handles.h. Both backwards write the input gradient over the
+// incoming one when autograd alone holds it (owned_alone): a tensor of x's size less.
 #include <ATen/ATen.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -27,7 +28,7 @@ using swish_detail::inplace_with_mask_op;
 // the memory-efficient variant's input), and is a plain tensor (no tensor subclass, FakeTensor,
 // functionalization or functorch wrapper, no TorchDispatchMode: under tracing the
 // out-of-place op is recorded, as before).
-bool owned_alone(const at::Tensor& grad, const at::Tensor& y) {
+bool owned_alone(const at::Tensor& grad, const at::Tensor& saved) {
   static const c10::DispatchKeySet wrapped({c10::DispatchKey::Python,
                                             c10::DispatchKey::PythonTLSSnapshot,
                                             c10::DispatchKey::Functionalize,
@@ -37,16 +38,16 @@ bool owned_alone(const at::Tensor& grad, const at::Tensor& y) {
   if (grad.use_count() != 1 || !grad.has_storage() || grad.storage().use_count() != 1) {
     return false;
   }
-  if (grad.key_set().has_any(wrapped) || y.key_set().has_any(wrapped) ||
+  if (grad.key_set().has_any(wrapped) || saved.key_set().has_any(wrapped) ||
       c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
     return false;
   }
   if (!(grad.device().is_cpu() || grad.device().is_cuda()) || grad.layout() != at::kStrided) {
     return false;
   }
-  return grad.scalar_type() == y.scalar_type() && grad.device() == y.device() &&
-         y.is_non_overlapping_and_dense() && grad.strides() == y.strides() &&
-         grad.sizes() == y.sizes() &&
+  return grad.scalar_type() == saved.scalar_type() && grad.device() == saved.device() &&
+         saved.is_non_overlapping_and_dense() && grad.strides() == saved.strides() &&
+         grad.sizes() == saved.sizes() &&
          grad.storage().nbytes() == static_cast<size_t>(grad.numel()) * grad.element_size() &&
          grad.storage_offset() == 0;
 }
@@ -129,7 +130,6 @@ class SwishInplaceFunction : public torch::autograd::Function<SwishInplaceFuncti
     }
     return {inplace_backward_op().call(grad, saved[0], saved[1], beta), at::Tensor()};
   }
-
 };
 
 // The graph is rebased onto x itself (mark_dirty), so the op needs no return value.

@@ -21,28 +21,29 @@ at::Tensor forward_cpu(const at::Tensor& x, double beta) {
   return y;
 }
 
-at::Tensor backward_cpu(const at::Tensor& grad, const at::Tensor& x, double beta) {
-  check_backward_args(grad, x, beta);
-  at::Tensor grad_x = at::empty_like(x);
+// grad_x = swish'(x) * grad, elementwise; grad_x may be grad itself (TensorIterator allows an
+// output that is exactly an input: each element is read before it is written).
+void run_backward_cpu(const at::Tensor& grad_x, const at::Tensor& grad, const at::Tensor& x,
+                      double beta) {
   auto iter = at::TensorIteratorConfig()
                   .add_output(grad_x)
                   .add_const_input(grad)
                   .add_const_input(x)
                   .build();
   swish_cpu::kernels().backward(iter, beta);
+}
+
+at::Tensor backward_cpu(const at::Tensor& grad, const at::Tensor& x, double beta) {
+  check_backward_args(grad, x, beta);
+  at::Tensor grad_x = at::empty_like(x);
+  run_backward_cpu(grad_x, grad, x, beta);
   return grad_x;
 }
 
-// The same, grad_x written over grad (TensorIterator allows an output that is exactly an
-// input: each element is read before it is written).
+// The same, grad_x written over grad.
 void backward_into_cpu(at::Tensor& grad, const at::Tensor& x, double beta) {
   check_backward_into_args(grad, x, beta);
-  auto iter = at::TensorIteratorConfig()
-                  .add_output(grad)
-                  .add_const_input(grad)
-                  .add_const_input(x)
-                  .build();
-  swish_cpu::kernels().backward(iter, beta);
+  run_backward_cpu(grad, grad, x, beta);
 }
 
 // The in-place kernels walk memory order (layout.h): no copy for any dense layout.
