@@ -113,11 +113,12 @@ class FitPlan:
     predicted_peak_bytes: the planner's prediction for it. fixed_bytes: what no plan changes
     (parameters, buffers, optimizer state and the batch at the step's start). eager_peak_bytes:
     the step's peak measured before any change. actions: the FitActions, in forward order.
-    undo() puts the model back as it was; to_json() and str() report the plan.
+    undo() puts the model back as it was; to_json() and str() report the plan (str() also
+    says when runs of sibling modules are checkpointed: in eager steps only).
     """
 
     def __init__(self, budget_bytes, peak_bytes, predicted_peak_bytes, fixed_bytes,
-                 eager_peak_bytes, actions, undo_steps, device, seconds):
+                 eager_peak_bytes, actions, undo_steps, device, seconds, eager_only_runs=0):
         self.budget_bytes = int(budget_bytes)
         self.peak_bytes = int(peak_bytes)
         self.predicted_peak_bytes = int(predicted_peak_bytes)
@@ -127,6 +128,7 @@ class FitPlan:
         self.device = str(device)
         self.fit_seconds = float(seconds)
         self._undo_steps = list(undo_steps)
+        self._eager_only_runs = int(eager_only_runs)
 
     @property
     def undone(self) -> bool:
@@ -184,6 +186,10 @@ class FitPlan:
         total = sum(a.recompute_seconds for a in self.actions)
         lines.append(f"  {swaps} Swish swapped, {checkpoints} module(s) checkpointed, "
                      f"{total * 1e3:.1f} ms recomputed per step")
+        if self._eager_only_runs:
+            lines.append(f"  {self._eager_only_runs} of them run(s) of sibling modules, "
+                         f"checkpointed in eager steps only: under torch.compile this model is "
+                         f"not held to the budget (fit with compile=True for that)")
         return "\n".join(lines)
 
 
@@ -1042,7 +1048,8 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             mode (EfficientNet-B0: docs/results.md). Eager only: under torch.compile the
             runs are not checkpointed (they split inductor's graphs, which then kept more
             than the runs saved), so a model fitted with runs and then compiled peaks above
-            the budget (39-84 % on the tests' ConvNet: docs/fit.md); ignored with
+            the budget (39-84 % on the tests' ConvNet: docs/fit.md; ``print(plan)`` says
+            when the plan checkpoints runs); ignored with
             ``compile``. Default False. docs/fit.md says where a run is one.
 
     Returns:
@@ -1108,11 +1115,11 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         fixed = eager.resident
         actions: List[FitAction] = []
 
-        def done(peak, predicted):
+        def done(peak, predicted, eager_only_runs=0):
             """The plan of what was changed so far, with the training state put back."""
             saved.restore()
             return FitPlan(budget, peak, predicted, fixed, eager.peak, actions, undo_steps,
-                           device, time.perf_counter() - started)
+                           device, time.perf_counter() - started, eager_only_runs)
 
         # With compile=: every decision on the compiled step (compiled afresh each time).
         compiled = compile_options is not None
@@ -1159,7 +1166,8 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         if found:
             undo_steps.extend(_wrap(calls[i].module) for i in chosen)
             actions += _checkpoint_actions(calls, candidates, chosen, paths)
-            return done(peak, max(predicted, current.optimizer_peak))
+            return done(peak, max(predicted, current.optimizer_peak),
+                        sum(isinstance(calls[i].module, _Run) for i in chosen))
         raise FitError(
             f"{_NAME}: budget_bytes={budget} ({_gib(budget)}) is below the least step peak "
             f"memlean.fit reaches for this model and batch: {_C.fit.describe_bytes(least)} "

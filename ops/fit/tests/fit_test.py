@@ -240,6 +240,11 @@ class FitTest(unittest.TestCase):
             measured = step_peak(model, inputs, loss_fn, opt)
             self.assertLessEqual(measured, budget, f"budget {budget}: {plan}")
             self.assertEqual(measured, plan.peak_bytes, str(plan))
+            # The printed plan says when it checkpoints runs (eager steps only), and only then.
+            runs = sum(a.action == "checkpoint" and a.path.endswith(")") for a in plan.actions)
+            self.assertEqual("checkpointed in eager steps only" in str(plan), runs > 0, str(plan))
+            if runs:
+                self.assertIn(f"{runs} of them run(s) of sibling modules", str(plan))
             self.assertEqual(plan.eager_peak_bytes, eager)
             if previous is not None:
                 self.assertLessEqual(plan.peak_bytes, previous, "the peak rose as the budget fell")
