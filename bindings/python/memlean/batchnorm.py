@@ -5,8 +5,89 @@ A memlean checkpoint's recompute keeps the running statistics of every torch Bat
 calls (any torch.nn.modules.batchnorm._BatchNorm: BatchNorm1d, 2d, 3d, SyncBatchNorm, and
 subclasses such as timm's BatchNormAct2d): the checkpoint puts their buffers back after the
 recompute, in C++ (ops/checkpoint), so each is updated once per training step as it is. That
-is the one implementation of "updated once"; this class adds nothing to torch's forward."""
+is the one implementation of "updated once"; this class adds nothing to torch's forward.
+
+memlean.batch_norm is torch.nn.functional.batch_norm with memlean's lean backward in training
+(ops/checkpoint/lean_batchnorm.h, docs/checkpoint.md): the same output and running
+statistics, and a backward that allocates at most the input gradient, written over the
+incoming gradient when autograd alone holds it, where torch's CPU backward allocates that and
+a temporary of the input's size. memlean.fit swaps it into the training BatchNorms of the
+model it fits (lean_forward below)."""
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from memlean import _C
+
+
+def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
+               momentum=0.1, eps=1e-5):
+    """torch.nn.functional.batch_norm (same arguments, output, running-statistics update and
+    errors) whose training-mode backward keeps less memory: it allocates at most the input
+    gradient, written over the incoming gradient when autograd alone holds it (torch's CPU
+    backward allocates that and a temporary of the input's size beside it). Gradients equal
+    torch's to float tolerance; double backward works.
+
+    The lean backward runs for CPU float32/float64 inputs of 2 or more dimensions, contiguous
+    or channels_last, in training with autograd recording, outside torch.compile. Everything
+    else (eval, no_grad, CUDA, half/bfloat16, other layouts, tensor subclasses, compiled
+    code) is torch's F.batch_norm itself."""
+    if (training and torch.is_tensor(input) and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and type(input) is torch.Tensor
+            and _C.lean_batch_norm_applies(input)):
+        size = input.size()
+        if input.numel() // size[1] == 1:  # as F.batch_norm (its _verify_batch_size)
+            raise ValueError(f"Expected more than 1 value per channel when training, got input "
+                             f"size {size}")
+        return _C.lean_batch_norm(input, weight, bias, running_mean, running_var,
+                                  float(momentum), float(eps))
+    return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
+class _LeanBatchNormMode(TorchFunctionMode):
+    """While active, every F.batch_norm call runs memlean.batch_norm; everything else runs as
+    it is. `calls` counts the batch norms it took."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.batch_norm:
+            self.calls += 1
+            return batch_norm(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def lean_forward(module: torch.nn.Module):
+    """Make `module`'s forward run memlean.batch_norm wherever it calls F.batch_norm (torch's
+    BatchNorm1d/2d/3d, memlean.BatchNorm2d, subclasses such as timm's BatchNormAct2d): an
+    instance forward over its own, outside torch.compile (compiled, its own runs as it is).
+    Returns (undo, calls): undo() puts its forward back; calls() says how many F.batch_norm
+    calls it took so far (0: the module does not call F.batch_norm, nothing changes)."""
+    own = module.__dict__.get("forward")
+    original = module.forward
+    taken = [0]
+
+    def forward(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return original(*args, **kwargs)
+        mode = _LeanBatchNormMode()
+        with mode:
+            out = original(*args, **kwargs)
+        taken[0] += mode.calls
+        return out
+
+    module.forward = forward
+
+    def undo():
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+    return undo, lambda: taken[0]
 
 
 class BatchNorm2d(torch.nn.BatchNorm2d):

@@ -61,6 +61,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from memlean import _C, memstats
+from memlean.batchnorm import lean_forward
 from memlean.checkpoint import (_module_buffers, checkpoint_module_forward,
                                 checkpoint_run_forward, module_parameters)
 from memlean.swish import Swish
@@ -82,11 +83,12 @@ class FitError(ValueError):
 
 @dataclass(frozen=True)
 class FitAction:
-    """One change fit made. action: "inplace swish", "memory_efficient swish" or
-    "checkpoint". bytes_saved: for a checkpoint, the saved bytes it frees under the planner's
-    model; for a Swish, the measured saving of all swaps shared in proportion to the
-    activations' output bytes. recompute_seconds: the module's measured forward time (the mean
-    over the modules that do the same work, e.g. a model's repeated blocks; 0 for a Swish)."""
+    """One change fit made. action: "inplace swish", "memory_efficient swish", "lean
+    batchnorm" (memlean.batch_norm's backward, CPU eager steps) or "checkpoint". bytes_saved:
+    for a checkpoint, the saved bytes it frees under the planner's model; for a Swish or a
+    BatchNorm, the measured saving of all these swaps shared in proportion to the modules'
+    output bytes. recompute_seconds: the module's measured forward time (the mean over the
+    modules that do the same work, e.g. a model's repeated blocks; 0 for a swap)."""
 
     path: str
     action: str
@@ -182,9 +184,11 @@ class FitPlan:
             lines.append(f"  {a.path:<{width}}  {a.action:<22}  {_mib(a.bytes_saved):>12}  "
                          f"{a.recompute_seconds * 1e3:>8.1f} ms")
         swaps = sum(1 for a in self.actions if a.action.endswith("swish"))
-        checkpoints = len(self.actions) - swaps
+        norms = sum(1 for a in self.actions if a.action == "lean batchnorm")
+        checkpoints = len(self.actions) - swaps - norms
         total = sum(a.recompute_seconds for a in self.actions)
-        lines.append(f"  {swaps} Swish swapped, {checkpoints} module(s) checkpointed, "
+        lean = f"{norms} BatchNorm(s) with the lean backward, " if norms else ""
+        lines.append(f"  {swaps} Swish swapped, {lean}{checkpoints} module(s) checkpointed, "
                      f"{total * 1e3:.1f} ms recomputed per step")
         if self._eager_only_runs:
             lines.append(f"  {self._eager_only_runs} of them run(s) of sibling modules, "
@@ -1127,11 +1131,14 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         if plain <= budget:
             return done(plain, plain)
 
-        # 1. Swish, no recompute.
+        # 1. Swish and BatchNorm, no recompute. (The lean BatchNorm backward: CPU eager steps
+        # only; compiled, torch's runs.)
         rec = eager.recorder
+        lean = not step.cuda and not compiled
         swapped = _swap_swish(model, rec, True, undo_steps, saved.training)
+        leans = _lean_batch_norms(model, rec, undo_steps) if lean else []
         current = eager
-        if swapped:
+        if swapped or leans:
             try:
                 current = step.run(record=True)
             except RuntimeError as e:
@@ -1140,7 +1147,9 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 # The dataflow check missed something (an op it cannot see): no in-place swap.
                 undo_all()
                 swapped = _swap_swish(model, rec, False, undo_steps, saved.training)
-                current = step.run(record=True) if swapped else eager
+                leans = _lean_batch_norms(model, rec, undo_steps) if lean else []
+                current = step.run(record=True) if swapped or leans else eager
+            swapped += _keep_taken(leans, undo_steps)
             saving = max(0, eager.peak - current.peak)
             total = sum(n for _, _, n in swapped) or 1
             actions += [FitAction(path, action, saving * n // total, 0.0)
@@ -1171,7 +1180,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         raise FitError(
             f"{_NAME}: budget_bytes={budget} ({_gib(budget)}) is below the least step peak "
             f"memlean.fit reaches for this model and batch: {_C.fit.describe_bytes(least)} "
-            f"(in-place Swish where safe, and checkpoints"
+            f"(in-place Swish where safe, lean BatchNorm backward, and checkpoints"
             f"{', compiled with torch.compile' if compiled else ''}), measured; the eager step "
             f"peaks at {_C.fit.describe_bytes(eager.peak)}, of which "
             f"{_C.fit.describe_bytes(fixed)} are parameters, buffers, optimizer state and the "
@@ -1232,6 +1241,41 @@ def _swap_swish(model, rec: _Recorder, in_place: bool, undo_steps, training) -> 
         out_bytes = sum(n for c in calls for _, n in c.outputs[:1])
         swapped.append((paths.get(id(module), "?"), f"{variant} swish", out_bytes))
     return swapped
+
+
+def _lean_batch_norms(model, rec: _Recorder, undo_steps) -> list:
+    """Give every torch BatchNorm the recorded forward called (BatchNorm1d/2d/3d and their
+    subclasses, e.g. timm's BatchNormAct2d; not SyncBatchNorm) memlean's lean backward
+    (memlean.batchnorm.lean_forward). Returns (path, action, output bytes, taken) per module;
+    taken() counts the batch norms its forward ran lean since."""
+    paths = _paths(model)
+    by_module = {}
+    for c in rec.calls:
+        m = c.module
+        if (isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                and not isinstance(m, torch.nn.SyncBatchNorm)):
+            by_module.setdefault(id(m), []).append(c)
+    leans = []
+    for calls in sorted(by_module.values(), key=lambda cs: cs[0].begin):
+        undo, taken = lean_forward(calls[0].module)
+        undo_steps.append(undo)
+        out_bytes = sum(n for c in calls for _, n in c.outputs[:1])
+        leans.append((paths.get(id(calls[0].module), "?"), "lean batchnorm", out_bytes,
+                      (undo, taken)))
+    return leans
+
+
+def _keep_taken(leans, undo_steps) -> list:
+    """The lean BatchNorms whose forward ran lean in the step since (path, action, bytes);
+    the others (a forward that does not call F.batch_norm) are put back."""
+    kept = []
+    for path, action, n, (undo, taken) in leans:
+        if taken():
+            kept.append((path, action, n))
+        else:
+            undo()
+            undo_steps.remove(undo)
+    return kept
 
 
 def _measure_plan(step: _Step, calls, chosen, compile_options=None) -> int:

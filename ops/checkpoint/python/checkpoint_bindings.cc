@@ -17,6 +17,7 @@
 
 #include "ops/checkpoint/checkpoint.h"
 #include "ops/checkpoint/internal/checkpoint.h"
+#include "ops/checkpoint/lean_batchnorm.h"
 #include "ops/checkpoint/sequential.h"
 
 namespace memlean::python {
@@ -104,6 +105,11 @@ detail::ChainLayer python_layer(const std::shared_ptr<py::object>& run, const ch
 }  // namespace
 
 void init_checkpoint(pybind11::module_& m) {
+  // The lean BatchNorm (lean_batchnorm.h) behind memlean.batchnorm.lean_batch_norm.
+  m.def("lean_batch_norm", torch::wrap_pybind_function(&memlean::lean_batch_norm),
+        py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("running_mean"),
+        py::arg("running_var"), py::arg("momentum"), py::arg("eps"));
+  m.def("lean_batch_norm_applies", &memlean::lean_batch_norm_applies, py::arg("input"));
   // memlean.checkpoint's core: memlean::checkpoint (detail::checkpoint_impl) running the
   // Python callable `run` (see python_function), named `name` in errors, with `buffers`
   // put back after the recompute; `run.backward_in_full` is read after the forward (FSDP2).

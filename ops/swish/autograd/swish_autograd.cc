@@ -2,13 +2,14 @@
 // (memory_efficient), the in-place one that saves y and one bit per element, and the
 // version bumps of the in-place ops. They call the operators below autograd through the
 // typed handles of internal/op_handles.h. Both backwards write the input gradient over the
-// incoming one when autograd alone holds it (owned_alone): a tensor of x's size less.
+// incoming one when autograd alone holds it (grad_owned_alone, third_party/torch/grads.h):
+// a tensor of x's size less.
 #include <ATen/ATen.h>
-#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include "ops/swish/internal/op_handles.h"
+#include "third_party/torch/grads.h"
 
 namespace memlean {
 namespace {
@@ -20,37 +21,6 @@ using swish_detail::inplace_backward_into_op;
 using swish_detail::inplace_backward_op;
 using swish_detail::inplace_op;
 using swish_detail::inplace_with_mask_op;
-
-// Whether grad may be overwritten: this is its one reference and its storage's only
-// tensor (not a view of a gradient handed on elsewhere, e.g. cat's or add's backward; not
-// kept by a hook or retain_grad, nor captured by torch.autograd.grad), it spans all of its
-// storage, has the saved tensor's dtype and strides (y, the in-place variant's output, or x,
-// the memory-efficient variant's input), and is a plain tensor (no tensor subclass, FakeTensor,
-// functionalization or functorch wrapper, no TorchDispatchMode: under tracing the
-// out-of-place op is recorded, as before).
-bool owned_alone(const at::Tensor& grad, const at::Tensor& saved) {
-  static const c10::DispatchKeySet wrapped({c10::DispatchKey::Python,
-                                            c10::DispatchKey::PythonTLSSnapshot,
-                                            c10::DispatchKey::Functionalize,
-                                            c10::DispatchKey::FuncTorchGradWrapper,
-                                            c10::DispatchKey::FuncTorchBatched,
-                                            c10::DispatchKey::Batched});
-  if (grad.use_count() != 1 || !grad.has_storage() || grad.storage().use_count() != 1) {
-    return false;
-  }
-  if (grad.key_set().has_any(wrapped) || saved.key_set().has_any(wrapped) ||
-      c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
-    return false;
-  }
-  if (!(grad.device().is_cpu() || grad.device().is_cuda()) || grad.layout() != at::kStrided) {
-    return false;
-  }
-  return grad.scalar_type() == saved.scalar_type() && grad.device() == saved.device() &&
-         saved.is_non_overlapping_and_dense() && grad.strides() == saved.strides() &&
-         grad.sizes() == saved.sizes() &&
-         grad.storage().nbytes() == static_cast<size_t>(grad.numel()) * grad.element_size() &&
-         grad.storage_offset() == 0;
-}
 
 // Saves x only; backward recomputes sigmoid(beta * x) inside the kernel.
 class SwishFunction : public torch::autograd::Function<SwishFunction> {
@@ -76,7 +46,7 @@ class SwishFunction : public torch::autograd::Function<SwishFunction> {
       const at::Tensor s = at::sigmoid(x * beta);
       return {grad * s * (1 + beta * x * (1 - s)), at::Tensor()};
     }
-    if (owned_alone(grad, x)) {  // nothing else sees grad's memory: grad_x over it
+    if (grad_owned_alone(grad, x)) {  // nothing else sees grad's memory: grad_x over it
       backward_into_op().call(grad, x, beta);
       return {std::move(grad), at::Tensor()};
     }
@@ -112,7 +82,7 @@ class SwishInplaceFunction : public torch::autograd::Function<SwishInplaceFuncti
 
   // grads by reference: autograd's CppNode hands over the list it built from the incoming
   // gradients (moved, not copied), so a gradient nobody else holds has one reference here
-  // (owned_alone, above).
+  // (grad_owned_alone).
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list& grads) {
     TORCH_CHECK(!at::GradMode::is_enabled(),
@@ -122,7 +92,7 @@ class SwishInplaceFunction : public torch::autograd::Function<SwishInplaceFuncti
     const double beta = ctx->saved_data["beta"].toDouble();
     if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};
     at::Tensor grad = std::move(grads[0]);
-    if (owned_alone(grad, saved[0])) {
+    if (grad_owned_alone(grad, saved[0])) {
       // Nothing else sees grad's memory: write grad_x over it, and the backward allocates
       // nothing (one tensor of y's size less at its peak).
       inplace_backward_into_op().call(grad, saved[0], saved[1], beta);

@@ -1,0 +1,44 @@
+// memlean::grad_owned_alone(): whether a backward may write its input gradient over the
+// incoming one. Shared by Swish's backwards (ops/swish) and the lean BatchNorm's
+// (ops/checkpoint/lean_batchnorm.h). Internal to memlean.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+
+namespace memlean {
+
+// Whether grad may be overwritten by a tensor laid out as `like` (the saved tensor whose
+// gradient the backward computes): grad is its one reference (autograd handed it over by
+// reference: torch::autograd::Function::backward(ctx, variable_list&)) and its storage's
+// only tensor (not a view of a gradient handed on elsewhere, e.g. cat's or add's backward;
+// not kept by a hook or retain_grad, nor captured by torch.autograd.grad), it spans all of
+// its storage, has like's dtype, device, sizes and strides (dense), and is a plain CPU or
+// CUDA tensor (no tensor subclass, FakeTensor, functionalization or functorch wrapper, no
+// TorchDispatchMode: under tracing the out-of-place op is recorded, as before).
+inline bool grad_owned_alone(const at::Tensor& grad, const at::Tensor& like) {
+  static const c10::DispatchKeySet wrapped({c10::DispatchKey::Python,
+                                            c10::DispatchKey::PythonTLSSnapshot,
+                                            c10::DispatchKey::Functionalize,
+                                            c10::DispatchKey::FuncTorchGradWrapper,
+                                            c10::DispatchKey::FuncTorchBatched,
+                                            c10::DispatchKey::Batched});
+  if (!grad.defined() || grad.use_count() != 1 || !grad.has_storage() ||
+      grad.storage().use_count() != 1) {
+    return false;
+  }
+  if (grad.key_set().has_any(wrapped) || like.key_set().has_any(wrapped) ||
+      c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
+    return false;
+  }
+  if (!(grad.device().is_cpu() || grad.device().is_cuda()) || grad.layout() != at::kStrided) {
+    return false;
+  }
+  return grad.scalar_type() == like.scalar_type() && grad.device() == like.device() &&
+         like.is_non_overlapping_and_dense() && grad.strides() == like.strides() &&
+         grad.sizes() == like.sizes() &&
+         grad.storage().nbytes() == static_cast<size_t>(grad.numel()) * grad.element_size() &&
+         grad.storage_offset() == 0;
+}
+
+}  // namespace memlean
