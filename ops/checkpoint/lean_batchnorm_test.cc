@@ -1,0 +1,87 @@
+// Tests of memlean::lean_batch_norm (C++ API; under ASan/UBSan in CI): torch's forward and
+// running statistics exactly, gradients equal to float64 autograd of the batch-norm formula,
+// contiguous and channels_last, no tensor of the input's size allocated when it may overwrite
+// the incoming gradient (memstats' exact CPU bytes), torch's path where it does not apply.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <vector>
+
+#include "ops/checkpoint/lean_batchnorm.h"
+#include "runtime/memstats/live_bytes.h"
+
+namespace memlean {
+namespace {
+
+// Training-mode batch norm from float64 autograd ops.
+at::Tensor reference(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps) {
+  const std::vector<int64_t> dims = {0, 2, 3};
+  const at::Tensor mean = x.mean(dims, true);
+  const at::Tensor var = (x - mean).pow(2).mean(dims, true);
+  return (x - mean) / (var + eps).sqrt() * w.view({1, -1, 1, 1}) + b.view({1, -1, 1, 1});
+}
+
+class LeanBatchNormTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(LeanBatchNormTest, ForwardIsTorchsGradientsAreFloat64s) {
+  at::manual_seed(0);
+  at::Tensor x = at::randn({4, 5, 6, 3}) * 2 + 1;
+  if (GetParam()) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+  ASSERT_TRUE(lean_batch_norm_applies(x));
+  const at::Tensor w0 = at::rand({5}) + 0.5, b0 = at::randn({5}), dy = at::randn({4, 5, 6, 3});
+  at::Tensor rm = at::zeros({5}), rv = at::ones({5});
+  at::Tensor rm_t = rm.clone(), rv_t = rv.clone();
+  const at::Tensor xs = x.clone().requires_grad_(), w = w0.clone().requires_grad_(),
+                   b = b0.clone().requires_grad_();
+  const at::Tensor y = lean_batch_norm(xs, w, b, rm, rv, 0.2, 1e-3);
+  const at::Tensor y_t = at::batch_norm(x, w0, b0, rm_t, rv_t, true, 0.2, 1e-3, false);
+  EXPECT_TRUE(at::equal(y, y_t));
+  EXPECT_TRUE(at::equal(rm, rm_t));
+  EXPECT_TRUE(at::equal(rv, rv_t));
+  const auto g = torch::autograd::grad({y}, {xs, w, b}, {dy});
+  EXPECT_EQ(g[0].strides(), x.strides());
+  const at::Tensor x64 = x.to(at::kDouble).requires_grad_(),
+                   w64 = w0.to(at::kDouble).requires_grad_(),
+                   b64 = b0.to(at::kDouble).requires_grad_();
+  const auto r = torch::autograd::grad({reference(x64, w64, b64, 1e-3)}, {x64, w64, b64},
+                                       {dy.to(at::kDouble)});
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_TRUE(at::allclose(g[i].to(at::kDouble), r[i], 1e-4, 1e-4)) << "gradient " << i;
+  }
+}
+
+TEST_P(LeanBatchNormTest, BackwardOverwritesTheGradientItOwns) {
+  at::Tensor x0 = at::randn({8, 4, 32, 32});
+  if (GetParam()) x0 = x0.contiguous(at::MemoryFormat::ChannelsLast);
+  const int64_t nbytes = x0.numel() * 4;
+  const at::Tensor w = at::ones({4}).requires_grad_(), b = at::zeros({4}).requires_grad_();
+  const at::Tensor h = x0.clone().requires_grad_();
+  const at::Tensor out = lean_batch_norm(h, w, b, std::nullopt, std::nullopt, 0.1, 1e-5) * 2;
+  const at::Tensor dy = at::ones_like(x0);
+  LiveBytes live;  // counts from zero: the backward's own allocations
+  torch::autograd::backward({out}, {dy});
+  // out = y * 2's backward makes dL/dy (one tensor of x's size, autograd's alone); the
+  // batch-norm backward writes dL/dx over it: a few per-channel vectors more, no tensor.
+  EXPECT_GE(live.peak(), nbytes);
+  EXPECT_LT(live.peak(), nbytes + 64 * 4 * 8);
+  ASSERT_TRUE(h.grad().defined());
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, LeanBatchNormTest, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "ChannelsLast" : "Contiguous"; });
+
+TEST(LeanBatchNorm, WhereItDoesNotApplyItIsTorchs) {
+  const at::Tensor x = at::randn({4, 3, 5, 5}, at::kBFloat16).requires_grad_();
+  EXPECT_FALSE(lean_batch_norm_applies(x));
+  const at::Tensor y = lean_batch_norm(x, std::nullopt, std::nullopt, std::nullopt,
+                                       std::nullopt, 0.1, 1e-5);
+  EXPECT_EQ(y.grad_fn()->name(), "NativeBatchNormBackward0");
+  EXPECT_THROW(lean_batch_norm(at::randn({4, 3, 5}), at::ones({2}), std::nullopt, std::nullopt,
+                               std::nullopt, 0.1, 1e-5),
+               c10::Error);
+}
+
+}  // namespace
+}  // namespace memlean
