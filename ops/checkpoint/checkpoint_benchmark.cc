@@ -14,9 +14,13 @@
 //     features. plain | efficient (concat-BN-ReLU-Conv1x1 checkpointed,
 //     pytorch-checkpoint's DenseNet example, with memlean::BatchNorm2d).
 //   tiny: a segment with almost no work, for the fixed cost of one checkpoint.
+//   BatchNorm, BatchNormChannelsLast: one training forward and backward of a
+//     (16, 96, 56, 56) batch norm, dL/dy from y * 2 (autograd's own gradient): plain
+//     (at::batch_norm, torch's backward) | lean (memlean::lean_batch_norm, lean_batchnorm.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
@@ -29,6 +33,7 @@
 
 #include "ops/checkpoint/batchnorm.h"
 #include "ops/checkpoint/checkpoint.h"
+#include "ops/checkpoint/lean_batchnorm.h"
 #include "runtime/memstats/live_bytes.h"
 #include "ops/checkpoint/sequential.h"
 
@@ -211,6 +216,40 @@ BENCHMARK_CAPTURE(BM_Chain, sqrt, ChainMode::kSqrt)->Unit(benchmark::kMillisecon
 BENCHMARK_CAPTURE(BM_Chain, plan, ChainMode::kPlan)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(BM_Dense, plain, false)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(BM_Dense, efficient, true)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// ---- batch norm backward -------------------------------------------------------------
+
+void batch_norm_step(benchmark::State& state, bool lean, bool channels_last) {
+  at::set_num_threads(1);
+  at::manual_seed(0);
+  at::Tensor x0 = at::randn({16, 96, 56, 56});
+  if (channels_last) x0 = x0.contiguous(at::MemoryFormat::ChannelsLast);
+  const at::Tensor w = (at::rand({96}) + 0.5).requires_grad_();
+  const at::Tensor b = at::zeros({96}).requires_grad_();
+  const at::Tensor dy = at::ones_like(x0);
+  int64_t peak = 0;
+  for (auto _ : state) {
+    const at::Tensor x = x0.detach().requires_grad_();
+    LiveBytes live;
+    const at::Tensor y =
+        lean ? lean_batch_norm(x, w, b, std::nullopt, std::nullopt, 0.1, 1e-5)
+             : at::batch_norm(x, w, b, {}, {}, /*training=*/true, 0.1, 1e-5, false);
+    torch::autograd::backward({y * 2}, {dy});
+    peak = live.peak();
+    benchmark::DoNotOptimize(x.grad().data_ptr());
+  }
+  state.counters["peak_bytes"] = static_cast<double>(peak);
+}
+
+void BM_BatchNorm(benchmark::State& state, bool lean) { batch_norm_step(state, lean, false); }
+void BM_BatchNormChannelsLast(benchmark::State& state, bool lean) {
+  batch_norm_step(state, lean, true);
+}
+
+BENCHMARK_CAPTURE(BM_BatchNorm, plain, false)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_BatchNorm, lean, true)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_BatchNormChannelsLast, plain, false)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_BatchNormChannelsLast, lean, true)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 // Prints the usual table, then each variant's step time and peak bytes over those of the
 // plain variant of the same model.

@@ -15,7 +15,7 @@ a temporary of the input's size. memlean.fit swaps it into the training BatchNor
 model it fits (lean_forward below)."""
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, has_torch_function
 
 from memlean import _C
 
@@ -32,8 +32,11 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     or channels_last, in training with autograd recording, outside torch.compile. Everything
     else (eval, no_grad, CUDA, half/bfloat16, other layouts, tensor subclasses, compiled
     code) is torch's F.batch_norm itself."""
+    tensors = tuple(t for t in (input, running_mean, running_var, weight, bias)
+                    if t is not None)
     if (training and torch.is_tensor(input) and torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and type(input) is torch.Tensor
+            and not torch.compiler.is_compiling()
+            and not has_torch_function(tensors)  # no subclass (DTensor, FakeTensor, ...)
             and _C.lean_batch_norm_applies(input)):
         size = input.size()
         if input.numel() // size[1] == 1:  # as F.batch_norm (its _verify_batch_size)

@@ -154,6 +154,8 @@ class FitPlan:
             "eager_peak_bytes": self.eager_peak_bytes,
             "device": self.device,
             "fit_seconds": self.fit_seconds,
+            # Runs of sibling modules among the checkpoints: eager steps only (see __str__).
+            "eager_only_runs": self._eager_only_runs,
             "actions": [asdict(a) for a in self.actions],
         }
 

@@ -3,6 +3,7 @@ of fit's own figures), the fitted step trains as the eager one (gradients, Batch
 statistics, dropout masks), the Swish swap is safe, fit leaves the training state as it found
 it, undo() and state_dict() work, and bad input is named."""
 import copy
+import json
 import gc
 import unittest
 
@@ -245,6 +246,7 @@ class FitTest(unittest.TestCase):
             self.assertEqual("checkpointed in eager steps only" in str(plan), runs > 0, str(plan))
             if runs:
                 self.assertIn(f"{runs} of them run(s) of sibling modules", str(plan))
+            self.assertEqual(json.loads(plan.to_json())["eager_only_runs"], runs)
             self.assertEqual(plan.eager_peak_bytes, eager)
             if previous is not None:
                 self.assertLessEqual(plan.peak_bytes, previous, "the peak rose as the budget fell")
@@ -607,10 +609,18 @@ class FitTest(unittest.TestCase):
         data = __import__("json").loads(plan.to_json())
         self.assertEqual(data["peak_bytes"], plan.peak_bytes)
         self.assertEqual(len(data["actions"]), len(plan.actions))
+        self.assertEqual(data["eager_only_runs"], 0)
+        # Every BatchNorm of the training step got the lean backward (CPU eager steps).
+        norms = sorted(n for n, m in model.named_modules() if isinstance(m, nn.BatchNorm2d))
+        self.assertTrue(norms)
+        self.assertEqual(sorted(a.path for a in plan.actions if a.action == "lean batchnorm"),
+                         norms)
+        self.assertIn(f"{len(norms)} BatchNorm(s) with the lean backward", text)
         plan.undo()
         plan.undo()
         self.assertEqual([type(m) for m in model.modules()], types)
-        self.assertNotIn("forward", model.get_submodule(checkpointed[0]).__dict__)
+        # No wrapped forward is left: checkpoints and lean BatchNorms alike.
+        self.assertEqual([n for n, m in model.named_modules() if "forward" in m.__dict__], [])
         step_peak(model, (x,), loss_fn, opt)  # the optimizer's state, as fit measured with
         self.assertEqual(step_peak(model, (x,), loss_fn, opt), eager)
 
