@@ -21,12 +21,15 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // Two shapes of memory the kernels walk: planes (N, C, S), a contiguous tensor of 3 or more
-// dimensions (S: the product of the spatial sizes); rows (R, C), a 4-d channels_last tensor
-// (R = N*H*W) or a contiguous (N, C) one.
+// dimensions (S: the product of the spatial sizes, > 1); rows (R, C), a 4-d channels_last
+// tensor (R = N*H*W) or a contiguous one of one element per sample and channel ((N, C),
+// (N, C, 1, 1)).
 enum class Walk { kPlanes, kRows, kNone };
 
 Walk walk_of(const at::Tensor& t) {
-  if (t.is_contiguous()) return t.dim() == 2 ? Walk::kRows : Walk::kPlanes;
+  if (t.is_contiguous()) {
+    return t.numel() == t.size(0) * t.size(1) ? Walk::kRows : Walk::kPlanes;
+  }
   if (t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast)) return Walk::kRows;
   return Walk::kNone;
 }

@@ -49,6 +49,7 @@ CASES = [
     ((3, 4, 3, 2, 5), False, False, True),
     ((2, 3, 2049, 1), False, True, True),  # a plane longer than one partial-sum block
     ((130, 3, 1, 1), True, True, False),  # more rows than one partial-sum block
+    ((70, 5, 1, 1), False, True, True),  # contiguous, one element per sample: rows
 ]
 
 
