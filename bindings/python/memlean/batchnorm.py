@@ -32,12 +32,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     or channels_last, in training with autograd recording, outside torch.compile. Everything
     else (eval, no_grad, CUDA, half/bfloat16, other layouts, tensor subclasses, compiled
     code) is torch's F.batch_norm itself."""
-    tensors = tuple(t for t in (input, running_mean, running_var, weight, bias)
-                    if t is not None)
-    if (training and torch.is_tensor(input) and torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
-            and not has_torch_function(tensors)  # no subclass (DTensor, FakeTensor, ...)
-            and _C.lean_batch_norm_applies(input)):
+    if _lean_applies(input, running_mean, running_var, weight, bias, training):
         size = input.size()
         if input.numel() // size[1] == 1:  # as F.batch_norm (its _verify_batch_size)
             raise ValueError(f"Expected more than 1 value per channel when training, got input "
@@ -47,9 +42,19 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
 
 
+def _lean_applies(input, running_mean, running_var, weight, bias, training) -> bool:
+    """Whether memlean.batch_norm runs the lean backward for these arguments."""
+    tensors = tuple(t for t in (input, running_mean, running_var, weight, bias)
+                    if t is not None)
+    return bool(training and torch.is_tensor(input) and torch.is_grad_enabled()
+                and not torch.compiler.is_compiling()
+                and not has_torch_function(tensors)  # no subclass (DTensor, FakeTensor, ...)
+                and _C.lean_batch_norm_applies(input))
+
+
 class _LeanBatchNormMode(TorchFunctionMode):
     """While active, every F.batch_norm call runs memlean.batch_norm; everything else runs as
-    it is. `calls` counts the batch norms it took."""
+    it is. `calls` counts the calls that ran the lean backward."""
 
     def __init__(self):
         super().__init__()
@@ -58,17 +63,24 @@ class _LeanBatchNormMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.batch_norm:
-            self.calls += 1
-            return batch_norm(*args, **kwargs)
+            return self._batch_norm(*args, **kwargs)
         return func(*args, **kwargs)
+
+    def _batch_norm(self, input, running_mean, running_var, weight=None, bias=None,
+                    training=False, momentum=0.1, eps=1e-5):
+        if _lean_applies(input, running_mean, running_var, weight, bias, training):
+            self.calls += 1
+        return batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
+                          eps)
 
 
 def lean_forward(module: torch.nn.Module):
     """Make `module`'s forward run memlean.batch_norm wherever it calls F.batch_norm (torch's
     BatchNorm1d/2d/3d, memlean.BatchNorm2d, subclasses such as timm's BatchNormAct2d): an
     instance forward over its own, outside torch.compile (compiled, its own runs as it is).
-    Returns (undo, calls): undo() puts its forward back; calls() says how many F.batch_norm
-    calls it took so far (0: the module does not call F.batch_norm, nothing changes)."""
+    Returns (undo, calls): undo() puts its forward back; calls() says how many of its
+    F.batch_norm calls ran the lean backward so far (0: none did, e.g. the module does not
+    call F.batch_norm, or only in eval mode or in bfloat16)."""
     own = module.__dict__.get("forward")
     original = module.forward
     taken = [0]

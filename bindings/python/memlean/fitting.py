@@ -22,7 +22,9 @@ first:
    Swish (one bit per element kept) where a dataflow check of the measured step shows it is
    safe: the activation's input is a tensor made in this forward, no op saved it before the
    activation and no op reads it after (so autograd's version counter cannot fire); a naive
-   Swish that is not safe in place becomes the memory-efficient one. No recompute.
+   Swish that is not safe in place becomes the memory-efficient one. In the same step (CPU,
+   eager steps) every training BatchNorm gets memlean's lean backward (memlean.batch_norm:
+   the input gradient written over the incoming one). No recompute.
 2. If the step is still over budget: a set of modules (any depth: a stage, a block, a
    ModuleList entry) runs under memlean.checkpoint, chosen by memlean's planner
    (ops/fit/planner.h, the one C++ planner of both languages): it minimises the sum of the

@@ -252,5 +252,19 @@ def test_lean_forward_on_modules_eager_and_compiled(norm, compiled):
         torch._dynamo.reset()
 
 
+def test_lean_forward_counts_only_the_calls_that_ran_lean():
+    bn = nn.BatchNorm2d(3)
+    undo, taken = lean_forward(bn)
+    x = torch.randn(4, 3, 5, 5, requires_grad=True)
+    bn(x.bfloat16())  # torch's (bfloat16)
+    bn.eval()
+    bn(x)  # torch's (eval)
+    assert taken() == 0
+    bn.train()
+    assert "LeanBatchNormFunction" in bn(x).grad_fn.name()
+    assert taken() == 1
+    undo()
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
