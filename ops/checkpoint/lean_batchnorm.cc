@@ -282,15 +282,9 @@ bool present(const std::optional<at::Tensor>& t) { return t.has_value() && t->de
 }  // namespace
 
 bool lean_batch_norm_applies(const at::Tensor& input) {
-  static const c10::DispatchKeySet wrapped({c10::DispatchKey::Python,
-                                            c10::DispatchKey::PythonTLSSnapshot,
-                                            c10::DispatchKey::Functionalize,
-                                            c10::DispatchKey::FuncTorchGradWrapper,
-                                            c10::DispatchKey::FuncTorchBatched,
-                                            c10::DispatchKey::Batched});
   return input.defined() && input.device().is_cpu() && input.layout() == at::kStrided &&
          (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble) &&
-         input.dim() >= 2 && input.numel() > 0 && !input.key_set().has_any(wrapped) &&
+         input.dim() >= 2 && input.numel() > 0 && !is_wrapped(input) &&
          walk_of(input) != Walk::kNone;
 }
 

@@ -1,6 +1,7 @@
 // memlean::grad_owned_alone(): whether a backward may write its input gradient over the
-// incoming one. Shared by Swish's backwards (ops/swish) and the lean BatchNorm's
-// (ops/checkpoint/lean_batchnorm.h). Internal to memlean.
+// incoming one; memlean::is_wrapped(): whether a tensor is not a plain one. Shared by
+// Swish's backwards (ops/swish) and the lean BatchNorm (ops/checkpoint/lean_batchnorm.h).
+// Internal to memlean.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -16,18 +17,24 @@ namespace memlean {
 // its storage, has like's dtype, device, sizes and strides (dense), and is a plain CPU or
 // CUDA tensor (no tensor subclass, FakeTensor, functionalization or functorch wrapper, no
 // TorchDispatchMode: under tracing the out-of-place op is recorded, as before).
-inline bool grad_owned_alone(const at::Tensor& grad, const at::Tensor& like) {
+// Whether t is not a plain tensor: a tensor subclass, FakeTensor, functionalization or
+// functorch wrapper (its memory is not what its data pointer says, or not ours to write).
+inline bool is_wrapped(const at::Tensor& t) {
   static const c10::DispatchKeySet wrapped({c10::DispatchKey::Python,
                                             c10::DispatchKey::PythonTLSSnapshot,
                                             c10::DispatchKey::Functionalize,
                                             c10::DispatchKey::FuncTorchGradWrapper,
                                             c10::DispatchKey::FuncTorchBatched,
                                             c10::DispatchKey::Batched});
+  return t.key_set().has_any(wrapped);
+}
+
+inline bool grad_owned_alone(const at::Tensor& grad, const at::Tensor& like) {
   if (!grad.defined() || grad.use_count() != 1 || !grad.has_storage() ||
       grad.storage().use_count() != 1) {
     return false;
   }
-  if (grad.key_set().has_any(wrapped) || like.key_set().has_any(wrapped) ||
+  if (is_wrapped(grad) || is_wrapped(like) ||
       c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
     return false;
   }

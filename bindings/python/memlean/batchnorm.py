@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, has_torch_function
 
 from memlean import _C
+from memlean.checkpoint import restore_forward
 
 
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
@@ -95,14 +96,7 @@ def lean_forward(module: torch.nn.Module):
         return out
 
     module.forward = forward
-
-    def undo():
-        if own is None:
-            del module.forward
-        else:
-            module.forward = own
-
-    return undo, lambda: taken[0]
+    return lambda: restore_forward(module, own), lambda: taken[0]
 
 
 class BatchNorm2d(torch.nn.BatchNorm2d):

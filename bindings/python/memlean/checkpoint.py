@@ -428,6 +428,16 @@ def _call(name, function, args, kwargs, listed, buffers, preserve_rng_state, wat
                 watch_batchnorm)
 
 
+def restore_forward(module: torch.nn.Module, own) -> None:
+    """Put back a module's forward as it was before a wrapper replaced it: its own instance
+    attribute `own` (module.__dict__.get("forward") then), or none (its class's). The undo of
+    memlean.fit's checkpoint wraps and of memlean.batchnorm.lean_forward."""
+    if own is None:
+        del module.forward
+    else:
+        module.forward = own
+
+
 def checkpoint_module_forward(module: torch.nn.Module, forward: Callable, args, kwargs):
     """``forward(*args, **kwargs)`` checkpointed as ``memlean.checkpoint(module, ...)`` would
     checkpoint ``module``: its parameters listed, its tree's buffers put back after the

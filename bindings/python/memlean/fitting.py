@@ -65,7 +65,7 @@ from torch.utils._pytree import tree_flatten
 from memlean import _C, memstats
 from memlean.batchnorm import lean_forward
 from memlean.checkpoint import (_module_buffers, checkpoint_module_forward,
-                                checkpoint_run_forward, module_parameters)
+                                checkpoint_run_forward, module_parameters, restore_forward)
 from memlean.swish import Swish
 
 __all__ = ["FitAction", "FitError", "FitPlan", "fit", "parse_budget"]
@@ -656,15 +656,7 @@ def _wrap(module):
     forward.__memlean_fit__ = True
     module.forward = forward
 
-    return lambda: _restore_forward(module, own)
-
-
-def _restore_forward(module, own):
-    """Put back a module's forward as it was: its own attribute `own`, or none (its class's)."""
-    if own is None:
-        del module.forward
-    else:
-        module.forward = own
+    return lambda: restore_forward(module, own)
 
 
 def _wrap_run(run: _Run):
@@ -754,9 +746,9 @@ def _wrap_run(run: _Run):
     parent.forward = parent_wrapper
 
     def undo():
-        _restore_forward(parent, parent_own)
+        restore_forward(parent, parent_own)
         for m, own in zip(modules, owns):
-            _restore_forward(m, own)
+            restore_forward(m, own)
 
     return undo
 
