@@ -12,13 +12,12 @@ memlean.batch_norm is torch.nn.functional.batch_norm with memlean's lean backwar
 statistics, and a backward that allocates at most the input gradient, written over the
 incoming gradient when autograd alone holds it, where torch's CPU backward allocates that and
 a temporary of the input's size. memlean.fit swaps it into the training BatchNorms of the
-model it fits (lean_forward below)."""
+model it fits (memlean.lean.lean_forward)."""
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode, has_torch_function
+from torch.overrides import has_torch_function
 
 from memlean import _C
-from memlean.checkpoint import restore_forward
 
 
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
@@ -51,52 +50,6 @@ def _lean_applies(input, running_mean, running_var, weight, bias, training) -> b
                 and not torch.compiler.is_compiling()
                 and not has_torch_function(tensors)  # no subclass (DTensor, FakeTensor, ...)
                 and _C.lean_batch_norm_applies(input))
-
-
-class _LeanBatchNormMode(TorchFunctionMode):
-    """While active, every F.batch_norm call runs memlean.batch_norm; everything else runs as
-    it is. `calls` counts the calls that ran the lean backward."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.batch_norm:
-            return self._batch_norm(*args, **kwargs)
-        return func(*args, **kwargs)
-
-    def _batch_norm(self, input, running_mean, running_var, weight=None, bias=None,
-                    training=False, momentum=0.1, eps=1e-5):
-        if _lean_applies(input, running_mean, running_var, weight, bias, training):
-            self.calls += 1
-        return batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
-                          eps)
-
-
-def lean_forward(module: torch.nn.Module):
-    """Make `module`'s forward run memlean.batch_norm wherever it calls F.batch_norm (torch's
-    BatchNorm1d/2d/3d, memlean.BatchNorm2d, subclasses such as timm's BatchNormAct2d): an
-    instance forward over its own, outside torch.compile (compiled, its own runs as it is).
-    Returns (undo, calls): undo() puts its forward back; calls() says how many of its
-    F.batch_norm calls ran the lean backward so far (0: none did, e.g. the module does not
-    call F.batch_norm, or only in eval mode or in bfloat16)."""
-    own = module.__dict__.get("forward")
-    original = module.forward
-    taken = [0]
-
-    def forward(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            return original(*args, **kwargs)
-        mode = _LeanBatchNormMode()
-        with mode:
-            out = original(*args, **kwargs)
-        taken[0] += mode.calls
-        return out
-
-    module.forward = forward
-    return lambda: restore_forward(module, own), lambda: taken[0]
 
 
 class BatchNorm2d(torch.nn.BatchNorm2d):

@@ -24,7 +24,9 @@ first:
    activation and no op reads it after (so autograd's version counter cannot fire); a naive
    Swish that is not safe in place becomes the memory-efficient one. In the same step (CPU,
    eager steps) every training BatchNorm gets memlean's lean backward (memlean.batch_norm:
-   the input gradient written over the incoming one). No recompute.
+   the input gradient written over the incoming one) and every depthwise Conv2d its own
+   (memlean.conv2d: the input gradient the one tensor of the input's size allocated). No
+   recompute.
 2. If the step is still over budget: a set of modules (any depth: a stage, a block, a
    ModuleList entry) runs under memlean.checkpoint, chosen by memlean's planner
    (ops/fit/planner.h, the one C++ planner of both languages): it minimises the sum of the
@@ -63,7 +65,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from memlean import _C, memstats
-from memlean.batchnorm import lean_forward
+from memlean.lean import lean_forward
 from memlean.checkpoint import (_module_buffers, checkpoint_module_forward,
                                 checkpoint_run_forward, module_parameters, restore_forward)
 from memlean.swish import Swish
@@ -86,9 +88,10 @@ class FitError(ValueError):
 @dataclass(frozen=True)
 class FitAction:
     """One change fit made. action: "inplace swish", "memory_efficient swish", "lean
-    batchnorm" (memlean.batch_norm's backward, CPU eager steps) or "checkpoint". bytes_saved:
-    for a checkpoint, the saved bytes it frees under the planner's model; for a Swish or a
-    BatchNorm, the measured saving of all these swaps shared in proportion to the modules'
+    batchnorm" (memlean.batch_norm's backward, CPU eager steps), "lean depthwise conv"
+    (memlean.conv2d's backward, CPU eager steps) or "checkpoint". bytes_saved: for a
+    checkpoint, the saved bytes it frees under the planner's model; for a Swish, a BatchNorm
+    or a convolution, the measured saving of all these swaps shared in proportion to the modules'
     output bytes. recompute_seconds: the module's measured forward time (the mean over the
     modules that do the same work, e.g. a model's repeated blocks; 0 for a swap)."""
 
@@ -189,9 +192,11 @@ class FitPlan:
                          f"{a.recompute_seconds * 1e3:>8.1f} ms")
         swaps = sum(1 for a in self.actions if a.action.endswith("swish"))
         norms = sum(1 for a in self.actions if a.action == "lean batchnorm")
-        checkpoints = len(self.actions) - swaps - norms
+        convs = sum(1 for a in self.actions if a.action == "lean depthwise conv")
+        checkpoints = len(self.actions) - swaps - norms - convs
         total = sum(a.recompute_seconds for a in self.actions)
         lean = f"{norms} BatchNorm(s) with the lean backward, " if norms else ""
+        lean += f"{convs} depthwise Conv2d(s) with the lean backward, " if convs else ""
         lines.append(f"  {swaps} Swish swapped, {lean}{checkpoints} module(s) checkpointed, "
                      f"{total * 1e3:.1f} ms recomputed per step")
         if self._eager_only_runs:
@@ -1132,7 +1137,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         rec = eager.recorder
         lean = not step.cuda and not compiled
         swapped = _swap_swish(model, rec, True, undo_steps, saved.training)
-        leans = _lean_batch_norms(model, rec, undo_steps) if lean else []
+        leans = _lean_modules(model, rec, undo_steps) if lean else []
         current = eager
         if swapped or leans:
             try:
@@ -1143,7 +1148,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 # The dataflow check missed something (an op it cannot see): no in-place swap.
                 undo_all()
                 swapped = _swap_swish(model, rec, False, undo_steps, saved.training)
-                leans = _lean_batch_norms(model, rec, undo_steps) if lean else []
+                leans = _lean_modules(model, rec, undo_steps) if lean else []
                 current = step.run(record=True) if swapped or leans else eager
             swapped += _keep_taken(leans, undo_steps)
             saving = max(0, eager.peak - current.peak)
@@ -1176,7 +1181,8 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         raise FitError(
             f"{_NAME}: budget_bytes={budget} ({_gib(budget)}) is below the least step peak "
             f"memlean.fit reaches for this model and batch: {_C.fit.describe_bytes(least)} "
-            f"(in-place Swish where safe, lean BatchNorm backward, and checkpoints"
+            f"(in-place Swish where safe, lean BatchNorm and depthwise-convolution "
+            f"backwards, and checkpoints"
             f"{', compiled with torch.compile' if compiled else ''}), measured; the eager step "
             f"peaks at {_C.fit.describe_bytes(eager.peak)}, of which "
             f"{_C.fit.describe_bytes(fixed)} are parameters, buffers, optimizer state and the "
@@ -1239,31 +1245,44 @@ def _swap_swish(model, rec: _Recorder, in_place: bool, undo_steps, training) -> 
     return swapped
 
 
-def _lean_batch_norms(model, rec: _Recorder, undo_steps) -> list:
-    """Give every torch BatchNorm the recorded forward called (BatchNorm1d/2d/3d and their
-    subclasses, e.g. timm's BatchNormAct2d; not SyncBatchNorm) memlean's lean backward
-    (memlean.batchnorm.lean_forward). Returns (path, action, output bytes, taken) per module;
-    taken() counts the batch norms its forward ran lean since."""
+def _lean_action(module):
+    """The lean backward fit gives this module ("lean batchnorm", "lean depthwise conv"), or
+    None: torch BatchNorms (BatchNorm1d/2d/3d and their subclasses, e.g. timm's
+    BatchNormAct2d; not SyncBatchNorm) and depthwise Conv2ds with zero padding (subclasses
+    that pad their own way first, e.g. timm's Conv2dSame, included: the call itself decides)."""
+    if (isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+            and not isinstance(module, torch.nn.SyncBatchNorm)):
+        return "lean batchnorm"
+    if (isinstance(module, torch.nn.Conv2d) and module.padding_mode == "zeros"
+            and module.groups > 1 and module.groups == module.in_channels
+            and module.out_channels == module.groups):
+        return "lean depthwise conv"
+    return None
+
+
+def _lean_modules(model, rec: _Recorder, undo_steps) -> list:
+    """Give every module of the recorded forward that _lean_action names memlean's lean
+    backward (memlean.lean.lean_forward). Returns (path, action, output bytes, taken) per
+    module; taken() counts the calls its forward ran lean since."""
     paths = _paths(model)
     by_module = {}
     for c in rec.calls:
-        m = c.module
-        if (isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-                and not isinstance(m, torch.nn.SyncBatchNorm)):
-            by_module.setdefault(id(m), []).append(c)
+        if _lean_action(c.module) is not None:
+            by_module.setdefault(id(c.module), []).append(c)
     leans = []
     for calls in sorted(by_module.values(), key=lambda cs: cs[0].begin):
-        undo, taken = lean_forward(calls[0].module)
+        module = calls[0].module
+        undo, taken = lean_forward(module)
         undo_steps.append(undo)
         out_bytes = sum(n for c in calls for _, n in c.outputs[:1])
-        leans.append((paths.get(id(calls[0].module), "?"), "lean batchnorm", out_bytes,
+        leans.append((paths.get(id(module), "?"), _lean_action(module), out_bytes,
                       (undo, taken)))
     return leans
 
 
 def _keep_taken(leans, undo_steps) -> list:
-    """The lean BatchNorms whose forward ran lean in the step since (path, action, bytes);
-    the others (a forward that does not call F.batch_norm) are put back."""
+    """The lean modules whose forward ran lean in the step since (path, action, bytes); the
+    others (a forward that made no call a lean backward applies to) are put back."""
     kept = []
     for path, action, n, (undo, taken) in leans:
         if taken():

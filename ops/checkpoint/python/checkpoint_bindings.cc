@@ -18,6 +18,7 @@
 #include "ops/checkpoint/checkpoint.h"
 #include "ops/checkpoint/internal/checkpoint.h"
 #include "ops/checkpoint/lean_batchnorm.h"
+#include "ops/checkpoint/lean_conv.h"
 #include "ops/checkpoint/sequential.h"
 
 namespace memlean::python {
@@ -110,6 +111,12 @@ void init_checkpoint(pybind11::module_& m) {
         py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("running_mean"),
         py::arg("running_var"), py::arg("momentum"), py::arg("eps"));
   m.def("lean_batch_norm_applies", &memlean::lean_batch_norm_applies, py::arg("input"));
+  // The lean depthwise convolution (lean_conv.h) behind memlean.conv2d.
+  m.def("lean_conv2d", torch::wrap_pybind_function(&memlean::lean_conv2d), py::arg("input"),
+        py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"),
+        py::arg("dilation"), py::arg("groups"));
+  m.def("lean_conv2d_applies", &memlean::lean_conv2d_applies, py::arg("input"),
+        py::arg("weight"), py::arg("groups"));
   // memlean.checkpoint's core: memlean::checkpoint (detail::checkpoint_impl) running the
   // Python callable `run` (see python_function), named `name` in errors, with `buffers`
   // put back after the recompute; `run.backward_in_full` is read after the forward (FSDP2).

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import memlean
 from memlean import _C
-from memlean.batchnorm import lean_forward
+from memlean.lean import lean_forward
 from optional_deps import available
 
 D = torch.float64

@@ -1,0 +1,67 @@
+"""memlean's lean backwards, swapped into a module's forward: lean_forward(module) makes the
+module's F.batch_norm calls run memlean.batch_norm and its F.conv2d calls memlean.conv2d
+(each the torch function itself wherever its lean backward does not apply). memlean.fit
+gives every training BatchNorm and every depthwise Conv2d of the model it fits this forward,
+on CPU eager steps (docs/fit.md)."""
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from memlean.batchnorm import _lean_applies as _lean_batch_norm, batch_norm
+from memlean.checkpoint import restore_forward
+from memlean.conv import _lean_applies as _lean_conv, conv2d
+
+
+class _LeanMode(TorchFunctionMode):
+    """While active, every F.batch_norm call runs memlean.batch_norm and every F.conv2d call
+    memlean.conv2d; everything else runs as it is. `calls` counts the calls that ran a lean
+    backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.batch_norm:
+            return self._batch_norm(*args, **kwargs)
+        if func is F.conv2d:
+            return self._conv2d(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _batch_norm(self, input, running_mean, running_var, weight=None, bias=None,
+                    training=False, momentum=0.1, eps=1e-5):
+        if _lean_batch_norm(input, running_mean, running_var, weight, bias, training):
+            self.calls += 1
+        return batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
+                          eps)
+
+    def _conv2d(self, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+        if _lean_conv(input, weight, bias, padding, groups):
+            self.calls += 1
+        return conv2d(input, weight, bias, stride, padding, dilation, groups)
+
+
+def lean_forward(module: torch.nn.Module):
+    """Make `module`'s forward run memlean.batch_norm wherever it calls F.batch_norm (torch's
+    BatchNorm1d/2d/3d, memlean.BatchNorm2d, subclasses such as timm's BatchNormAct2d) and
+    memlean.conv2d wherever it calls F.conv2d (nn.Conv2d; the lean backward for depthwise
+    ones): an instance forward over its own, outside torch.compile (compiled, its own runs as
+    it is). Returns (undo, calls): undo() puts its forward back; calls() says how many of its
+    calls ran a lean backward so far (0: none did, e.g. the module calls neither function, or
+    only in eval mode, in bfloat16 or for a convolution that is not depthwise)."""
+    own = module.__dict__.get("forward")
+    original = module.forward
+    taken = [0]
+
+    def forward(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return original(*args, **kwargs)
+        mode = _LeanMode()
+        with mode:
+            out = original(*args, **kwargs)
+        taken[0] += mode.calls
+        return out
+
+    module.forward = forward
+    return lambda: restore_forward(module, own), lambda: taken[0]

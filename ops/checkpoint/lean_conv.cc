@@ -1,0 +1,236 @@
+// memlean::lean_conv2d (lean_conv.h): torch's convolution forward, and for a depthwise
+// convolution a backward that allocates the input gradient and nothing else of the input's
+// size.
+#include "ops/checkpoint/lean_conv.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "third_party/torch/grads.h"
+
+namespace memlean {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Stride, padding and dilation as (height, width); nullopt where the argument is not one or
+// two values of the range a convolution takes (torch's conv2d then reports it).
+std::optional<std::array<int64_t, 2>> pair_of(at::IntArrayRef v, int64_t least) {
+  if (v.size() != 1 && v.size() != 2) return std::nullopt;
+  const std::array<int64_t, 2> p{v[0], v[v.size() - 1]};
+  if (p[0] < least || p[1] < least) return std::nullopt;
+  return p;
+}
+
+// The shape of one depthwise convolution, for the kernel.
+struct Shape {
+  int64_t n, c, h, w, oh, ow, kh, kw;
+  std::array<int64_t, 2> stride, padding, dilation;
+};
+
+// One channel's gradients, channels [c0, c1): gi (the input gradient, zeroed; nullptr when
+// not wanted) gets each output gradient times the weight scattered back to the input
+// positions it came from; gw (double, C*KH*KW) the sums of output gradient times input;
+// gb (double, C; nullptr when not wanted) the sums of output gradient. Float partial sums run
+// over one output row at most, then add into double.
+template <typename T>
+void depthwise_backward(const Shape& s, const T* go, const T* x, const T* weight, T* gi,
+                        double* gw, double* gb) {
+  const int64_t k_size = s.kh * s.kw;
+  const int64_t sh = s.stride[0], sw = s.stride[1];
+  at::parallel_for(0, s.c, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<double> acc(static_cast<size_t>(k_size));
+    for (int64_t c = c0; c < c1; ++c) {
+      std::fill(acc.begin(), acc.end(), 0.0);
+      double bias_sum = 0;
+      const T* wc = weight + c * k_size;
+      for (int64_t n = 0; n < s.n; ++n) {
+        const T* g = go + (n * s.c + c) * s.oh * s.ow;
+        const T* xp = x + (n * s.c + c) * s.h * s.w;
+        T* gp = gi == nullptr ? nullptr : gi + (n * s.c + c) * s.h * s.w;
+        for (int64_t oh = 0; oh < s.oh; ++oh) {
+          const T* grow = g + oh * s.ow;
+          if (gb != nullptr) {
+            T b = 0;
+#pragma omp simd reduction(+ : b)
+            for (int64_t ow = 0; ow < s.ow; ++ow) b += grow[ow];
+            bias_sum += b;
+          }
+          for (int64_t kh = 0; kh < s.kh; ++kh) {
+            const int64_t ih = oh * sh - s.padding[0] + kh * s.dilation[0];
+            if (ih < 0 || ih >= s.h) continue;
+            const T* xrow = xp + ih * s.w;
+            T* girow = gp == nullptr ? nullptr : gp + ih * s.w;
+            for (int64_t kw = 0; kw < s.kw; ++kw) {
+              // Output columns ow whose input column ow*sw + off lies in [0, W).
+              const int64_t off = kw * s.dilation[1] - s.padding[1];
+              const int64_t lo = off >= 0 ? 0 : (-off + sw - 1) / sw;
+              const int64_t hi = s.w - 1 - off < 0 ? 0 : std::min(s.ow, (s.w - 1 - off) / sw + 1);
+              if (lo >= hi) continue;
+              const T wv = wc[kh * s.kw + kw];
+              T a = 0;
+              if (sw == 1) {
+                const T* xo = xrow + off;
+                if (girow != nullptr) {
+                  T* go_ = girow + off;
+#pragma omp simd reduction(+ : a)
+                  for (int64_t ow = lo; ow < hi; ++ow) {
+                    a += grow[ow] * xo[ow];
+                    go_[ow] += grow[ow] * wv;
+                  }
+                } else {
+#pragma omp simd reduction(+ : a)
+                  for (int64_t ow = lo; ow < hi; ++ow) a += grow[ow] * xo[ow];
+                }
+              } else {
+                for (int64_t ow = lo; ow < hi; ++ow) {
+                  const int64_t iw = ow * sw + off;
+                  a += grow[ow] * xrow[iw];
+                  if (girow != nullptr) girow[iw] += grow[ow] * wv;
+                }
+              }
+              acc[static_cast<size_t>(kh * s.kw + kw)] += a;
+            }
+          }
+        }
+      }
+      std::copy(acc.begin(), acc.end(), gw + c * k_size);
+      if (gb != nullptr) gb[c] = bias_sum;
+    }
+  });
+}
+
+// The three gradients from the kernel above: the input gradient is the one tensor of the
+// input's size allocated (plus a contiguous copy of grad where autograd hands over another
+// layout, e.g. the expanded gradient of out.sum()).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lean_backward(const at::Tensor& grad_in,
+                                                             const at::Tensor& input,
+                                                             const at::Tensor& weight_in,
+                                                             const Shape& shape, bool need_input,
+                                                             bool need_weight, bool need_bias) {
+  const at::Tensor grad = grad_in.contiguous();
+  const at::Tensor weight = weight_in.contiguous();
+  at::Tensor gi = need_input ? at::zeros_like(input, at::MemoryFormat::Contiguous) : at::Tensor();
+  std::vector<double> gw(static_cast<size_t>(shape.c * shape.kh * shape.kw));
+  std::vector<double> gb(need_bias ? static_cast<size_t>(shape.c) : 0);
+  AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "memlean::lean_conv2d backward", [&] {
+    depthwise_backward<scalar_t>(shape, grad.const_data_ptr<scalar_t>(),
+                                 input.const_data_ptr<scalar_t>(),
+                                 weight.const_data_ptr<scalar_t>(),
+                                 need_input ? gi.mutable_data_ptr<scalar_t>() : nullptr,
+                                 gw.data(), need_bias ? gb.data() : nullptr);
+  });
+  const auto options = at::TensorOptions().dtype(at::kDouble);
+  at::Tensor dw, db;
+  if (need_weight) dw = at::tensor(gw, options).to(weight_in.options()).view(weight_in.sizes());
+  if (need_bias) db = at::tensor(gb, options).to(weight_in.options());
+  return {gi, dw, db};
+}
+
+class LeanConvFunction : public torch::autograd::Function<LeanConvFunction> {
+ public:
+  // bias: zeros that need no gradient where the call has none (has_bias false); Function::apply
+  // takes no absent tensor. The forward then runs without it, as the caller's would.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
+                            const at::Tensor& weight, const at::Tensor& bias, bool has_bias,
+                            const Shape& shape) {
+    const std::vector<int64_t> stride(shape.stride.begin(), shape.stride.end());
+    const std::vector<int64_t> padding(shape.padding.begin(), shape.padding.end());
+    const std::vector<int64_t> dilation(shape.dilation.begin(), shape.dilation.end());
+    at::Tensor out = at::convolution(input, weight, has_bias ? std::optional<at::Tensor>(bias)
+                                                             : std::nullopt,
+                                     stride, padding, dilation, /*transposed=*/false, {0, 0},
+                                     shape.c);
+    ctx->save_for_backward({input, weight});
+    ctx->saved_data["has_bias"] = has_bias;
+    ctx->saved_data["n"] = shape.n;
+    ctx->saved_data["geometry"] = std::vector<int64_t>{
+        shape.stride[0], shape.stride[1], shape.padding[0], shape.padding[1],
+        shape.dilation[0], shape.dilation[1], out.size(2), out.size(3)};
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& input = saved[0];
+    const at::Tensor& weight = saved[1];
+    const std::vector<int64_t> g = ctx->saved_data["geometry"].toIntVector();
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    variable_list out(5);
+    if (!grads[0].defined()) return out;
+    const bool need_input = ctx->needs_input_grad(0);
+    const bool need_weight = ctx->needs_input_grad(1);
+    const bool need_bias = has_bias && ctx->needs_input_grad(2);
+    if (at::GradMode::is_enabled()) {
+      // create_graph=True: torch's convolution backward, which autograd differentiates.
+      const int64_t c = input.size(1);
+      std::tie(out[0], out[1], out[2]) = at::convolution_backward(
+          grads[0], input, weight,
+          has_bias ? at::OptionalIntArrayRef(at::IntArrayRef(&c, 1)) : std::nullopt,
+          {g[0], g[1]}, {g[2], g[3]}, {g[4], g[5]}, /*transposed=*/false, {0, 0}, c,
+          {need_input, need_weight, need_bias});
+    } else {
+      const Shape shape{input.size(0), input.size(1), input.size(2), input.size(3),
+                        g[6],          g[7],          weight.size(2), weight.size(3),
+                        {g[0], g[1]},  {g[2], g[3]},  {g[4], g[5]}};
+      std::tie(out[0], out[1], out[2]) =
+          lean_backward(grads[0], input, weight, shape, need_input, need_weight, need_bias);
+    }
+    if (!need_input) out[0] = at::Tensor();
+    if (!need_weight) out[1] = at::Tensor();
+    if (!need_bias) out[2] = at::Tensor();
+    return out;
+  }
+};
+
+bool present(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+}  // namespace
+
+bool lean_conv2d_applies(const at::Tensor& input, const at::Tensor& weight, int64_t groups) {
+  const auto plain = [](const at::Tensor& t) {
+    return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && !is_wrapped(t);
+  };
+  return plain(input) && plain(weight) &&
+         (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble) &&
+         weight.scalar_type() == input.scalar_type() && input.dim() == 4 && weight.dim() == 4 &&
+         input.numel() > 0 && input.is_contiguous() && groups > 1 && input.size(1) == groups &&
+         weight.size(0) == groups && weight.size(1) == 1;
+}
+
+at::Tensor lean_conv2d(const at::Tensor& input, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
+                       at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups) {
+  const auto s = pair_of(stride, 1);
+  const auto p = pair_of(padding, 0);
+  const auto d = pair_of(dilation, 1);
+  const bool grads = at::GradMode::is_enabled() &&
+                     (input.requires_grad() || weight.requires_grad() ||
+                      (present(bias) && bias->requires_grad()));
+  const bool bias_fits = !present(bias) ||
+                         (bias->dim() == 1 && bias->size(0) == groups &&
+                          bias->scalar_type() == input.scalar_type() && bias->device().is_cpu() &&
+                          !is_wrapped(*bias));
+  if (!grads || !s || !p || !d || !bias_fits || !lean_conv2d_applies(input, weight, groups)) {
+    // torch's own (its checks and errors included).
+    return at::conv2d(input, weight, bias, stride, padding, dilation, groups);
+  }
+  Shape shape{input.size(0), input.size(1), input.size(2), input.size(3), 0, 0,
+              weight.size(2), weight.size(3), *s, *p, *d};
+  const int64_t eh = (shape.kh - 1) * (*d)[0] + 1, ew = (shape.kw - 1) * (*d)[1] + 1;
+  if (shape.h + 2 * (*p)[0] < eh || shape.w + 2 * (*p)[1] < ew) {
+    return at::conv2d(input, weight, bias, stride, padding, dilation, groups);  // its error
+  }
+  const at::Tensor b = present(bias) ? *bias : at::zeros({groups}, input.options());
+  return LeanConvFunction::apply(input, weight, b, present(bias), shape);
+}
+
+}  // namespace memlean

@@ -1,0 +1,39 @@
+// memlean::lean_depthwise_conv2d: a depthwise 2-d convolution whose backward keeps less.
+//
+// The forward is torch's (at::convolution: the same output) and saves what torch's does (the
+// input and the weight). The backward differs: torch's CPU backward of a depthwise
+// convolution on a contiguous (NCHW) input goes through im2col or oneDNN's reorders and
+// allocates 4 to 6 tensors of the input's size at its peak (measured: 578 MB for a 154 MB
+// input, EfficientNet-B0's blocks.1.0.conv_dw at batch 32; docs/checkpoint.md); this one
+// walks each channel's planes once, scattering the input gradient into one zeroed tensor of
+// the input's size and summing the weight (and bias) gradients on the way, and allocates
+// nothing else of the input's size. memlean.fit swaps it in: a depthwise convolution's
+// backward set the least peak of a fitted EfficientNet (docs/fit.md).
+//
+// Where it applies: CPU tensors of float32 or float64, a contiguous 4-d input (N, C, H, W), a
+// weight (C, 1, KH, KW) (groups == C == output channels), zero padding. Everything else (CUDA,
+// half and bfloat16, channels_last, other groups) runs torch's at::convolution unchanged. The
+// gradients equal torch's to float tolerance (another order of summation); double backward
+// (create_graph=True) works, through torch's differentiable convolution backward.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+
+#include <optional>
+
+namespace memlean {
+
+// at::conv2d(input, weight, bias, stride, padding, dilation, groups) with the lean backward
+// above where it applies (lean_depthwise_conv2d_applies), else torch's conv2d itself.
+// stride, padding, dilation: one value or two (height, width), as at::conv2d's.
+at::Tensor lean_conv2d(const at::Tensor& input, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
+                       at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups);
+
+// Whether lean_conv2d runs the lean backward for these arguments: a depthwise convolution
+// (groups == input.size(1) == weight.size(0), weight.size(1) == 1) of a CPU float32/float64
+// contiguous 4-d input, plain tensors. (Whether a gradient is wanted is the caller's.)
+bool lean_conv2d_applies(const at::Tensor& input, const at::Tensor& weight, int64_t groups);
+
+}  // namespace memlean
