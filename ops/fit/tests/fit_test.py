@@ -276,6 +276,16 @@ class FitTest(unittest.TestCase):
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         least, eager, actions = self.check_budgets(model, (x,), loss_fn, opt, runs=True)
         self.assertTrue(any("(" in a.path for a in actions), [a.path for a in actions])
+        # Every depthwise convolution of every plan got the lean backward (CPU eager steps).
+        depthwise = sorted(n for n, m in model.named_modules()
+                           if isinstance(m, nn.Conv2d) and m.groups > 1)
+        self.assertEqual(len(depthwise), 6)
+        self.assertEqual(sorted({a.path for a in actions if a.action == "lean depthwise conv"}),
+                         depthwise)
+        plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt, runs=True)
+        self.assertIn("6 depthwise Conv2d(s) with the lean backward", str(plan))
+        plan.undo()
+        self.assertEqual([n for n, m in model.named_modules() if "forward" in m.__dict__], [])
         without, _ = self.least_and_eager(model, x, loss_fn, opt)
         self.assertLess(least, without)
         with self.assertRaisesRegex(TypeError, "runs must be a bool"):
@@ -619,7 +629,7 @@ class FitTest(unittest.TestCase):
         plan.undo()
         plan.undo()
         self.assertEqual([type(m) for m in model.modules()], types)
-        # No wrapped forward is left: checkpoints and lean BatchNorms alike.
+        # No wrapped forward is left: checkpoints, lean BatchNorms and convolutions alike.
         self.assertEqual([n for n, m in model.named_modules() if "forward" in m.__dict__], [])
         step_peak(model, (x,), loss_fn, opt)  # the optimizer's state, as fit measured with
         self.assertEqual(step_peak(model, (x,), loss_fn, opt), eager)
