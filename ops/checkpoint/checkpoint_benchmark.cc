@@ -17,6 +17,9 @@
 //   BatchNorm, BatchNormChannelsLast: one training forward and backward of a
 //     (16, 96, 56, 56) batch norm, dL/dy from y * 2 (autograd's own gradient): plain
 //     (at::batch_norm, torch's backward) | lean (memlean::lean_batch_norm, lean_batchnorm.h).
+//   DepthwiseConv, DepthwiseConvStride2: one training forward and backward of a 3x3
+//     depthwise convolution of a (16, 96, 56, 56) input (padding 1; stride 1 or 2): plain
+//     (at::conv2d, torch's backward) | lean (memlean::lean_conv2d, lean_conv.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
@@ -34,6 +37,7 @@
 #include "ops/checkpoint/batchnorm.h"
 #include "ops/checkpoint/checkpoint.h"
 #include "ops/checkpoint/lean_batchnorm.h"
+#include "ops/checkpoint/lean_conv.h"
 #include "runtime/memstats/live_bytes.h"
 #include "ops/checkpoint/sequential.h"
 
@@ -250,6 +254,36 @@ BENCHMARK_CAPTURE(BM_BatchNorm, plain, false)->Unit(benchmark::kMillisecond)->Us
 BENCHMARK_CAPTURE(BM_BatchNorm, lean, true)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(BM_BatchNormChannelsLast, plain, false)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(BM_BatchNormChannelsLast, lean, true)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// ---- depthwise convolution backward --------------------------------------------------
+
+void depthwise_step(benchmark::State& state, bool lean, int64_t stride) {
+  at::set_num_threads(1);
+  at::manual_seed(0);
+  const at::Tensor x0 = at::randn({16, 96, 56, 56});
+  const at::Tensor w = at::randn({96, 1, 3, 3}).requires_grad_();
+  int64_t peak = 0;
+  for (auto _ : state) {
+    const at::Tensor x = x0.detach().requires_grad_();
+    LiveBytes live;
+    const at::Tensor y = lean ? lean_conv2d(x, w, std::nullopt, {stride}, {1}, {1}, 96)
+                              : at::conv2d(x, w, {}, {stride}, {1}, {1}, 96);
+    torch::autograd::backward({y}, {at::ones_like(y)});
+    peak = live.peak();
+    benchmark::DoNotOptimize(x.grad().data_ptr());
+  }
+  state.counters["peak_bytes"] = static_cast<double>(peak);
+}
+
+void BM_DepthwiseConv(benchmark::State& state, bool lean) { depthwise_step(state, lean, 1); }
+void BM_DepthwiseConvStride2(benchmark::State& state, bool lean) {
+  depthwise_step(state, lean, 2);
+}
+
+BENCHMARK_CAPTURE(BM_DepthwiseConv, plain, false)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_DepthwiseConv, lean, true)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_DepthwiseConvStride2, plain, false)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_DepthwiseConvStride2, lean, true)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 // Prints the usual table, then each variant's step time and peak bytes over those of the
 // plain variant of the same model.
