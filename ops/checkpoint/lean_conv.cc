@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
@@ -199,7 +200,9 @@ bool lean_conv2d_applies(const at::Tensor& input, const at::Tensor& weight, int6
   const auto plain = [](const at::Tensor& t) {
     return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && !is_wrapped(t);
   };
-  return plain(input) && plain(weight) &&
+  // Under CPU autocast torch's conv2d computes in the lower precision (its output bfloat16):
+  // that is torch's to do, so that the output's dtype is what the caller's code expects.
+  return plain(input) && plain(weight) && !at::autocast::is_autocast_enabled(at::kCPU) &&
          (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble) &&
          weight.scalar_type() == input.scalar_type() && input.dim() == 4 && weight.dim() == 4 &&
          input.numel() > 0 && input.is_contiguous() && groups > 1 && input.size(1) == groups &&

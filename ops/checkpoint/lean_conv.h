@@ -12,7 +12,8 @@
 //
 // Where it applies: CPU tensors of float32 or float64, a contiguous 4-d input (N, C, H, W), a
 // weight (C, 1, KH, KW) (groups == C == output channels), zero padding. Everything else (CUDA,
-// half and bfloat16, channels_last, other groups) runs torch's at::convolution unchanged. The
+// half and bfloat16, channels_last, other groups, CPU autocast) runs torch's at::conv2d
+// unchanged. The
 // gradients equal torch's to float tolerance (another order of summation); double backward
 // (create_graph=True) works, through torch's differentiable convolution backward.
 #pragma once
@@ -33,7 +34,8 @@ at::Tensor lean_conv2d(const at::Tensor& input, const at::Tensor& weight,
 
 // Whether lean_conv2d runs the lean backward for these arguments: a depthwise convolution
 // (groups == input.size(1) == weight.size(0), weight.size(1) == 1) of a CPU float32/float64
-// contiguous 4-d input, plain tensors. (Whether a gradient is wanted is the caller's.)
+// contiguous 4-d input, plain tensors, CPU autocast off (under it torch's conv2d computes in
+// bfloat16, and so does this). (Whether a gradient is wanted is the caller's.)
 bool lean_conv2d_applies(const at::Tensor& input, const at::Tensor& weight, int64_t groups);
 
 }  // namespace memlean

@@ -16,9 +16,9 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     reorders). Gradients equal torch's to float tolerance; double backward works.
 
     The lean backward runs for CPU float32/float64 contiguous 4-d inputs with integer
-    padding, with autograd recording, outside torch.compile. Everything else (other groups,
-    CUDA, half/bfloat16, channels_last, padding="same"/"valid", tensor subclasses, compiled
-    code) is torch's F.conv2d itself."""
+    padding, with autograd recording, outside torch.compile and CPU autocast. Everything else
+    (other groups, CUDA, half/bfloat16, channels_last, padding="same"/"valid", tensor
+    subclasses, compiled code, autocast's bfloat16 convolution) is torch's F.conv2d itself."""
     if _lean_applies(input, weight, bias, padding, groups):
         return _C.lean_conv2d(input, weight, bias, _pair(stride), _pair(padding),
                               _pair(dilation), int(groups))

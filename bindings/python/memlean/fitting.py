@@ -91,8 +91,8 @@ class FitAction:
     batchnorm" (memlean.batch_norm's backward, CPU eager steps), "lean depthwise conv"
     (memlean.conv2d's backward, CPU eager steps) or "checkpoint". bytes_saved: for a
     checkpoint, the saved bytes it frees under the planner's model; for a Swish, a BatchNorm
-    or a convolution, the measured saving of all these swaps shared in proportion to the modules'
-    output bytes. recompute_seconds: the module's measured forward time (the mean over the
+    or a convolution, the measured saving of all these swaps shared in proportion to the
+    modules' output bytes. recompute_seconds: the module's measured forward time (the mean over the
     modules that do the same work, e.g. a model's repeated blocks; 0 for a swap)."""
 
     path: str

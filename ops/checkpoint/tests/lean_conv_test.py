@@ -142,7 +142,7 @@ def test_gradient_of_another_layout_is_read_as_it_is():
 
 @pytest.mark.parametrize("case", ["groups 1", "two per group", "channel multiplier",
                                   "channels_last", "bfloat16", "padding same", "no_grad",
-                                  "no grad needed", "strided"])
+                                  "no grad needed", "strided", "autocast"])
 def test_what_it_leaves_to_torch_is_torchs(case):
     x, weight, b = make(2, 4, 8, 8, (3, 3), True, torch.float32, seed=3)
     groups, padding = 4, 1
@@ -162,9 +162,13 @@ def test_what_it_leaves_to_torch_is_torchs(case):
     if case == "strided":
         xs = torch.randn(2, 4, 8, 16, requires_grad=True)[..., ::2]
     ctx = torch.no_grad() if case == "no_grad" else torch.enable_grad()
+    if case == "autocast":
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16)
     with ctx:
         y = memlean.conv2d(xs, weight, b, 1, padding, 1, groups)
         r = F.conv2d(xs, weight, b, 1, padding, 1, groups)
+    assert y.dtype == r.dtype == (torch.bfloat16 if case in ("autocast", "bfloat16")
+                                  else torch.float32)
     assert torch.equal(y, r)
     assert type(y.grad_fn) is type(r.grad_fn)  # torch's own node (or none)
 
