@@ -152,7 +152,6 @@ class LeanConvFunction : public torch::autograd::Function<LeanConvFunction> {
                                      shape.c);
     ctx->save_for_backward({input, weight});
     ctx->saved_data["has_bias"] = has_bias;
-    ctx->saved_data["n"] = shape.n;
     ctx->saved_data["geometry"] = std::vector<int64_t>{
         shape.stride[0], shape.stride[1], shape.padding[0], shape.padding[1],
         shape.dilation[0], shape.dilation[1], out.size(2), out.size(3)};

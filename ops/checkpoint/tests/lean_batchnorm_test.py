@@ -13,13 +13,13 @@ and inductor, fullgraph: no graph break).
 """
 import pytest
 import torch
-import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
 
 import memlean
 from memlean import _C
 from memlean.lean import lean_forward
+from lean_pair import train_pair
 from optional_deps import available
 
 D = torch.float64
@@ -231,25 +231,13 @@ def test_lean_forward_on_modules_eager_and_compiled(norm, compiled):
     lean.load_state_dict(plain.state_dict())
     undo, taken = lean_forward(lean.bn)
     x = torch.randn(4, 3, 8, 8).contiguous(memory_format=torch.channels_last)
-    if compiled:
-        torch._dynamo.reset()
-        run_plain = torch.compile(plain, backend=compiled, fullgraph=True)
-        run_lean = torch.compile(lean, backend=compiled, fullgraph=True)  # no graph break
-    else:
-        run_plain, run_lean = plain, lean
-    for _ in range(2):
-        run_plain(x).square().sum().backward()
-        run_lean(x).square().sum().backward()
+    train_pair(plain, lean, x, compiled)  # gradients equal
     # Eager: every BatchNorm call ran lean; compiled: none did (torch's, fused by inductor).
     assert taken() == (0 if compiled else 2)
-    for (n, a), b in zip(plain.named_parameters(), lean.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
     for (n, a), b in zip(plain.named_buffers(), lean.buffers()):
         assert torch.equal(a, b), n  # running statistics: the same forward kernel
     undo()
     assert "forward" not in lean.bn.__dict__
-    if compiled:
-        torch._dynamo.reset()
 
 
 def test_lean_forward_counts_only_the_calls_that_ran_lean():
