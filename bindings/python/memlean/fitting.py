@@ -56,6 +56,7 @@ import contextlib
 import json
 import numbers
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from typing import Callable, List, Optional
 
@@ -1169,15 +1170,32 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         # The search (ops/fit/search.h, the one loop of both languages): plan, measure each
         # plan, lower the target by any excess, bisect back up; the fastest plan measured to
         # fit, never one over the budget.
+        measured = {}  # chosen -> measured peak, every plan the search measured
+
+        def measure(chosen):
+            measured[tuple(chosen)] = _measure_plan(step, calls, chosen, compile_options)
+            return measured[tuple(chosen)]
+
         found, chosen, peak, predicted, _, least, _ = _C.fit.search(
             problem.base, problem.atoms, candidates, budget, current.optimizer_peak,
-            empty_peak, lambda chosen: _measure_plan(step, calls, chosen, compile_options),
-            atom_backward_extra_bytes=problem.backward_extras)
+            empty_peak, measure, atom_backward_extra_bytes=problem.backward_extras)
+        remembered = _LEAST_PLANS.setdefault(model, {})
+        signature = _signature(problem, compile_options)
+        if not found and signature in remembered and remembered[signature][1] <= budget:
+            # The plan that reached the least an earlier FitError named for this very step.
+            chosen = list(remembered[signature][0])
+            peak = _measure_plan(step, calls, chosen, compile_options)
+            found = peak <= budget
+            predicted = _C.fit.predicted_peak(problem.base, problem.atoms, candidates, chosen,
+                                              atom_backward_extra_bytes=problem.backward_extras)
         if found:
             undo_steps.extend(_wrap(calls[i].module) for i in chosen)
             actions += _checkpoint_actions(calls, candidates, chosen, paths)
             return done(peak, max(predicted, current.optimizer_peak),
                         sum(isinstance(calls[i].module, _Run) for i in chosen))
+        reached = [c for c, p in measured.items() if p == least]
+        if reached:
+            remembered[signature] = (reached[0], least)
         raise FitError(
             f"{_NAME}: budget_bytes={budget} ({_gib(budget)}) is below the least step peak "
             f"memlean.fit reaches for this model and batch: {_C.fit.describe_bytes(least)} "
@@ -1196,6 +1214,23 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             import torch._dynamo
 
             torch._dynamo.reset()  # fit's compiled code: the caller compiles the fitted model
+
+
+# Per model (weakly held), the plan that reached the least step peak a FitError named, by the
+# step's planner problem: a later fit of the same step at that budget or more tries it when
+# its own search finds none. Which plans a search measures depends on the recompute times,
+# measured afresh by every call; where a plan measures above its prediction (the planner's
+# model is exact in most steps, not all: docs/fit.md), a search at exactly the least an
+# earlier call named could otherwise walk past the plan that reached it.
+_LEAST_PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _signature(problem, compile_options) -> tuple:
+    """What a step's planner problem is, times left out (they differ between calls)."""
+    return (problem.base, tuple(problem.atoms), tuple(problem.backward_extras),
+            tuple((b, e, freed, extra, held)
+                  for b, e, freed, _, extra, held in problem.candidates),
+            repr(compile_options))
 
 
 def _warm_on_zero_gradients(optimizer, params) -> bool:

@@ -1,6 +1,7 @@
 """A model fitted by memlean.fit, then wrapped for data parallelism, trains as one process
 does: two processes (gloo on 127.0.0.1) fit the same model to the same budget (one that
-needs checkpoints and swaps its SiLUs), then wrap it in DistributedDataParallel or shard it
+needs checkpoints and swaps its SiLUs, and gives its BatchNorms and depthwise convolutions
+memlean's lean backwards), then wrap it in DistributedDataParallel or shard it
 with FSDP2 (fully_shard on each block and the root), and train two steps on half the batch
 each. Every step's gradients equal those of one process training the same fitted model on
 the whole batch, and BatchNorm counts each training forward once.
@@ -34,7 +35,9 @@ class Block(nn.Module):
     def __init__(self, w):
         super().__init__()
         self.conv1, self.bn1, self.act1 = nn.Conv2d(w, w, 3, padding=1), nn.BatchNorm2d(w), nn.SiLU()
-        self.conv2, self.bn2, self.act2 = nn.Conv2d(w, w, 3, padding=1), nn.BatchNorm2d(w), nn.SiLU()
+        # conv2 depthwise: fit gives it memlean's lean convolution backward.
+        self.conv2 = nn.Conv2d(w, w, 3, padding=1, groups=w)
+        self.bn2, self.act2 = nn.BatchNorm2d(w), nn.SiLU()
 
     def forward(self, x):
         return x + self.act2(self.bn2(self.conv2(self.act1(self.bn1(self.conv1(x))))))
@@ -69,8 +72,9 @@ def halves():
 
 def fitted():
     """The model, fitted on half a batch to the budget halfway between the least peak fit
-    reaches and the eager peak: a plan with checkpoints and swapped SiLUs, the same in every
-    process (memory does not depend on the values)."""
+    reaches and the eager peak: a plan with checkpoints, swapped SiLUs and the lean BatchNorm
+    and depthwise-convolution backwards, the same in every process (memory does not depend
+    on the values)."""
     model = Net()
     x, y = halves()[0]
     loss_fn = lambda out: F.cross_entropy(out, y)  # noqa: E731
@@ -83,7 +87,8 @@ def fitted():
     eager = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt).eager_peak_bytes
     plan = memlean.fit(model, x, (least + eager) // 2, loss_fn=loss_fn, optimizer=opt)
     actions = {a.action for a in plan.actions}
-    assert "checkpoint" in actions and actions - {"checkpoint"}, str(plan)
+    assert {"checkpoint", "lean batchnorm", "lean depthwise conv"} <= actions, str(plan)
+    assert actions & {"inplace swish", "memory_efficient swish"}, str(plan)
     return model, plan
 
 

@@ -6,6 +6,7 @@ import copy
 import json
 import gc
 import unittest
+from unittest import mock
 
 import torch
 import torch.nn as nn
@@ -633,6 +634,30 @@ class FitTest(unittest.TestCase):
         self.assertEqual([n for n, m in model.named_modules() if "forward" in m.__dict__], [])
         step_peak(model, (x,), loss_fn, opt)  # the optimizer's state, as fit measured with
         self.assertEqual(step_peak(model, (x,), loss_fn, opt), eager)
+
+    def test_the_least_a_fit_error_names_is_reached_at_that_budget(self):
+        # A later call's search may walk to other plans (recompute times are measured afresh,
+        # and a plan can measure above its prediction): fit then tries the plan that reached
+        # the least the earlier FitError named. Here the second search is made to find none.
+        from memlean import fitting
+
+        model, x, loss_fn, opt = self.conv_setup()
+        with self.assertRaises(memlean.FitError) as caught:
+            memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
+        least = caught.exception.least_peak_bytes
+        search = fitting._C.fit.search
+
+        def finds_none(*args, **kwargs):
+            _, _, _, _, fastest_peak, least_measured, plans = search(*args, **kwargs)
+            return False, [], 0, 0, fastest_peak, least_measured, plans
+
+        with mock.patch.object(fitting._C.fit, "search", finds_none):
+            plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
+            self.assertLessEqual(plan.peak_bytes, least)
+            self.assertIn("checkpoint", {a.action for a in plan.actions})
+            plan.undo()
+            with self.assertRaises(memlean.FitError):  # not below it
+                memlean.fit(model, x, least - 1, loss_fn=loss_fn, optimizer=opt)
 
     def test_below_the_least_peak_is_a_fit_error_naming_it(self):
         model, x, loss_fn, opt = self.conv_setup()
