@@ -31,11 +31,27 @@ std::optional<std::array<int64_t, 2>> pair_of(at::IntArrayRef v, int64_t least) 
   return p;
 }
 
-// The shape of one depthwise convolution, for the kernel.
+// The layouts the kernels walk: contiguous NCHW first (a tensor that is both, e.g. one
+// channel, walks as NCHW), then channels_last.
+bool channels_last(const at::Tensor& t) {
+  return !t.is_contiguous() && t.is_contiguous(at::MemoryFormat::ChannelsLast);
+}
+
+// The shape of one depthwise convolution, for the kernels.
 struct Shape {
   int64_t n, c, h, w, oh, ow, kh, kw;
   std::array<int64_t, 2> stride, padding, dilation;
+  bool channels_last = false;  // the input's layout (else contiguous NCHW)
 };
+
+// Output columns ow whose input column ow * stride + off lies in [0, w): [lo, hi).
+std::pair<int64_t, int64_t> columns(const Shape& s, int64_t kw) {
+  const int64_t sw = s.stride[1];
+  const int64_t off = kw * s.dilation[1] - s.padding[1];
+  const int64_t lo = off >= 0 ? 0 : (-off + sw - 1) / sw;
+  const int64_t hi = s.w - 1 - off < 0 ? 0 : std::min(s.ow, (s.w - 1 - off) / sw + 1);
+  return {lo, hi};
+}
 
 // One channel's gradients, channels [c0, c1): gi (the input gradient, zeroed; nullptr when
 // not wanted) gets each output gradient times the weight scattered back to the input
@@ -71,10 +87,8 @@ void depthwise_backward(const Shape& s, const T* go, const T* x, const T* weight
             const T* xrow = xp + ih * s.w;
             T* girow = gp == nullptr ? nullptr : gp + ih * s.w;
             for (int64_t kw = 0; kw < s.kw; ++kw) {
-              // Output columns ow whose input column ow*sw + off lies in [0, W).
               const int64_t off = kw * s.dilation[1] - s.padding[1];
-              const int64_t lo = off >= 0 ? 0 : (-off + sw - 1) / sw;
-              const int64_t hi = s.w - 1 - off < 0 ? 0 : std::min(s.ow, (s.w - 1 - off) / sw + 1);
+              const auto [lo, hi] = columns(s, kw);
               if (lo >= hi) continue;
               const T wv = wc[kh * s.kw + kw];
               T a = 0;
@@ -109,7 +123,90 @@ void depthwise_backward(const Shape& s, const T* go, const T* x, const T* weight
   });
 }
 
-// The three gradients from the kernel above: the input gradient is the one tensor of the
+// The same for a channels_last input (N, H, W, C in memory; the output gradient laid out so
+// too): the innermost loop runs over the channels of one pixel. Samples [n0, n1) split among
+// the threads, each with its own double sums (gw: KH*KW*C here, k-major; gb: C), added after.
+template <typename T>
+void depthwise_backward_channels_last(const Shape& s, const T* go, const T* x, const T* weight,
+                                      T* gi, double* gw, double* gb) {
+  const int64_t c_size = s.c, k_size = s.kh * s.kw;
+  std::vector<T> wt(static_cast<size_t>(k_size * c_size));  // weight, k-major
+  for (int64_t c = 0; c < c_size; ++c) {
+    for (int64_t k = 0; k < k_size; ++k) wt[k * c_size + c] = weight[c * k_size + k];
+  }
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), s.n));
+  std::vector<double> acc(static_cast<size_t>(chunks * (k_size + 1) * c_size), 0.0);
+  at::parallel_for(0, chunks, 1, [&](int64_t k0, int64_t k1) {
+    std::vector<T> row(static_cast<size_t>(c_size));
+    for (int64_t chunk = k0; chunk < k1; ++chunk) {
+      double* aw = acc.data() + chunk * (k_size + 1) * c_size;
+      double* ab = aw + k_size * c_size;
+      T* r = row.data();
+      for (int64_t n = s.n * chunk / chunks; n < s.n * (chunk + 1) / chunks; ++n) {
+        for (int64_t oh = 0; oh < s.oh; ++oh) {
+          const T* grow = go + (n * s.oh + oh) * s.ow * c_size;
+          if (gb != nullptr) {
+            std::fill(row.begin(), row.end(), T(0));
+            for (int64_t ow = 0; ow < s.ow; ++ow) {
+              const T* g = grow + ow * c_size;
+#pragma omp simd
+              for (int64_t c = 0; c < c_size; ++c) r[c] += g[c];
+            }
+            for (int64_t c = 0; c < c_size; ++c) ab[c] += r[c];
+          }
+          for (int64_t kh = 0; kh < s.kh; ++kh) {
+            const int64_t ih = oh * s.stride[0] - s.padding[0] + kh * s.dilation[0];
+            if (ih < 0 || ih >= s.h) continue;
+            for (int64_t kw = 0; kw < s.kw; ++kw) {
+              const int64_t off = kw * s.dilation[1] - s.padding[1];
+              const auto [lo, hi] = columns(s, kw);
+              if (lo >= hi) continue;
+              const int64_t k = kh * s.kw + kw;
+              const T* wk = wt.data() + k * c_size;
+              std::fill(row.begin(), row.end(), T(0));
+              for (int64_t ow = lo; ow < hi; ++ow) {
+                const int64_t at_in = ((n * s.h + ih) * s.w + ow * s.stride[1] + off) * c_size;
+                const T* g = grow + ow * c_size;
+                const T* xp = x + at_in;
+                if (gi != nullptr) {
+                  T* gp = gi + at_in;
+#pragma omp simd
+                  for (int64_t c = 0; c < c_size; ++c) {
+                    r[c] += g[c] * xp[c];
+                    gp[c] += g[c] * wk[c];
+                  }
+                } else {
+#pragma omp simd
+                  for (int64_t c = 0; c < c_size; ++c) r[c] += g[c] * xp[c];
+                }
+              }
+              double* a = aw + k * c_size;
+              for (int64_t c = 0; c < c_size; ++c) a[c] += r[c];
+            }
+          }
+        }
+      }
+    }
+  });
+  for (int64_t c = 0; c < c_size; ++c) {
+    for (int64_t k = 0; k < k_size; ++k) {
+      double v = 0;
+      for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+        v += acc[(chunk * (k_size + 1) + k) * c_size + c];
+      }
+      gw[c * k_size + k] = v;
+    }
+    if (gb != nullptr) {
+      double v = 0;
+      for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+        v += acc[(chunk * (k_size + 1) + k_size) * c_size + c];
+      }
+      gb[c] = v;
+    }
+  }
+}
+
+// The three gradients from the kernels above: the input gradient is the one tensor of the
 // input's size allocated (plus a contiguous copy of grad where autograd hands over another
 // layout, e.g. the expanded gradient of out.sum()).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lean_backward(const at::Tensor& grad_in,
@@ -117,17 +214,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lean_backward(const at::Tensor& g
                                                              const at::Tensor& weight_in,
                                                              const Shape& shape, bool need_input,
                                                              bool need_weight, bool need_bias) {
-  const at::Tensor grad = grad_in.contiguous();
+  const auto layout =
+      shape.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  const at::Tensor grad = grad_in.contiguous(layout);
   const at::Tensor weight = weight_in.contiguous();
-  at::Tensor gi = need_input ? at::zeros_like(input, at::MemoryFormat::Contiguous) : at::Tensor();
+  at::Tensor gi = need_input ? at::zeros_like(input, layout) : at::Tensor();
   std::vector<double> gw(static_cast<size_t>(shape.c * shape.kh * shape.kw));
   std::vector<double> gb(need_bias ? static_cast<size_t>(shape.c) : 0);
   AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "memlean::lean_conv2d backward", [&] {
-    depthwise_backward<scalar_t>(shape, grad.const_data_ptr<scalar_t>(),
-                                 input.const_data_ptr<scalar_t>(),
-                                 weight.const_data_ptr<scalar_t>(),
-                                 need_input ? gi.mutable_data_ptr<scalar_t>() : nullptr,
-                                 gw.data(), need_bias ? gb.data() : nullptr);
+    auto* kernel = shape.channels_last ? &depthwise_backward_channels_last<scalar_t>
+                                       : &depthwise_backward<scalar_t>;
+    kernel(shape, grad.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
+           weight.const_data_ptr<scalar_t>(),
+           need_input ? gi.mutable_data_ptr<scalar_t>() : nullptr, gw.data(),
+           need_bias ? gb.data() : nullptr);
   });
   const auto options = at::TensorOptions().dtype(at::kDouble);
   at::Tensor dw, db;
@@ -180,7 +280,7 @@ class LeanConvFunction : public torch::autograd::Function<LeanConvFunction> {
     } else {
       const Shape shape{input.size(0), input.size(1), input.size(2), input.size(3),
                         g[6],          g[7],          weight.size(2), weight.size(3),
-                        {g[0], g[1]},  {g[2], g[3]},  {g[4], g[5]}};
+                        {g[0], g[1]},  {g[2], g[3]},  {g[4], g[5]},  channels_last(input)};
       std::tie(out[0], out[1], out[2]) =
           lean_backward(grads[0], input, weight, shape, need_input, need_weight, need_bias);
     }
@@ -195,6 +295,7 @@ bool present(const std::optional<at::Tensor>& t) { return t.has_value() && t->de
 
 }  // namespace
 
+
 bool lean_conv2d_applies(const at::Tensor& input, const at::Tensor& weight, int64_t groups) {
   const auto plain = [](const at::Tensor& t) {
     return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && !is_wrapped(t);
@@ -204,7 +305,9 @@ bool lean_conv2d_applies(const at::Tensor& input, const at::Tensor& weight, int6
   return plain(input) && plain(weight) && !at::autocast::is_autocast_enabled(at::kCPU) &&
          (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble) &&
          weight.scalar_type() == input.scalar_type() && input.dim() == 4 && weight.dim() == 4 &&
-         input.numel() > 0 && input.is_contiguous() && groups > 1 && input.size(1) == groups &&
+         input.numel() > 0 &&
+         (input.is_contiguous() || input.is_contiguous(at::MemoryFormat::ChannelsLast)) &&
+         groups > 1 && input.size(1) == groups &&
          weight.size(0) == groups && weight.size(1) == 1;
 }
 
@@ -226,7 +329,7 @@ at::Tensor lean_conv2d(const at::Tensor& input, const at::Tensor& weight,
     return at::conv2d(input, weight, bias, stride, padding, dilation, groups);
   }
   Shape shape{input.size(0), input.size(1), input.size(2), input.size(3), 0, 0,
-              weight.size(2), weight.size(3), *s, *p, *d};
+              weight.size(2), weight.size(3), *s, *p, *d, channels_last(input)};
   const int64_t eh = (shape.kh - 1) * (*d)[0] + 1, ew = (shape.kw - 1) * (*d)[1] + 1;
   if (shape.h + 2 * (*p)[0] < eh || shape.w + 2 * (*p)[1] < ew) {
     return at::conv2d(input, weight, bias, stride, padding, dilation, groups);  // its error

@@ -1,20 +1,20 @@
-// memlean::lean_depthwise_conv2d: a depthwise 2-d convolution whose backward keeps less.
+// memlean::lean_conv2d: for a depthwise 2-d convolution whose backward keeps less.
 //
 // The forward is torch's (at::convolution: the same output) and saves what torch's does (the
 // input and the weight). The backward differs: torch's CPU backward of a depthwise
 // convolution on a contiguous (NCHW) input goes through im2col or oneDNN's reorders and
 // allocates 4 to 6 tensors of the input's size at its peak (measured: 578 MB for a 154 MB
 // input, EfficientNet-B0's blocks.1.0.conv_dw at batch 32; docs/checkpoint.md); this one
-// walks each channel's planes once, scattering the input gradient into one zeroed tensor of
+// walks the input once (each channel's planes, or each pixel's channels for channels_last),
+// scattering the input gradient into one zeroed tensor of
 // the input's size and summing the weight (and bias) gradients on the way, and allocates
 // nothing else of the input's size. memlean.fit swaps it in: a depthwise convolution's
 // backward set the least peak of a fitted EfficientNet (docs/fit.md).
 //
-// Where it applies: CPU tensors of float32 or float64, a contiguous 4-d input (N, C, H, W), a
-// weight (C, 1, KH, KW) (groups == C == output channels), zero padding. Everything else (CUDA,
-// half and bfloat16, channels_last, other groups, CPU autocast) runs torch's at::conv2d
-// unchanged. The
-// gradients equal torch's to float tolerance (another order of summation); double backward
+// Where it applies: CPU tensors of float32 or float64, a 4-d input (N, C, H, W), contiguous or
+// channels_last, a weight (C, 1, KH, KW) (groups == C == output channels), zero padding.
+// Everything else (CUDA, half and bfloat16, other layouts, other groups, CPU autocast) runs
+// torch's at::conv2d unchanged. The gradients equal torch's to float tolerance (another order of summation); double backward
 // (create_graph=True) works, through torch's differentiable convolution backward.
 #pragma once
 
@@ -34,7 +34,7 @@ at::Tensor lean_conv2d(const at::Tensor& input, const at::Tensor& weight,
 
 // Whether lean_conv2d runs the lean backward for these arguments: a depthwise convolution
 // (groups == input.size(1) == weight.size(0), weight.size(1) == 1) of a CPU float32/float64
-// contiguous 4-d input, plain tensors, CPU autocast off (under it torch's conv2d computes in
+// contiguous or channels_last 4-d input, plain tensors, CPU autocast off (under it torch's conv2d computes in
 // bfloat16, and so does this). (Whether a gradient is wanted is the caller's.)
 bool lean_conv2d_applies(const at::Tensor& input, const at::Tensor& weight, int64_t groups);
 

@@ -1,7 +1,8 @@
 // Tests of memlean::lean_conv2d (C++ API; under ASan/UBSan in CI): torch's forward exactly,
 // gradients of a depthwise convolution equal to float64 autograd's for strides 1 and 2 and
-// asymmetric padding, the input gradient the one tensor of the input's size its backward
-// allocates (memstats' exact CPU bytes), torch's path where it does not apply.
+// asymmetric padding, contiguous and channels_last, the input gradient the one tensor of the
+// input's size its backward allocates (memstats' exact CPU bytes), torch's path where it does
+// not apply.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -58,6 +59,28 @@ INSTANTIATE_TEST_SUITE_P(Geometry, LeanConvTest,
                                   std::to_string(k.dilation) + "Kernel" +
                                   std::to_string(k.kernel);
                          });
+
+TEST(LeanConv, ChannelsLastGradientsAreFloat64sInItsLayout) {
+  at::manual_seed(1);
+  const at::Tensor x = at::randn({2, 6, 9, 8}).contiguous(at::MemoryFormat::ChannelsLast);
+  const at::Tensor w0 = at::randn({6, 1, 5, 5}), b0 = at::randn({6});
+  ASSERT_TRUE(lean_conv2d_applies(x, w0, 6));
+  const at::Tensor xs = x.clone().requires_grad_(), w = w0.clone().requires_grad_(),
+                   b = b0.clone().requires_grad_();
+  const at::Tensor y = lean_conv2d(xs, w, b, {2, 1}, {2, 1}, {1}, 6);
+  EXPECT_NE(y.grad_fn()->name().find("LeanConvFunction"), std::string::npos);
+  const at::Tensor dy = at::randn(y.sizes());
+  const auto g = torch::autograd::grad({y}, {xs, w, b}, {dy});
+  EXPECT_EQ(g[0].strides(), x.strides());
+  const at::Tensor x64 = x.to(at::kDouble).requires_grad_(),
+                   w64 = w0.to(at::kDouble).requires_grad_(),
+                   b64 = b0.to(at::kDouble).requires_grad_();
+  const auto r = torch::autograd::grad({at::conv2d(x64, w64, b64, {2, 1}, {2, 1}, {1}, 6)},
+                                       {x64, w64, b64}, {dy.to(at::kDouble)});
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_TRUE(at::allclose(g[i].to(at::kDouble), r[i], 1e-5, 1e-5)) << "gradient " << i;
+  }
+}
 
 TEST(LeanConv, BackwardAllocatesTheInputGradientAndNoOtherTensorOfItsSize) {
   const at::Tensor x0 = at::randn({8, 16, 32, 32});

@@ -3,13 +3,13 @@ depthwise convolution, a backward that allocates the input gradient and nothing 
 input's size.
 
 Asserted: its output equals F.conv2d's exactly; its gradients (and double-backward
-gradients) equal float64 autograd's, for strides 1 and 2, kernels 1 to 5, dilation,
-asymmetric and zero padding, with and without bias, float32 and float64; the bytes its
-backward allocates, exactly (memstats, CPU): the input gradient and per-channel vectors, no
-other tensor of the input's size; what it leaves to torch (other groups, channels_last,
-bfloat16, padding="same", no_grad) is F.conv2d itself, errors included; lean_forward on
-torch's and timm's depthwise convolutions, eager and compiled (aot_eager and inductor,
-fullgraph: no graph break).
+gradients) equal float64 autograd's, contiguous and channels_last, for strides 1 to 3,
+kernels 1 to 5, dilation, asymmetric and zero padding, with and without bias, float32 and
+float64; the bytes its backward allocates, exactly (memstats, CPU): the input gradient and
+per-channel vectors, no other tensor of the input's size; what it leaves to torch (other
+groups, bfloat16, padding="same", no_grad, autocast, other layouts) is F.conv2d itself,
+errors included; lean_forward on torch's and timm's depthwise convolutions, eager and
+compiled (aot_eager and inductor, fullgraph: no graph break).
 """
 import pytest
 import torch
@@ -46,11 +46,14 @@ def make(n, c, h, w, kernel, bias, dtype, seed=0):
     return x, weight, b
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("n,c,h,w,kernel,stride,padding,dilation,bias", CASES)
 def test_forward_is_torchs_gradients_float64s(n, c, h, w, kernel, stride, padding, dilation,
-                                              bias, dtype):
+                                              bias, dtype, channels_last):
     x, weight, b = make(n, c, h, w, kernel, bias, dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
     assert _C.lean_conv2d_applies(x, weight, c)
     args = (stride, padding, dilation, c)
     runs = {}
@@ -64,6 +67,7 @@ def test_forward_is_torchs_gradients_float64s(n, c, h, w, kernel, stride, paddin
         runs[name] = (y, xs.grad, ws.grad, bs.grad if bias else None)
     lean = runs["lean"]
     assert "LeanConvFunction" in lean[0].grad_fn.name()
+    assert lean[1].stride() == x.stride()  # the input's layout
     assert torch.equal(lean[0], F.conv2d(x, weight, b, *args))  # the same forward kernel
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
     for a, r in zip(lean[1:], runs["reference"][1:]):
@@ -119,10 +123,13 @@ def backward_bytes(fn, x0):
     return peak
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("stride", [1, 2])
-def test_backward_allocates_the_input_gradient_and_per_channel_vectors(stride):
+def test_backward_allocates_the_input_gradient_and_per_channel_vectors(stride, channels_last):
     c = 16
     x0 = torch.randn(8, c, 32, 32)
+    if channels_last:
+        x0 = x0.contiguous(memory_format=torch.channels_last)
     weight = torch.randn(c, 1, 3, 3, requires_grad=True)
     bias = torch.zeros(c, requires_grad=True)
     peak = backward_bytes(lambda h: memlean.conv2d(h, weight, bias, stride, 1, 1, c), x0)
@@ -141,7 +148,7 @@ def test_gradient_of_another_layout_is_read_as_it_is():
 
 
 @pytest.mark.parametrize("case", ["groups 1", "two per group", "channel multiplier",
-                                  "channels_last", "bfloat16", "padding same", "no_grad",
+                                  "bfloat16", "padding same", "no_grad",
                                   "no grad needed", "strided", "autocast"])
 def test_what_it_leaves_to_torch_is_torchs(case):
     x, weight, b = make(2, 4, 8, 8, (3, 3), True, torch.float32, seed=3)
@@ -152,8 +159,6 @@ def test_what_it_leaves_to_torch_is_torchs(case):
         weight, groups = torch.randn(4, 2, 3, 3), 2
     elif case == "channel multiplier":
         weight, b = torch.randn(8, 1, 3, 3), torch.randn(8)
-    elif case == "channels_last":
-        x = x.contiguous(memory_format=torch.channels_last)
     elif case == "bfloat16":
         x, weight, b = x.bfloat16(), weight.bfloat16(), b.bfloat16()
     elif case == "padding same":
