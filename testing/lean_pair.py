@@ -1,7 +1,15 @@
-"""`from lean_pair import train_pair`: train a model and its copy whose module(s) run
+"""`from lean_pair import twins, train_pair`: train a model and its copy whose module(s) run
 memlean.lean.lean_forward side by side, eager or compiled, for the lean-backward tests."""
 import torch
 import torch._dynamo
+
+
+def twins(make):
+    """Two models from make() with the same parameters and buffers: (plain, lean)."""
+    torch.manual_seed(0)
+    plain, lean = make(), make()
+    lean.load_state_dict(plain.state_dict())
+    return plain, lean
 
 
 def train_pair(plain, lean, x, compiled=None, steps=2):

@@ -44,13 +44,17 @@ struct Shape {
   bool channels_last = false;  // the input's layout (else contiguous NCHW)
 };
 
-// Output columns ow whose input column ow * stride + off lies in [0, w): [lo, hi).
-std::pair<int64_t, int64_t> columns(const Shape& s, int64_t kw) {
+// For kernel column kw: the offset off of its input columns (ow * stride + off), and the
+// output columns [lo, hi) whose input column lies in [0, w).
+struct Columns {
+  int64_t off, lo, hi;
+};
+Columns columns(const Shape& s, int64_t kw) {
   const int64_t sw = s.stride[1];
   const int64_t off = kw * s.dilation[1] - s.padding[1];
   const int64_t lo = off >= 0 ? 0 : (-off + sw - 1) / sw;
   const int64_t hi = s.w - 1 - off < 0 ? 0 : std::min(s.ow, (s.w - 1 - off) / sw + 1);
-  return {lo, hi};
+  return {off, lo, hi};
 }
 
 // One channel's gradients, channels [c0, c1): gi (the input gradient, zeroed; nullptr when
@@ -87,8 +91,7 @@ void depthwise_backward(const Shape& s, const T* go, const T* x, const T* weight
             const T* xrow = xp + ih * s.w;
             T* girow = gp == nullptr ? nullptr : gp + ih * s.w;
             for (int64_t kw = 0; kw < s.kw; ++kw) {
-              const int64_t off = kw * s.dilation[1] - s.padding[1];
-              const auto [lo, hi] = columns(s, kw);
+              const auto [off, lo, hi] = columns(s, kw);
               if (lo >= hi) continue;
               const T wv = wc[kh * s.kw + kw];
               T a = 0;
@@ -158,8 +161,7 @@ void depthwise_backward_channels_last(const Shape& s, const T* go, const T* x, c
             const int64_t ih = oh * s.stride[0] - s.padding[0] + kh * s.dilation[0];
             if (ih < 0 || ih >= s.h) continue;
             for (int64_t kw = 0; kw < s.kw; ++kw) {
-              const int64_t off = kw * s.dilation[1] - s.padding[1];
-              const auto [lo, hi] = columns(s, kw);
+              const auto [off, lo, hi] = columns(s, kw);
               if (lo >= hi) continue;
               const int64_t k = kh * s.kw + kw;
               const T* wk = wt.data() + k * c_size;

@@ -1,7 +1,7 @@
 // memlean::grad_owned_alone(): whether a backward may write its input gradient over the
 // incoming one; memlean::is_wrapped(): whether a tensor is not a plain one. Shared by
-// Swish's backwards (ops/swish) and the lean BatchNorm (ops/checkpoint/lean_batchnorm.h).
-// Internal to memlean.
+// Swish's backwards (ops/swish), the lean BatchNorm (ops/checkpoint/lean_batchnorm.h) and the
+// lean convolution (ops/checkpoint/lean_conv.h). Internal to memlean.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -9,14 +9,6 @@
 
 namespace memlean {
 
-// Whether grad may be overwritten by a tensor laid out as `like` (the saved tensor whose
-// gradient the backward computes): grad is its one reference (autograd handed it over by
-// reference: torch::autograd::Function::backward(ctx, variable_list&)) and its storage's
-// only tensor (not a view of a gradient handed on elsewhere, e.g. cat's or add's backward;
-// not kept by a hook or retain_grad, nor captured by torch.autograd.grad), it spans all of
-// its storage, has like's dtype, device, sizes and strides (dense), and is a plain CPU or
-// CUDA tensor (no tensor subclass, FakeTensor, functionalization or functorch wrapper, no
-// TorchDispatchMode: under tracing the out-of-place op is recorded, as before).
 // Whether t is not a plain tensor: a tensor subclass, FakeTensor, functionalization or
 // functorch wrapper (its memory is not what its data pointer says, or not ours to write).
 inline bool is_wrapped(const at::Tensor& t) {
@@ -29,6 +21,14 @@ inline bool is_wrapped(const at::Tensor& t) {
   return t.key_set().has_any(wrapped);
 }
 
+// Whether grad may be overwritten by a tensor laid out as `like` (the saved tensor whose
+// gradient the backward computes): grad is its one reference (autograd handed it over by
+// reference: torch::autograd::Function::backward(ctx, variable_list&)) and its storage's
+// only tensor (not a view of a gradient handed on elsewhere, e.g. cat's or add's backward;
+// not kept by a hook or retain_grad, nor captured by torch.autograd.grad), it spans all of
+// its storage, has like's dtype, device, sizes and strides (dense), and is a plain CPU or
+// CUDA tensor (no tensor subclass, FakeTensor, functionalization or functorch wrapper, no
+// TorchDispatchMode: under tracing the out-of-place op is recorded, as before).
 inline bool grad_owned_alone(const at::Tensor& grad, const at::Tensor& like) {
   if (!grad.defined() || grad.use_count() != 1 || !grad.has_storage() ||
       grad.storage().use_count() != 1) {

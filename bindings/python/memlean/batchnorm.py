@@ -32,7 +32,14 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     or channels_last, in training with autograd recording, outside torch.compile. Everything
     else (eval, no_grad, CUDA, half/bfloat16, other layouts, tensor subclasses, compiled
     code) is torch's F.batch_norm itself."""
-    if _lean_applies(input, running_mean, running_var, weight, bias, training):
+    return _batch_norm(_lean_applies(input, running_mean, running_var, weight, bias, training),
+                       input, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
+def _batch_norm(lean, input, running_mean, running_var, weight, bias, training, momentum,
+                eps):
+    """memlean.batch_norm once _lean_applies has answered `lean` for these arguments."""
+    if lean:
         size = input.size()
         if input.numel() // size[1] == 1:  # as F.batch_norm (its _verify_batch_size)
             raise ValueError(f"Expected more than 1 value per channel when training, got input "

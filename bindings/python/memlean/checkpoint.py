@@ -431,7 +431,7 @@ def _call(name, function, args, kwargs, listed, buffers, preserve_rng_state, wat
 def restore_forward(module: torch.nn.Module, own) -> None:
     """Put back a module's forward as it was before a wrapper replaced it: its own instance
     attribute `own` (module.__dict__.get("forward") then), or none (its class's). The undo of
-    memlean.fit's checkpoint wraps and of memlean.batchnorm.lean_forward."""
+    memlean.fit's checkpoint wraps and of memlean.lean.lean_forward."""
     if own is None:
         del module.forward
     else:

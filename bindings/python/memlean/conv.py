@@ -15,11 +15,18 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     depthwise convolution allocates 2 to 5 more tensors of that size (im2col or oneDNN's
     reorders). Gradients equal torch's to float tolerance; double backward works.
 
-    The lean backward runs for CPU float32/float64 contiguous 4-d inputs with integer
-    padding, with autograd recording, outside torch.compile and CPU autocast. Everything else
-    (other groups, CUDA, half/bfloat16, channels_last, padding="same"/"valid", tensor
-    subclasses, compiled code, autocast's bfloat16 convolution) is torch's F.conv2d itself."""
-    if _lean_applies(input, weight, bias, padding, groups):
+    The lean backward runs for CPU float32/float64 4-d inputs, contiguous or channels_last,
+    with integer padding, with autograd recording, outside torch.compile and CPU autocast.
+    Everything else (other groups, CUDA, half/bfloat16, other layouts, padding="same"/"valid",
+    tensor subclasses, compiled code, autocast's bfloat16 convolution) is torch's F.conv2d
+    itself."""
+    return _conv2d(_lean_applies(input, weight, bias, padding, groups), input, weight, bias,
+                   stride, padding, dilation, groups)
+
+
+def _conv2d(lean, input, weight, bias, stride, padding, dilation, groups):
+    """memlean.conv2d once _lean_applies has answered `lean` for these arguments."""
+    if lean:
         return _C.lean_conv2d(input, weight, bias, _pair(stride), _pair(padding),
                               _pair(dilation), int(groups))
     return F.conv2d(input, weight, bias, stride, padding, dilation, groups)

@@ -93,8 +93,8 @@ class FitAction:
     (memlean.conv2d's backward, CPU eager steps) or "checkpoint". bytes_saved: for a
     checkpoint, the saved bytes it frees under the planner's model; for a Swish, a BatchNorm
     or a convolution, the measured saving of all these swaps shared in proportion to the
-    modules' output bytes. recompute_seconds: the module's measured forward time (the mean over the
-    modules that do the same work, e.g. a model's repeated blocks; 0 for a swap)."""
+    modules' output bytes. recompute_seconds: the module's measured forward time (the mean
+    over the modules that do the same work, e.g. a model's repeated blocks; 0 for a swap)."""
 
     path: str
     action: str
@@ -1179,11 +1179,11 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         found, chosen, peak, predicted, _, least, _ = _C.fit.search(
             problem.base, problem.atoms, candidates, budget, current.optimizer_peak,
             empty_peak, measure, atom_backward_extra_bytes=problem.backward_extras)
-        remembered = _LEAST_PLANS.setdefault(model, {})
         signature = _signature(problem, compile_options)
-        if not found and signature in remembered and remembered[signature][1] <= budget:
+        remembered = _LEAST_PLANS.get(model, {}).get(signature)
+        if not found and remembered is not None and remembered[1] <= budget:
             # The plan that reached the least an earlier FitError named for this very step.
-            chosen = list(remembered[signature][0])
+            chosen = list(remembered[0])
             peak = _measure_plan(step, calls, chosen, compile_options)
             found = peak <= budget
             predicted = _C.fit.predicted_peak(problem.base, problem.atoms, candidates, chosen,
@@ -1195,7 +1195,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                         sum(isinstance(calls[i].module, _Run) for i in chosen))
         reached = [c for c, p in measured.items() if p == least]
         if reached:
-            remembered[signature] = (reached[0], least)
+            _LEAST_PLANS.setdefault(model, {})[signature] = (reached[0], least)
         raise FitError(
             f"{_NAME}: budget_bytes={budget} ({_gib(budget)}) is below the least step peak "
             f"memlean.fit reaches for this model and batch: {_C.fit.describe_bytes(least)} "
@@ -1300,9 +1300,11 @@ def _lean_modules(model, rec: _Recorder, undo_steps) -> list:
     backward (memlean.lean.lean_forward). Returns (path, action, output bytes, taken) per
     module; taken() counts the calls its forward ran lean since."""
     paths = _paths(model)
-    by_module = {}
+    by_module, actions = {}, {}
     for c in rec.calls:
-        if _lean_action(c.module) is not None:
+        if id(c.module) not in actions:
+            actions[id(c.module)] = _lean_action(c.module)
+        if actions[id(c.module)] is not None:
             by_module.setdefault(id(c.module), []).append(c)
     leans = []
     for calls in sorted(by_module.values(), key=lambda cs: cs[0].begin):
@@ -1310,7 +1312,7 @@ def _lean_modules(model, rec: _Recorder, undo_steps) -> list:
         undo, taken = lean_forward(module)
         undo_steps.append(undo)
         out_bytes = sum(n for c in calls for _, n in c.outputs[:1])
-        leans.append((paths.get(id(module), "?"), _lean_action(module), out_bytes,
+        leans.append((paths.get(id(module), "?"), actions[id(module)], out_bytes,
                       (undo, taken)))
     return leans
 

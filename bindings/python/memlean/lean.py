@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from memlean.batchnorm import _lean_applies as _lean_batch_norm, batch_norm
+from memlean.batchnorm import _batch_norm, _lean_applies as _lean_batch_norm
 from memlean.checkpoint import restore_forward
-from memlean.conv import _lean_applies as _lean_conv, conv2d
+from memlean.conv import _conv2d, _lean_applies as _lean_conv
 
 
 class _LeanMode(TorchFunctionMode):
@@ -31,15 +31,15 @@ class _LeanMode(TorchFunctionMode):
 
     def _batch_norm(self, input, running_mean, running_var, weight=None, bias=None,
                     training=False, momentum=0.1, eps=1e-5):
-        if _lean_batch_norm(input, running_mean, running_var, weight, bias, training):
-            self.calls += 1
-        return batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
-                          eps)
+        lean = _lean_batch_norm(input, running_mean, running_var, weight, bias, training)
+        self.calls += lean
+        return _batch_norm(lean, input, running_mean, running_var, weight, bias, training,
+                           momentum, eps)
 
     def _conv2d(self, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
-        if _lean_conv(input, weight, bias, padding, groups):
-            self.calls += 1
-        return conv2d(input, weight, bias, stride, padding, dilation, groups)
+        lean = _lean_conv(input, weight, bias, padding, groups)
+        self.calls += lean
+        return _conv2d(lean, input, weight, bias, stride, padding, dilation, groups)
 
 
 def lean_forward(module: torch.nn.Module):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import memlean
 from memlean import _C
 from memlean.lean import lean_forward
-from lean_pair import train_pair
+from lean_pair import train_pair, twins
 from optional_deps import available
 
 D = torch.float64
@@ -225,10 +225,7 @@ def norms():
 @pytest.mark.parametrize("norm", list(norms()))
 @pytest.mark.parametrize("compiled", [None, "aot_eager", "inductor"])
 def test_lean_forward_on_modules_eager_and_compiled(norm, compiled):
-    torch.manual_seed(0)
-    plain = ConvNet(norms()[norm])
-    lean = ConvNet(norms()[norm])
-    lean.load_state_dict(plain.state_dict())
+    plain, lean = twins(lambda: ConvNet(norms()[norm]))
     undo, taken = lean_forward(lean.bn)
     x = torch.randn(4, 3, 8, 8).contiguous(memory_format=torch.channels_last)
     train_pair(plain, lean, x, compiled)  # gradients equal

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import memlean
 from memlean import _C
 from memlean.lean import lean_forward
-from lean_pair import train_pair
+from lean_pair import train_pair, twins
 from optional_deps import available
 
 D = torch.float64
@@ -219,10 +219,7 @@ def depthwise_convs():
 @pytest.mark.parametrize("conv", list(depthwise_convs()))
 @pytest.mark.parametrize("compiled", [None, "aot_eager", "inductor"])
 def test_lean_forward_on_modules_eager_and_compiled(conv, compiled):
-    torch.manual_seed(0)
-    plain = DepthwiseNet(depthwise_convs()[conv])
-    lean = DepthwiseNet(depthwise_convs()[conv])
-    lean.load_state_dict(plain.state_dict())
+    plain, lean = twins(lambda: DepthwiseNet(depthwise_convs()[conv]))
     undo, taken = lean_forward(lean.dw)
     untaken = lean_forward(lean.pw)[1]  # not depthwise: torch's
     train_pair(plain, lean, torch.randn(4, 3, 9, 9), compiled)  # gradients equal
