@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import memlean
 from memlean import _C
 from memlean.lean import lean_forward
-from lean_pair import train_pair, twins
+from lean_pair import assert_double_backward_equal, backward_bytes, train_pair, twins
 from optional_deps import available
 
 D = torch.float64
@@ -103,34 +103,9 @@ def test_forward_and_statistics_are_torchs_gradients_float64s(shape, channels_la
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_double_backward_equals_float64_autograd(channels_last):
     x, w, b, _ = make((3, 4, 5, 3), channels_last, True, D, seed=1)
-    grads = {}
-    for name, fn in (("lean", lambda x, w, b: memlean.batch_norm(x, None, None, w, b, True)),
-                     ("reference", lambda x, w, b: reference(x, w, b, 1e-5))):
-        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
-        y = fn(xs, ws, bs)
-        gx, gw = torch.autograd.grad((y * y.detach().sin()).sum(), (xs, ws), create_graph=True)
-        grads[name] = torch.autograd.grad(gx.pow(2).sum() + gw.pow(3).sum(), (xs, ws, bs),
-                                          allow_unused=True)
-    for a, r in zip(grads["lean"], grads["reference"]):
-        if r is None:
-            assert a is None or torch.count_nonzero(a) == 0
-        else:
-            torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-9)
-
-
-def backward_peak(fn, x0, owned):
-    """Bytes the backward of y = fn(h) allocates above its start (memstats, exact on CPU),
-    h a leaf. owned: dL/dy comes from y * 2 (autograd alone holds it), else the caller's."""
-    h = x0.clone().requires_grad_()
-    y = fn(h)
-    out = y * 2 if owned else y
-    dy = torch.ones_like(x0)
-    with memlean.memstats.track() as t:
-        start = t.current
-        out.backward(dy)
-        peak = t.peak - start
-    assert h.grad is not None
-    return peak
+    assert_double_backward_equal(lambda x, w, b: memlean.batch_norm(x, None, None, w, b, True),
+                                 lambda x, w, b: reference(x, w, b, 1e-5), x, w, b,
+                                 lambda y: (y * y.detach().sin()).sum(), 1e-9)
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
@@ -146,12 +121,12 @@ def test_backward_allocates_no_tensor_of_the_inputs_size_when_it_owns_the_gradie
     # Per-channel vectors (a few doubles per channel) are all the lean backward adds to the
     # incoming gradient (owned: overwritten into h.grad) or to the one input gradient.
     per_channel = 64 * c * 8
-    owned = backward_peak(lean, x0, owned=True)
+    owned = backward_bytes(lean, x0, owned=True)
     assert nbytes <= owned < nbytes + per_channel  # y * 2's gradient, then nothing
-    held = backward_peak(lean, x0, owned=False)
+    held = backward_bytes(lean, x0, owned=False)
     assert nbytes <= held < nbytes + per_channel  # the input gradient only
     # torch's own backward allocates its input gradient beside the incoming one.
-    assert backward_peak(plain, x0, owned=True) >= owned + nbytes
+    assert backward_bytes(plain, x0, owned=True) >= owned + nbytes
 
 
 def test_gradient_kept_elsewhere_is_not_overwritten():

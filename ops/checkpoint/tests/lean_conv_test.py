@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import memlean
 from memlean import _C
 from memlean.lean import lean_forward
-from lean_pair import train_pair, twins
+from lean_pair import assert_double_backward_equal, backward_bytes, train_pair, twins
 from optional_deps import available
 
 D = torch.float64
@@ -94,33 +94,9 @@ def test_only_the_wanted_gradients(wanted):
 
 def test_double_backward_equals_float64_autograd():
     x, weight, b = make(2, 3, 9, 9, (3, 3), True, D, seed=2)
-    grads = {}
-    for name, fn in (("lean", memlean.conv2d), ("reference", F.conv2d)):
-        xs, ws, bs = (t.clone().requires_grad_() for t in (x, weight, b))
-        y = fn(xs, ws, bs, 2, 1, 1, 3)
-        gx, gw = torch.autograd.grad((y * y.detach().sin()).pow(2).sum(), (xs, ws),
-                                     create_graph=True)
-        grads[name] = torch.autograd.grad(gx.pow(2).sum() + gw.pow(3).sum(), (xs, ws, bs),
-                                          allow_unused=True)
-    for a, r in zip(grads["lean"], grads["reference"]):
-        if r is None:
-            assert a is None or torch.count_nonzero(a) == 0
-        else:
-            torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-10)
-
-
-def backward_bytes(fn, x0):
-    """Bytes the backward of y = fn(h) allocates above its start (memstats, exact on CPU), h a
-    leaf, dL/dy the caller's tensor."""
-    h = x0.clone().requires_grad_()
-    y = fn(h)
-    dy = torch.ones_like(y)
-    with memlean.memstats.track() as t:
-        start = t.current
-        y.backward(dy)
-        peak = t.peak - start
-    assert h.grad is not None
-    return peak
+    assert_double_backward_equal(lambda x, w, b: memlean.conv2d(x, w, b, 2, 1, 1, 3),
+                                 lambda x, w, b: F.conv2d(x, w, b, 2, 1, 1, 3), x, weight, b,
+                                 lambda y: (y * y.detach().sin()).pow(2).sum(), 1e-10)
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
