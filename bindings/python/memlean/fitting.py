@@ -65,7 +65,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from memlean import _C, memstats
+from memlean import _C, memstats, sliced
 from memlean.lean import lean_forward
 from memlean.checkpoint import (_module_buffers, checkpoint_module_forward,
                                 checkpoint_run_forward, module_parameters, restore_forward)
@@ -90,11 +90,14 @@ class FitError(ValueError):
 class FitAction:
     """One change fit made. action: "inplace swish", "memory_efficient swish", "lean
     batchnorm" (memlean.batch_norm's backward, CPU eager steps), "lean depthwise conv"
-    (memlean.conv2d's backward, CPU eager steps) or "checkpoint". bytes_saved: for a
-    checkpoint, the saved bytes it frees under the planner's model; for a Swish, a BatchNorm
-    or a convolution, the measured saving of all these swaps shared in proportion to the
-    modules' output bytes. recompute_seconds: the module's measured forward time (the mean
-    over the modules that do the same work, e.g. a model's repeated blocks; 0 for a swap)."""
+    (memlean.conv2d's backward, CPU eager steps), "sliced recompute" (a run of channelwise
+    modules recomputed slice by slice of channels, memlean.sliced; CPU eager steps) or
+    "checkpoint". bytes_saved: for a checkpoint, the saved bytes it frees under the planner's
+    model; for a sliced run, the saved bytes its calls lost, measured; for a Swish, a
+    BatchNorm or a convolution, the measured saving of all these swaps shared in proportion
+    to the modules' output bytes. recompute_seconds: the module's measured forward time (the
+    mean over the modules that do the same work, e.g. a model's repeated blocks; a sliced
+    run's modules' forward time; 0 for a swap)."""
 
     path: str
     action: str
@@ -122,7 +125,7 @@ class FitPlan:
     (parameters, buffers, optimizer state and the batch at the step's start). eager_peak_bytes:
     the step's peak measured before any change. actions: the FitActions, in forward order.
     undo() puts the model back as it was; to_json() and str() report the plan (str() also
-    says when runs of sibling modules are checkpointed: in eager steps only).
+    says when runs of sibling modules are checkpointed or sliced: in eager steps only).
     """
 
     def __init__(self, budget_bytes, peak_bytes, predicted_peak_bytes, fixed_bytes,
@@ -160,7 +163,7 @@ class FitPlan:
             "eager_peak_bytes": self.eager_peak_bytes,
             "device": self.device,
             "fit_seconds": self.fit_seconds,
-            # Runs of sibling modules among the checkpoints: eager steps only (see __str__).
+            # Runs of sibling modules checkpointed or sliced: eager steps only (see __str__).
             "eager_only_runs": self._eager_only_runs,
             "actions": [asdict(a) for a in self.actions],
         }
@@ -194,16 +197,18 @@ class FitPlan:
         swaps = sum(1 for a in self.actions if a.action.endswith("swish"))
         norms = sum(1 for a in self.actions if a.action == "lean batchnorm")
         convs = sum(1 for a in self.actions if a.action == "lean depthwise conv")
-        checkpoints = len(self.actions) - swaps - norms - convs
+        slices = sum(1 for a in self.actions if a.action == "sliced recompute")
+        checkpoints = len(self.actions) - swaps - norms - convs - slices
         total = sum(a.recompute_seconds for a in self.actions)
         lean = f"{norms} BatchNorm(s) with the lean backward, " if norms else ""
         lean += f"{convs} depthwise Conv2d(s) with the lean backward, " if convs else ""
+        lean += f"{slices} chain(s) recomputed in channel slices, " if slices else ""
         lines.append(f"  {swaps} Swish swapped, {lean}{checkpoints} module(s) checkpointed, "
                      f"{total * 1e3:.1f} ms recomputed per step")
         if self._eager_only_runs:
             lines.append(f"  {self._eager_only_runs} of them run(s) of sibling modules, "
-                         f"checkpointed in eager steps only: under torch.compile this model is "
-                         f"not held to the budget (fit with compile=True for that)")
+                         f"checkpointed or sliced in eager steps only: under torch.compile this "
+                         f"model is not held to the budget (fit with compile=True for that)")
         return "\n".join(lines)
 
 
@@ -696,9 +701,9 @@ def _wrap_run(run: _Run):
     def head(*args, **kwargs):
         if state.handed:
             strayed(f"{type(modules[0]).__name__} was called again inside the run")
-        if not (state.active and torch.is_grad_enabled() and modules[0].training):
+        out = run.run(chain, args, kwargs) if state.active else None
+        if out is None:
             return originals[0](*args, **kwargs)
-        out = checkpoint_run_forward(chain, run.parameters(), run.buffers(), args, kwargs)
         state.handed, state.out = 1, out
         return out
 
@@ -824,6 +829,13 @@ class _Run:
     def parameters(self):
         return list({id(p): p for m in self.modules for p in module_parameters(m)}.values())
 
+    def run(self, chain, args, kwargs):
+        """The run's output in a training step (grad enabled, the first module training):
+        checkpointed; None where its modules run as they are."""
+        if not (torch.is_grad_enabled() and self.modules[0].training):
+            return None
+        return checkpoint_run_forward(chain, self.parameters(), self.buffers(), args, kwargs)
+
     def buffers(self):
         return list({id(b): b for m in self.modules for b in _module_buffers(m)}.values())
 
@@ -836,11 +848,28 @@ class _Run:
         return f"{parent + '.' if parent else ''}({name}..{last})"
 
 
+class _Slice(_Run):
+    """A run fit recomputes channel slice by channel slice (memlean.sliced): an optional
+    ungrouped convolution, then BatchNorms, elementwise activations and depthwise
+    convolutions of one channel count."""
+
+    def __init__(self, modules, parent, channels):
+        super().__init__(modules, parent)
+        self.roles = [sliced.role(m) for m in self.modules]
+        self.channels = channels
+
+    def run(self, chain, args, kwargs):
+        if not (self.modules[0].training and len(args) == 1 and not kwargs
+                and sliced.applies(args[0])):
+            return None  # (eval, CUDA, autocast, other dtypes: the modules in turn)
+        return sliced.run_sliced(args[0], self.modules, self.roles, self.channels)
+
+
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _LONGEST_RUN = 32  # module calls
 
 
-def _runs(eager: _Recorder, current: _Recorder, root) -> List[List[int]]:
+def _runs(eager: _Recorder, current: _Recorder, root, whole=False) -> List[List[int]]:
     """The runs of 2 or more sibling calls that can be checkpointed as one, as indices into
     current.calls (the step planned on), checked on eager's dataflow (its op numbers and
     reads; current is the same forward after the Swish swap). A run's calls each take one
@@ -848,7 +877,7 @@ def _runs(eager: _Recorder, current: _Recorder, root) -> List[List[int]]:
     return one tensor, are the only calls of their modules and have no hooks; the tensors
     passed inside it are read by no op after it nor handed to any call outside it; its
     first call does not write its input, nor does a later one write that input's storage;
-    and it is not all of a parent whose forward does nothing else."""
+    and it is not all of a parent whose forward does nothing else (whole: it may be)."""
     calls, found = current.calls, []
     flow = eager.dataflow
     if flow is None or len(eager.calls) != len(calls):
@@ -884,8 +913,8 @@ def _runs(eager: _Recorder, current: _Recorder, root) -> List[List[int]]:
             continue
         kids.sort(key=lambda k: eager.calls[k].begin)
         p = eager.calls[parent]
-        whole = (eager.calls[kids[0]].seq_begin == p.seq_begin
-                 and eager.calls[kids[-1]].seq_end == p.seq_end)  # nothing but its children
+        everything = (eager.calls[kids[0]].seq_begin == p.seq_begin
+                      and eager.calls[kids[-1]].seq_end == p.seq_end)  # nothing but its children
         start = 0
         while start < len(kids):
             stop = start + 1  # [start, stop): a chain of linked members
@@ -895,7 +924,7 @@ def _runs(eager: _Recorder, current: _Recorder, root) -> List[List[int]]:
                     stop += 1
             for i in range(start, stop):
                 for j in range(i + 1, min(stop, i + _LONGEST_RUN)):
-                    if whole and i == 0 and j == len(kids) - 1:
+                    if everything and not whole and i == 0 and j == len(kids) - 1:
                         continue  # the parent itself is the candidate
                     run = kids[i:j + 1]
                     if _run_is_safe(eager, current, run, last_read, users):
@@ -931,12 +960,83 @@ def _buffers_of(module):
     return module.buffers() if isinstance(module, _Run) else _module_buffers(module)
 
 
-def _problem(measured: _Measured, root, runs=()):
+def _slices(eager: _Recorder, current: _Recorder, root) -> List[_Slice]:
+    """The chains memlean.sliced can recompute slice by slice, among the runs of sibling
+    calls (_runs, a parent's whole forward included) that pay for their recompute: the
+    widest output 1 MiB or more (not, e.g., a squeeze-excitation's), and a head convolution
+    only where its output is at least twice its input (an inverted residual block's
+    expansion; not its projection, whose slices would each make a gradient of the whole wide
+    input): the longest first, none overlapping another."""
+    found = []
+    for run in _runs(eager, current, root, whole=True):
+        modules = [current.calls[k].module for k in run]
+        channels = sliced.chain_channels(modules)
+        first = current.calls[run[0]]
+        wide = max(n for k in run for _, n in current.calls[k].outputs[:1])
+        widens = (sliced.role(modules[0]) != "head"
+                  or first.outputs[0][1] >= 2 * sum(n for _, n in first.inputs[:1]))
+        if channels is not None and wide >= 1 << 20 and widens:
+            found.append((run, modules, channels))
+    found.sort(key=lambda f: (-len(f[0]), f[0][0]))
+    taken, chains = set(), []
+    for run, modules, channels in found:
+        if not taken & set(run):
+            taken |= set(run)
+            chains.append((run[0], _Slice(modules, current.calls[run[0]].parent.module,
+                                          channels)))
+    return [c for _, c in sorted(chains, key=lambda c: c[0])]
+
+
+def _inside(chains) -> set:
+    """id() of every module of the sliced chains and of their submodules."""
+    return {id(sub) for c in chains for m in c.modules for sub in m.modules()}
+
+
+def _runs_beside(runs, before: _Measured, after: _Measured, chains) -> List[List[int]]:
+    """The runs found before slicing (indices into before's calls) that share no module with
+    the sliced chains, as indices into after's calls (slicing drops the calls inside a chain's
+    modules, e.g. a BatchNormAct2d's act)."""
+    inside = _inside(chains)
+    index = {id(c.module): k for k, c in enumerate(after.recorder.calls)}
+    kept = []
+    for run in runs:
+        modules = [before.recorder.calls[k].module for k in run]
+        if any(id(m) in inside for m in modules) or any(id(m) not in index for m in modules):
+            continue
+        kept.append([index[id(m)] for m in modules])
+    return kept
+
+
+def _slice_actions(chains, before: _Measured, after: _Measured, paths) -> List[FitAction]:
+    """A FitAction per sliced chain: the saved bytes its calls' atoms lost, and its modules'
+    forward time (what its backward recomputes)."""
+
+    def spans(measured):
+        rec, out = measured.recorder, {}
+        for c in rec.calls:
+            out[id(c.module)] = (c.begin, c.end, c.seconds)
+        return rec.atom_bytes, out
+
+    atoms_b, calls_b = spans(before)
+    atoms_a, calls_a = spans(after)
+    actions = []
+    for chain in chains:
+        first, last = id(chain.modules[0]), id(chain.modules[-1])
+        saved_b = sum(atoms_b[calls_b[first][0]:calls_b[last][1]])
+        saved_a = sum(atoms_a[calls_a[first][0]:calls_a[last][1]])
+        seconds = sum(calls_b[id(m)][2] for m in chain.modules if id(m) in calls_b)
+        actions.append(FitAction(chain.path(paths), "sliced recompute",
+                                 max(0, saved_b - saved_a), float(seconds)))
+    return actions
+
+
+def _problem(measured: _Measured, root, runs=(), exclude=frozenset()):
     """The planner's problem from a recorded step: base bytes, atoms, the candidates
     (modules called once, not the root, not writing their inputs in place, returning a
     tensor, keeping some bytes), their calls, and each atom's backward extra (what backward
     held above base and the saved bytes up to that atom: activation gradients and
-    temporaries, largest in the early, wide layers, where checkpointed steps peak)."""
+    temporaries, largest in the early, wide layers, where checkpointed steps peak). exclude:
+    id() of modules that are no candidates (those of sliced chains)."""
     rec = measured.recorder
     atoms = list(rec.atom_bytes)
     prefix = [0]
@@ -956,7 +1056,7 @@ def _problem(measured: _Measured, root, runs=()):
                                inputs=first.inputs, outputs=last.outputs))
     for c in sorted(rec.calls + run_calls, key=lambda c: (c.begin, -c.end)):
         if (c.module is root or counts.get(id(c.module), 1) != 1 or c.mutates_input
-                or not c.outputs):
+                or not c.outputs or id(c.module) in exclude):
             continue
         span = prefix[c.end] - prefix[c.begin]
         if span <= 0:
@@ -1163,44 +1263,78 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
 
         # 2. Checkpoints, planned; 3. verified and tightened.
         # Runs of sibling modules are eager-only (not checkpointed under torch.compile).
-        problem = _problem(current, model, _runs(eager.recorder, current.recorder, model)
-                           if runs and not compiled else ())
-        candidates, calls = problem.candidates, problem.calls
+        runs_found = (_runs(eager.recorder, current.recorder, model)
+                      if runs and not compiled else [])
+        problem = _problem(current, model, runs_found)
         paths = _paths(model)
-        # The search (ops/fit/search.h, the one loop of both languages): plan, measure each
-        # plan, lower the target by any excess, bisect back up; the fastest plan measured to
-        # fit, never one over the budget.
-        measured = {}  # chosen -> measured peak, every plan the search measured
 
-        def measure(chosen):
-            measured[tuple(chosen)] = _measure_plan(step, calls, chosen, compile_options)
-            return measured[tuple(chosen)]
+        def search(problem, empty_peak):
+            """The search (ops/fit/search.h, the one loop of both languages): plan, measure
+            each plan, lower the target by any excess, bisect back up; the fastest plan
+            measured to fit, never one over the budget. Returns (chosen or None, peak,
+            predicted, least)."""
+            measured = {}  # chosen -> measured peak, every plan the search measured
 
-        found, chosen, peak, predicted, _, least, _ = _C.fit.search(
-            problem.base, problem.atoms, candidates, budget, current.optimizer_peak,
-            empty_peak, measure, atom_backward_extra_bytes=problem.backward_extras)
-        signature = _signature(problem, compile_options)
-        remembered = _LEAST_PLANS.get(model, {}).get(signature)
-        if not found and remembered is not None and remembered[1] <= budget:
-            # The plan that reached the least an earlier FitError named for this very step.
-            chosen = list(remembered[0])
-            peak = _measure_plan(step, calls, chosen, compile_options)
-            found = peak <= budget
-            predicted = _C.fit.predicted_peak(problem.base, problem.atoms, candidates, chosen,
-                                              atom_backward_extra_bytes=problem.backward_extras)
-        if found:
-            undo_steps.extend(_wrap(calls[i].module) for i in chosen)
-            actions += _checkpoint_actions(calls, candidates, chosen, paths)
-            return done(peak, max(predicted, current.optimizer_peak),
-                        sum(isinstance(calls[i].module, _Run) for i in chosen))
-        reached = [c for c, p in measured.items() if p == least]
-        if reached:
-            _LEAST_PLANS.setdefault(model, {})[signature] = (reached[0], least)
+            def measure(chosen):
+                measured[tuple(chosen)] = _measure_plan(step, problem.calls, chosen,
+                                                        compile_options)
+                return measured[tuple(chosen)]
+
+            found, chosen, peak, predicted, _, least, _ = _C.fit.search(
+                problem.base, problem.atoms, problem.candidates, budget,
+                current.optimizer_peak, empty_peak, measure,
+                atom_backward_extra_bytes=problem.backward_extras)
+            signature = _signature(problem, compile_options)
+            remembered = _LEAST_PLANS.get(model, {}).get(signature)
+            if not found and remembered is not None and remembered[1] <= budget:
+                # The plan that reached the least an earlier FitError named for this step.
+                chosen = list(remembered[0])
+                peak = _measure_plan(step, problem.calls, chosen, compile_options)
+                found = peak <= budget
+                predicted = _C.fit.predicted_peak(
+                    problem.base, problem.atoms, problem.candidates, chosen,
+                    atom_backward_extra_bytes=problem.backward_extras)
+            if found:
+                return chosen, peak, predicted, least
+            reached = [c for c, p in measured.items() if p == least]
+            if reached:
+                _LEAST_PLANS.setdefault(model, {})[signature] = (reached[0], least)
+            return None, peak, predicted, least
+
+        def checkpointed(problem, chosen, peak, predicted, eager_only=0):
+            undo_steps.extend(_wrap(problem.calls[i].module) for i in chosen)
+            actions.extend(_checkpoint_actions(problem.calls, problem.candidates, chosen,
+                                               paths))
+            return done(peak, max(predicted, current.optimizer_peak), eager_only + sum(
+                isinstance(problem.calls[i].module, _Run) for i in chosen))
+
+        chosen, peak, predicted, least = search(problem, empty_peak)
+        if chosen is not None:
+            return checkpointed(problem, chosen, peak, predicted)
+        # 4. Below what checkpoints reach: chains of channelwise modules recomputed slice by
+        # slice of channels (memlean.sliced; CPU eager steps), then checkpoints again.
+        chains = _slices(eager.recorder, current.recorder, model) if lean else []
+        if chains:
+            wraps = [_wrap(c) for c in chains]
+            undo_steps.extend(wraps)
+            thin = step.run(record=True)
+            slice_actions = _slice_actions(chains, current, thin, paths)
+            if thin.peak <= budget:
+                actions.extend(slice_actions)
+                return done(thin.peak, thin.peak, len(chains))
+            problem2 = _problem(thin, model, _runs_beside(runs_found, current, thin, chains),
+                                exclude=_inside(chains))
+            current = thin  # (the step the search measures against)
+            chosen, peak, predicted, least2 = search(problem2, thin.peak)
+            if chosen is not None:
+                actions.extend(slice_actions)
+                return checkpointed(problem2, chosen, peak, predicted, len(chains))
+            least = min(least, least2, thin.peak)
         raise FitError(
             f"{_NAME}: budget_bytes={budget} ({_gib(budget)}) is below the least step peak "
             f"memlean.fit reaches for this model and batch: {_C.fit.describe_bytes(least)} "
             f"(in-place Swish where safe, lean BatchNorm and depthwise-convolution "
-            f"backwards, and checkpoints"
+            f"backwards, {'channel-sliced recompute, ' if chains else ''}and checkpoints"
             f"{', compiled with torch.compile' if compiled else ''}), measured; the eager step "
             f"peaks at {_C.fit.describe_bytes(eager.peak)}, of which "
             f"{_C.fit.describe_bytes(fixed)} are parameters, buffers, optimizer state and the "

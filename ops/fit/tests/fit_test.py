@@ -135,6 +135,37 @@ class MBNet(nn.Module):
         return self.head(self.blocks(self.stem(x)))
 
 
+class FlatMBConv(nn.Module):
+    """timm's inverted residual block: its modules siblings, called one after the other."""
+
+    def __init__(self, w_in, w_out, stride=1, expand=6, act=nn.SiLU):
+        super().__init__()
+        e = w_in * expand
+        self.residual = stride == 1 and w_in == w_out
+        self.conv_pw, self.bn1, self.act1 = nn.Conv2d(w_in, e, 1, bias=False), nn.BatchNorm2d(e), act()
+        self.conv_dw = nn.Conv2d(e, e, 3, stride=stride, padding=1, groups=e, bias=False)
+        self.bn2, self.act2 = nn.BatchNorm2d(e), act()
+        self.conv_pwl, self.bn3 = nn.Conv2d(e, w_out, 1, bias=False), nn.BatchNorm2d(w_out)
+
+    def forward(self, x):
+        y = self.act2(self.bn2(self.conv_dw(self.act1(self.bn1(self.conv_pw(x))))))
+        y = self.bn3(self.conv_pwl(y))
+        return x + y if self.residual else y
+
+
+class FlatMBNet(nn.Module):
+    def __init__(self, act=nn.SiLU):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16),
+                                  act())
+        self.blocks = nn.Sequential(FlatMBConv(16, 24, 2, act=act), FlatMBConv(24, 24, act=act),
+                                    FlatMBConv(24, 40, 2, act=act), FlatMBConv(40, 40, act=act))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(40, 10))
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)))
+
+
 # ---- an independent measurement of one step ------------------------------------------------
 
 
@@ -243,8 +274,9 @@ class FitTest(unittest.TestCase):
             self.assertLessEqual(measured, budget, f"budget {budget}: {plan}")
             self.assertEqual(measured, plan.peak_bytes, str(plan))
             # The printed plan says when it checkpoints runs (eager steps only), and only then.
-            runs = sum(a.action == "checkpoint" and a.path.endswith(")") for a in plan.actions)
-            self.assertEqual("checkpointed in eager steps only" in str(plan), runs > 0, str(plan))
+            runs = sum(a.action in ("checkpoint", "sliced recompute") and a.path.endswith(")")
+                       for a in plan.actions)
+            self.assertEqual("in eager steps only" in str(plan), runs > 0, str(plan))
             if runs:
                 self.assertIn(f"{runs} of them run(s) of sibling modules", str(plan))
             self.assertEqual(json.loads(plan.to_json())["eager_only_runs"], runs)
@@ -270,7 +302,14 @@ class FitTest(unittest.TestCase):
     def test_budget_is_a_promise_with_runs_of_sibling_modules(self):
         # fit(runs=True): budgets kept as without, plans that checkpoint runs, and a least
         # peak below the one without runs (the runs inside MBConv blocks skip their wide
-        # middle's saved tensors without recomputing the whole block).
+        # middle's saved tensors without recomputing the whole block). Channel slicing off
+        # (below the least checkpoints reach it takes the same blocks lower, runs or not:
+        # test_sliced_recompute_below_what_checkpoints_reach).
+        from memlean import fitting
+
+        no_slices = mock.patch.object(fitting, "_slices", lambda *a: [])
+        no_slices.start()
+        self.addCleanup(no_slices.stop)
         model = MBNet()
         x = torch.randn(8, 3, 32, 32)
         loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
@@ -579,6 +618,56 @@ class FitTest(unittest.TestCase):
             torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
         for (name, b), c in zip(model.named_buffers(), twin.buffers()):
             torch.testing.assert_close(b, c, rtol=1e-10, atol=1e-12, msg=name)
+
+    def test_sliced_recompute_below_what_checkpoints_reach(self):
+        # Below the least that checkpoints reach, fit recomputes each block's channelwise
+        # chain (conv_pw .. act2) slice by slice of channels: a lower least, every budget down
+        # to it kept in exact bytes, and training equal to eager's (float64: gradients,
+        # BatchNorm statistics and num_batches_tracked after 3 steps).
+        from memlean import fitting
+
+        torch.manual_seed(0)
+        model = FlatMBNet()
+        x = torch.randn(8, 3, 32, 32)
+        loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        with mock.patch.object(fitting, "_slices", lambda *a: []):
+            without, _ = self.least_and_eager(model, x, loss_fn, opt)
+        least, eager, actions = self.check_budgets(model, (x,), loss_fn, opt, count=4)
+        self.assertLess(least, 0.9 * without, (least, without))
+        sliced = sorted({a.path for a in actions if a.action == "sliced recompute"})
+        # (blocks.3's, at 8x8, is under 1 MiB: not worth its recompute.)
+        self.assertEqual(sliced, [f"blocks.{i}.(conv_pw..act2)" for i in range(3)])
+        # In float64 with ReLU (no Swish swap, so equal to float tolerance), trained 3 steps.
+        torch.manual_seed(1)
+        model = FlatMBNet(act=nn.ReLU).double()
+        twin = copy.deepcopy(model)
+        x = x.double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+        least, _ = self.least_and_eager(model, x, loss_fn, opt)
+        plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
+        sliced = {a.path for a in plan.actions if a.action == "sliced recompute"}
+        self.assertGreaterEqual(len(sliced), 3, str(plan))
+        self.assertIn(f"{len(sliced)} chain(s) recomputed in channel slices", str(plan))
+        for step in range(3):
+            for m, o in ((model, opt), (twin, opt_twin)):
+                loss_fn(m(x)).backward()
+                if step < 2:
+                    o.step()
+                    o.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-11, msg=name)
+        for (name, b), c in zip(model.named_buffers(), twin.buffers()):
+            torch.testing.assert_close(b, c, rtol=1e-10, atol=1e-12, msg=name)
+        # eval and no_grad run the modules as they are; undo puts every forward back.
+        model.eval()
+        twin.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), twin(x), rtol=1e-10, atol=1e-12)
+        self.assertEqual(model.state_dict().keys(), twin.state_dict().keys())
+        plan.undo()
+        self.assertEqual([n for n, m in model.named_modules() if "forward" in m.__dict__], [])
 
     def test_swish_swap_is_safe_and_close(self):
         model, x, loss_fn, opt = self.conv_setup(dtype=torch.float64)

@@ -1,0 +1,313 @@
+"""memlean's sliced recompute: a chain of channelwise modules (BatchNorm, elementwise
+activations, depthwise convolutions), optionally headed by an ungrouped convolution, run
+channel slice by channel slice, keeping only the chain's input for backward.
+
+Every module of such a chain maps channel c of its input to channel c of its output alone
+(the head maps all input channels to each output channel c), so the chain's output channels
+c0..c1 depend on channels c0..c1 of every tensor inside it and nothing else. The forward
+computes the output one slice of channels at a time (the wide tensors inside the chain, an
+inverted residual block's expanded ones, never exist whole), and the backward recomputes
+each slice under autograd, takes its gradients and drops it before the next: backward
+keeps the chain's input and, at any moment, one slice of its inside. BatchNorm's statistics
+are per channel, so a slice's are the whole batch's for its channels: the output, the
+running-statistics update (once, in the forward) and the gradients are the unsliced chain's
+to float tolerance.
+
+memlean.fit slices the chains it finds (runs of sibling modules such as timm's inverted
+residual conv_pw, bn1, conv_dw, bn2, aa) when checkpoints alone do not reach the budget
+(docs/fit.md). CPU eager steps: float32/float64 4-d inputs, no autocast, not under
+torch.compile; no double backward."""
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from memlean.batchnorm import batch_norm as _lean_batch_norm
+from memlean.conv import conv2d as _lean_conv2d
+from memlean.swish import Swish
+
+# Activation modules that act on each element alone (no parameters, no state).
+_ELEMENTWISE = (nn.SiLU, nn.ReLU, nn.ReLU6, nn.Hardswish, nn.Hardsigmoid, nn.GELU,
+                nn.LeakyReLU, nn.ELU, nn.Mish, nn.Sigmoid, nn.Tanh, nn.Identity, Swish)
+
+
+def _timm_norm_act(module) -> bool:
+    """timm's BatchNormAct2d: torch's BatchNorm2d forward, then its drop and act modules."""
+    kind = type(module)
+    return kind.__name__ == "BatchNormAct2d" and kind.__module__.startswith("timm.")
+
+
+def elementwise(module) -> bool:
+    """Whether `module` is an activation fit may run on a slice of channels: one of torch's
+    (or memlean's) parameterless elementwise activation modules, or timm's Swish-like ones,
+    its own forward, no hooks."""
+    if any(True for _ in module.parameters()) or _hooked(module):
+        return False
+    if isinstance(module, _ELEMENTWISE):
+        return type(module).forward is _own_forward(module)
+    kind = type(module)
+    return kind.__module__.startswith("timm.") and kind.__name__ in (
+        "Swish", "SiLU", "Mish", "HardSwish", "HardSigmoid", "GELU", "Sigmoid", "Tanh")
+
+
+def _own_forward(module):
+    for kind in type(module).__mro__:
+        if "forward" in kind.__dict__:
+            return kind.__dict__["forward"]
+    return None
+
+
+def _hooked(module) -> bool:
+    return any(getattr(module, h, None) for h in (
+        "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"))
+
+
+def role(module) -> Optional[str]:
+    """What `module` is in a sliced chain: "head" (an ungrouped nn.Conv2d), "norm" (a torch
+    BatchNorm2d with torch's forward, or timm's BatchNormAct2d with no dropout and an
+    elementwise act), "depthwise" (a depthwise nn.Conv2d), "act" (elementwise), or None."""
+    if _hooked(module):
+        return None
+    if isinstance(module, nn.Conv2d):
+        if type(module).forward is not nn.Conv2d.forward or module.padding_mode != "zeros" \
+                or isinstance(module.padding, str):
+            return None
+        if module.groups == 1:
+            return "head"
+        if module.groups == module.in_channels == module.out_channels:
+            return "depthwise"
+        return None
+    if isinstance(module, nn.BatchNorm2d) and not isinstance(module, nn.SyncBatchNorm):
+        if type(module).forward is nn.modules.batchnorm._BatchNorm.forward:
+            return "norm"
+        if _timm_norm_act(module) and isinstance(module.drop, nn.Identity) \
+                and elementwise(module.act):
+            return "norm"
+        return None
+    return "act" if elementwise(module) else None
+
+
+def chain_channels(modules: Sequence[nn.Module]) -> Optional[int]:
+    """The channel count of a chain that can be sliced (a head only first, at least one module
+    after it, every module's channels equal), else None."""
+    roles = [role(m) for m in modules]
+    if len(modules) < 2 or None in roles or "head" in roles[1:]:
+        return None
+    channels = None
+    for m, r in zip(modules, roles):
+        c = {"head": lambda: m.out_channels, "depthwise": lambda: m.out_channels,
+             "norm": lambda: m.num_features, "act": lambda: None}[r]()
+        if c is not None:
+            if channels is not None and c != channels:
+                return None
+            channels = c
+    if channels is None or all(r == "act" for r in roles):
+        return None
+    return channels
+
+
+def _tensors_of(module, r) -> List[Optional[torch.Tensor]]:
+    """The module's parameters a slice takes channels of, (weight, bias), or () for an act."""
+    return [module.weight, module.bias] if r != "act" else []
+
+
+class _Norm:
+    """A BatchNorm's arguments for this forward, decided once (num_batches_tracked counted
+    once, as torch's BatchNorm2d.forward counts it)."""
+
+    def __init__(self, module):
+        self.eps = module.eps
+        factor = 0.0 if module.momentum is None else module.momentum
+        if module.training and module.track_running_stats \
+                and module.num_batches_tracked is not None:
+            module.num_batches_tracked.add_(1)
+            factor = (1.0 / float(module.num_batches_tracked) if module.momentum is None
+                      else module.momentum)
+        self.factor = factor
+        self.training = module.training or (module.running_mean is None
+                                            and module.running_var is None)
+        use = not module.training or module.track_running_stats
+        self.mean = module.running_mean if use else None
+        self.var = module.running_var if use else None
+        self.act = module.act.forward if _timm_norm_act(module) else None
+
+
+def _slice(t, c0, c1):
+    return None if t is None else t[c0:c1]
+
+
+def _run_slice(x, modules, roles, norms, weights, c0, c1, recompute):
+    """Channels c0..c1 of the chain's output. weights: per module, its (weight, bias) slices
+    (or none for an act). recompute: the backward's pass (running statistics untouched; batch
+    statistics in training, as the forward used)."""
+    y = x
+    for m, r, norm, w in zip(modules, roles, norms, weights):
+        if r == "head":
+            y = F.conv2d(y, w[0], w[1], m.stride, m.padding, m.dilation, 1)
+        elif r == "depthwise":
+            y = _lean_conv2d(y, w[0], w[1], m.stride, m.padding, m.dilation, c1 - c0)
+        elif r == "norm":
+            keep = norm.training and recompute  # training: batch statistics, no update
+            y = _lean_batch_norm(y, None if keep else _slice(norm.mean, c0, c1),
+                                 None if keep else _slice(norm.var, c0, c1), w[0], w[1],
+                                 norm.training, norm.factor, norm.eps)
+            if norm.act is not None:
+                y = norm.act(y)
+        else:
+            y = m.forward(y)
+    return y
+
+
+class _SlicedChain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, spec, *params):
+        modules, roles, bounds = spec["modules"], spec["roles"], spec["bounds"]
+        norms = [_Norm(m) if r == "norm" else None for m, r in zip(modules, roles)]
+        layout = (torch.channels_last if x.dim() == 4 and not x.is_contiguous()
+                  and x.is_contiguous(memory_format=torch.channels_last)
+                  else torch.contiguous_format)
+        head = roles[0] == "head"
+        out = None
+        for c0, c1 in bounds:
+            weights = _weights(modules, roles, params, c0, c1)
+            xs = x if head else x[:, c0:c1].contiguous(memory_format=layout)
+            y = _run_slice(xs, modules, roles, norms, weights, c0, c1, recompute=False)
+            if out is None:
+                out = torch.empty((y.shape[0], spec["channels"]) + tuple(y.shape[2:]),
+                                  dtype=y.dtype, device=y.device, memory_format=layout)
+            out[:, c0:c1] = y
+            del y
+        ctx.spec, ctx.norms, ctx.layout = spec, norms, layout
+        ctx.save_for_backward(x, *params)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, *params = ctx.saved_tensors
+        spec, norms, layout = ctx.spec, ctx.norms, ctx.layout
+        modules, roles = spec["modules"], spec["roles"]
+        need_x = ctx.needs_input_grad[0]
+        need = ctx.needs_input_grad[2:]
+        head = roles[0] == "head"
+        grad_x = None
+        if need_x and not head:
+            grad_x = torch.empty_like(x, memory_format=layout)
+        grads = [torch.zeros_like(p) if n and p is not None else None
+                 for p, n in zip(params, need)]
+        for c0, c1 in spec["bounds"]:
+            with torch.enable_grad():
+                xs = x.detach() if head else x.detach()[:, c0:c1].contiguous(
+                    memory_format=layout)
+                xs.requires_grad_(need_x)
+                leaves = [None if p is None else p.detach()[c0:c1].requires_grad_(bool(n))
+                          for p, n in zip(params, need)]
+                weights = _weights(modules, roles, leaves, 0, None)
+                y = _run_slice(xs, modules, roles, norms, weights, c0, c1, recompute=True)
+                wanted = ([xs] if need_x else []) + [t for t in leaves
+                                                     if t is not None and t.requires_grad]
+                if not wanted:
+                    break
+                got = list(torch.autograd.grad(
+                    y, wanted, grad[:, c0:c1].contiguous(memory_format=layout),
+                    allow_unused=True))
+            del y
+            if need_x:
+                g = got.pop(0)
+                if head:
+                    grad_x = g if grad_x is None else grad_x.add_(g)
+                elif g is not None:
+                    grad_x[:, c0:c1] = g
+                else:
+                    grad_x[:, c0:c1] = 0
+            for k, t in enumerate(leaves):
+                if t is not None and t.requires_grad:
+                    g = got.pop(0)
+                    if g is not None:
+                        grads[k][c0:c1] = g
+        return (grad_x, None) + tuple(grads)
+
+
+def _weights(modules, roles, params, c0, c1):
+    """Per module, its (weight, bias) sliced to c0..c1 (c1 None: params are slices already)."""
+    out, k = [], 0
+    for m, r in zip(modules, roles):
+        if r == "act":
+            out.append(())
+            continue
+        w, b = params[k], params[k + 1]
+        k += 2
+        out.append((w, b) if c1 is None else (_slice(w, c0, c1), _slice(b, c0, c1)))
+    return out
+
+
+def applies(x) -> bool:
+    """Whether sliced_chain runs sliced for this input (else: the modules in turn)."""
+    return bool(isinstance(x, torch.Tensor) and type(x) is torch.Tensor and x.dim() == 4
+                and x.dtype in (torch.float32, torch.float64) and x.device.type == "cpu"
+                and not torch.is_autocast_enabled("cpu")
+                and not torch.compiler.is_compiling())
+
+
+def slices_for(x: torch.Tensor, head: bool, channels: int, wide: int) -> int:
+    """How many slices for a chain whose widest inner tensor has `wide` bytes: about one per
+    MiB of it, at most 16 and one per channel; with a head, at most one per input's size in
+    it (each slice's backward makes a gradient of the whole input, summed)."""
+    slices = max(1, min(channels, 16, wide >> 20))
+    if head:
+        slices = min(slices, max(1, -(-wide // max(1, x.numel() * x.element_size()))))
+    return slices
+
+
+def widest(x: torch.Tensor, modules, roles, channels) -> int:
+    """Bytes of the chain's widest inner tensor: channels at the head's output size (its
+    input's size for a chain without a head)."""
+    h, w = x.shape[-2], x.shape[-1]
+    if roles[0] == "head":
+        m = modules[0]
+        h, w = (((size + 2 * p - d * (k - 1) - 1) // s + 1) for size, p, d, k, s in zip(
+            (h, w), m.padding, m.dilation, m.kernel_size, m.stride))
+    return x.shape[0] * channels * h * w * x.element_size()
+
+
+def sliced_chain(x: torch.Tensor, modules: Sequence[nn.Module],
+                 slices: Optional[int] = None) -> torch.Tensor:
+    """The chain's output, modules[-1](...modules[0](x)), computed slice by slice of channels
+    and recomputed that way in backward, which keeps x (and the parameters) alone. modules: an
+    optional ungrouped nn.Conv2d, then BatchNorm2d (or timm's BatchNormAct2d), elementwise
+    activation and depthwise nn.Conv2d modules, all of one channel count, without hooks.
+    Where the sliced path does not apply (not a CPU float32/float64 4-d tensor, autocast,
+    torch.compile) it runs the modules in turn."""
+    modules = list(modules)
+    channels = chain_channels(modules)
+    if channels is None:
+        raise ValueError("memlean.sliced_chain: modules must be an optional ungrouped Conv2d "
+                         "then BatchNorm2d, elementwise activation and depthwise Conv2d "
+                         "modules of one channel count (two or more, no hooks), got "
+                         f"{[type(m).__name__ for m in modules]}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"memlean.sliced_chain: x must be a tensor, got {type(x).__name__}")
+    if not applies(x):
+        for m in modules:
+            x = m(x)
+        return x
+    if x.shape[1] != (modules[0].in_channels if role(modules[0]) == "head" else channels):
+        raise ValueError(f"memlean.sliced_chain: x has {x.shape[1]} channels, the chain takes "
+                         f"{modules[0].in_channels if role(modules[0]) == 'head' else channels}")
+    if slices is not None and (isinstance(slices, bool) or not isinstance(slices, int)
+                               or not 1 <= slices <= channels):
+        raise ValueError(f"memlean.sliced_chain: slices must be an int in 1..{channels}, got "
+                         f"{slices!r}")
+    return run_sliced(x, modules, [role(m) for m in modules], channels, slices)
+
+
+def run_sliced(x, modules, roles, channels, slices=None):
+    """sliced_chain for a chain checked already (memlean.fit checks it once)."""
+    if slices is None:
+        slices = slices_for(x, roles[0] == "head", channels, widest(x, modules, roles, channels))
+    bounds = [(channels * i // slices, channels * (i + 1) // slices) for i in range(slices)]
+    params = [t for m, r in zip(modules, roles) for t in _tensors_of(m, r)]
+    spec = {"modules": modules, "roles": roles, "bounds": bounds, "channels": channels}
+    return _SlicedChain.apply(x, spec, *params)

@@ -1,0 +1,184 @@
+"""memlean.sliced_chain (bindings/python/memlean/sliced.py): a chain of channelwise modules,
+optionally headed by an ungrouped convolution, computed and recomputed slice by slice of
+channels, keeping only its input for backward.
+
+Asserted: its output, running statistics (num_batches_tracked counted once) and gradients
+equal the modules run in turn, against float64 autograd of a copy, for chains with and
+without the head, contiguous and channels_last, 1 to all-channels slices, BatchNorm with
+momentum=None, without running statistics and in eval mode, biases, torch's, memlean's
+(in-place) and timm's activations and timm's BatchNormAct2d; the bytes it keeps after its
+forward, exactly (memstats, CPU): its output and nothing else, where the modules in turn keep
+their wide inner tensors; its backward's peak a fraction of theirs; where it does not apply
+(bfloat16, autocast) it is the modules in turn; bad input named; double backward refused.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import memlean
+from memlean import memstats
+from optional_deps import available
+
+
+def chain(head=True, cin=5, c=12, stride=2, act=nn.SiLU, bias=False, momentum=0.1,
+          track=True):
+    mods = [nn.Conv2d(cin, c, 1, bias=bias)] if head else []
+    mods += [nn.BatchNorm2d(c, momentum=momentum, track_running_stats=track), act(),
+             nn.Conv2d(c, c, 3, stride, 1, groups=c, bias=bias),
+             nn.BatchNorm2d(c, momentum=momentum, track_running_stats=track), act()]
+    for m in mods:
+        if isinstance(m, nn.BatchNorm2d):  # weights away from 1 and 0
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+            nn.init.uniform_(m.bias, -0.5, 0.5)
+    return nn.ModuleList(mods)
+
+
+def in_turn(x, modules):
+    for m in modules:
+        x = m(x)
+    return x
+
+
+def compare(modules, x, slices, dtype=torch.float32, train=True, tol=1e-5):
+    """sliced_chain on `modules` (in dtype) against a float64 copy run in turn: output,
+    gradients of the input and every parameter, buffers after."""
+    torch.manual_seed(1)
+    mine, ref = copy.deepcopy(modules).to(dtype), copy.deepcopy(modules).double()
+    mine.train(train)
+    ref.train(train)
+    xs = x.to(dtype).clone().requires_grad_()
+    x64 = x.double().clone().requires_grad_()
+    y = memlean.sliced_chain(xs, list(mine), slices=slices)
+    y64 = in_turn(x64, ref)
+    assert y.dtype == dtype and y.shape == y64.shape
+    layout = (torch.channels_last if x.is_contiguous(memory_format=torch.channels_last)
+              and not x.is_contiguous() else torch.contiguous_format)
+    assert y.is_contiguous(memory_format=layout)
+    g = torch.randn_like(y64)
+    (y.double() * g).sum().backward()
+    (y64 * g).sum().backward()
+    torch.testing.assert_close(y.double(), y64, rtol=tol, atol=tol)
+    torch.testing.assert_close(xs.grad.double(), x64.grad, rtol=tol, atol=tol)
+    for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.double(), q.grad, rtol=tol, atol=tol, msg=name)
+    for (name, b), r in zip(mine.named_buffers(), ref.buffers()):
+        if b.dtype == torch.long:
+            assert torch.equal(b, r), name  # num_batches_tracked: once per forward
+        else:
+            torch.testing.assert_close(b.double(), r, rtol=tol, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("head", [True, False])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("slices", [1, 5, 12])
+def test_equals_the_modules_in_turn(head, layout, slices):
+    torch.manual_seed(0)
+    x = torch.randn(4, 5 if head else 12, 10, 9)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    compare(chain(head), x, slices, torch.float64, tol=1e-10)
+    compare(chain(head), x, slices, torch.float32, tol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["bias", "momentum None", "no running stats", "eval",
+                                  "relu6", "hardswish", "memlean inplace swish", "stride 1"])
+def test_module_variants(case):
+    torch.manual_seed(0)
+    options = {"bias": dict(bias=True), "momentum None": dict(momentum=None),
+               "no running stats": dict(track=False), "relu6": dict(act=nn.ReLU6),
+               "hardswish": dict(act=nn.Hardswish), "stride 1": dict(stride=1),
+               "memlean inplace swish": dict(act=lambda: memlean.Swish(variant="inplace")),
+               "eval": {}}[case]
+    modules = chain(**options)
+    if case == "eval":  # statistics from a training forward first
+        in_turn(torch.randn(8, 5, 6, 6), modules)
+    compare(modules, torch.randn(3, 5, 8, 8), 4, torch.float64, train=case != "eval",
+            tol=1e-10)
+
+
+def test_timm_batchnorm_act():
+    if not available("timm"):
+        pytest.skip("timm: this environment is made without it")
+    from timm.layers import BatchNormAct2d
+
+    torch.manual_seed(0)
+    modules = nn.ModuleList([nn.Conv2d(4, 8, 1, bias=False), BatchNormAct2d(8, act_layer=nn.SiLU),
+                             nn.Conv2d(8, 8, 5, 2, 2, groups=8, bias=False),
+                             BatchNormAct2d(8, act_layer=nn.ReLU), nn.Identity()])
+    compare(modules, torch.randn(2, 4, 11, 11), 3, torch.float64, tol=1e-10)
+    # Dropout inside timm's BatchNormAct2d: not channelwise-safe in slices, refused.
+    dropped = nn.ModuleList([nn.Conv2d(4, 8, 1), BatchNormAct2d(8, drop_layer=nn.Dropout)])
+    with pytest.raises(ValueError, match="modules must be"):
+        memlean.sliced_chain(torch.randn(2, 4, 5, 5), list(dropped))
+
+
+def test_keeps_only_its_input_and_peaks_lower():
+    # Exact CPU bytes: after the forward the sliced chain holds its output and nothing else
+    # (its input is the caller's); the modules in turn hold their wide inner tensors too.
+    # Forward and backward together peak at less than half of theirs.
+    torch.manual_seed(0)
+    modules = chain(cin=8, c=48, stride=1)
+    x = torch.randn(8, 8, 32, 32, requires_grad=True)
+    kept, peaks = {}, {}
+    for name in ("sliced", "in turn"):
+        with memstats.track() as t:
+            start = t.current
+            y = (memlean.sliced_chain(x, list(modules), slices=8) if name == "sliced"
+                 else in_turn(x, modules))
+            kept[name] = t.current - start
+            assert kept[name] >= y.untyped_storage().nbytes()
+            if name == "sliced":
+                assert kept[name] == y.untyped_storage().nbytes()
+            y.backward(torch.ones_like(y))
+            peaks[name] = t.peak - start  # the forward's and the backward's
+            del y
+    wide = 8 * 48 * 32 * 32 * 4
+    assert kept["in turn"] >= kept["sliced"] + 3 * wide  # conv, BN and act outputs at least
+    assert peaks["sliced"] < peaks["in turn"] / 2, peaks
+
+
+def test_where_it_does_not_apply_it_is_the_modules_in_turn():
+    torch.manual_seed(0)
+    modules = chain()
+    x = torch.randn(2, 5, 8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(memlean.sliced_chain(x, list(modules)), in_turn(x, modules))
+    xb = x.bfloat16()
+    mb = copy.deepcopy(modules).bfloat16()
+    torch.testing.assert_close(memlean.sliced_chain(xb, list(mb)), in_turn(xb, mb))
+
+
+def test_bad_input_is_named():
+    modules = chain()
+    x = torch.randn(2, 5, 8, 8)
+    with pytest.raises(ValueError, match="modules must be"):
+        memlean.sliced_chain(x, [nn.Conv2d(5, 6, 1), nn.Linear(6, 6)])
+    with pytest.raises(ValueError, match="modules must be"):
+        memlean.sliced_chain(x, [nn.Conv2d(5, 6, 1), nn.BatchNorm2d(7)])  # channels differ
+    with pytest.raises(ValueError, match="modules must be"):
+        memlean.sliced_chain(x, [nn.SiLU(), nn.ReLU()])  # nothing to slice by
+    with pytest.raises(ValueError, match="modules must be"):
+        memlean.sliced_chain(x, [nn.BatchNorm2d(5), nn.Conv2d(5, 5, 1)])  # head not first
+    with pytest.raises(ValueError, match="slices must be an int in 1..12, got 13"):
+        memlean.sliced_chain(x, list(modules), slices=13)
+    with pytest.raises(ValueError, match="slices must be"):
+        memlean.sliced_chain(x, list(modules), slices=0)
+    with pytest.raises(ValueError, match="x has 6 channels, the chain takes 5"):
+        memlean.sliced_chain(torch.randn(2, 6, 8, 8), list(modules))
+    with pytest.raises(TypeError, match="x must be a tensor"):
+        memlean.sliced_chain([1.0], list(modules))
+
+
+def test_double_backward_is_refused():
+    modules = chain()
+    x = torch.randn(2, 5, 8, 8, requires_grad=True)
+    y = memlean.sliced_chain(x, list(modules), slices=2)
+    (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.sum().backward()
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
