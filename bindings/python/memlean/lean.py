@@ -63,5 +63,6 @@ def lean_forward(module: torch.nn.Module):
         taken[0] += mode.calls
         return out
 
+    forward.__memlean_lean__ = True  # (memlean.sliced may run the module's chain sliced)
     module.forward = forward
     return lambda: restore_forward(module, own), lambda: taken[0]

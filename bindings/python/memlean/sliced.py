@@ -43,20 +43,14 @@ def elementwise(module) -> bool:
     """Whether `module` is an activation fit may run on a slice of channels: one of torch's
     (or memlean's) parameterless elementwise activation modules, or timm's Swish-like ones,
     its own forward, no hooks."""
-    if any(True for _ in module.parameters()) or _hooked(module):
+    if any(True for _ in module.parameters()) or _hooked(module) or _patched(module):
         return False
-    if isinstance(module, _ELEMENTWISE):
-        return type(module).forward is _own_forward(module)
+    for kind in type(module).__mro__:
+        if kind in _ELEMENTWISE:  # (not a subclass with a forward of its own)
+            return type(module).forward is kind.forward
     kind = type(module)
     return kind.__module__.startswith("timm.") and kind.__name__ in (
         "Swish", "SiLU", "Mish", "HardSwish", "HardSigmoid", "GELU", "Sigmoid", "Tanh")
-
-
-def _own_forward(module):
-    for kind in type(module).__mro__:
-        if "forward" in kind.__dict__:
-            return kind.__dict__["forward"]
-    return None
 
 
 def _hooked(module) -> bool:
@@ -64,11 +58,18 @@ def _hooked(module) -> bool:
         "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"))
 
 
+def _patched(module) -> bool:
+    """Whether an instance forward stands over the class's (other than memlean's lean
+    backward, memlean.lean.lean_forward, whose output is the class forward's)."""
+    own = module.__dict__.get("forward")
+    return own is not None and not getattr(own, "__memlean_lean__", False)
+
+
 def role(module) -> Optional[str]:
     """What `module` is in a sliced chain: "head" (an ungrouped nn.Conv2d), "norm" (a torch
     BatchNorm2d with torch's forward, or timm's BatchNormAct2d with no dropout and an
     elementwise act), "depthwise" (a depthwise nn.Conv2d), "act" (elementwise), or None."""
-    if _hooked(module):
+    if _hooked(module) or _patched(module):
         return None
     if isinstance(module, nn.Conv2d):
         if type(module).forward is not nn.Conv2d.forward or module.padding_mode != "zeros" \
@@ -131,7 +132,11 @@ class _Norm:
         use = not module.training or module.track_running_stats
         self.mean = module.running_mean if use else None
         self.var = module.running_var if use else None
-        self.act = module.act.forward if _timm_norm_act(module) else None
+        if not self.training and self.mean is not None:
+            # Eval: the statistics as this forward used them, for the backward's recompute
+            # (a training forward of the module in between would change the buffers).
+            self.mean, self.var = self.mean.clone(), self.var.clone()
+        self.act = module.act if _timm_norm_act(module) else None
 
 
 def _slice(t, c0, c1):
@@ -154,9 +159,9 @@ def _run_slice(x, modules, roles, norms, weights, c0, c1, recompute):
                                  None if keep else _slice(norm.var, c0, c1), w[0], w[1],
                                  norm.training, norm.factor, norm.eps)
             if norm.act is not None:
-                y = norm.act(y)
+                y = type(norm.act).forward(norm.act, y)
         else:
-            y = m.forward(y)
+            y = type(m).forward(m, y)  # (its class's: elementwise() checked that one)
     return y
 
 

@@ -171,6 +171,43 @@ def test_bad_input_is_named():
         memlean.sliced_chain([1.0], list(modules))
 
 
+def test_modules_that_are_not_the_classes_own_are_refused():
+    # A subclass with its own forward, an instance forward, a hook: sliced_chain would not run
+    # what the module runs, so it refuses them.
+    class Doubled(nn.SiLU):
+        def forward(self, x):
+            return 2 * x
+
+    x = torch.randn(2, 5, 8, 8)
+    patched = nn.BatchNorm2d(12)
+    patched.forward = lambda t: t
+    hooked = nn.BatchNorm2d(12)
+    hooked.register_forward_hook(lambda *a: None)
+    for odd in (Doubled(), patched, hooked):
+        with pytest.raises(ValueError, match="modules must be"):
+            memlean.sliced_chain(x, [nn.Conv2d(5, 12, 1), nn.BatchNorm2d(12), odd])
+
+
+def test_eval_backward_uses_the_statistics_its_forward_used():
+    # A BatchNorm in eval mode normalises with the running statistics; a training forward
+    # between this forward and its backward changes them, and the backward's recompute
+    # still uses the ones the forward used.
+    torch.manual_seed(0)
+    modules = chain().double()
+    in_turn(torch.randn(8, 5, 6, 6, dtype=torch.double), modules)
+    modules.eval()
+    reference = copy.deepcopy(modules)
+    x = torch.randn(3, 5, 8, 8, dtype=torch.double)
+    xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = memlean.sliced_chain(xs, list(modules), slices=3)
+    modules.train()
+    in_turn(torch.randn(8, 5, 6, 6, dtype=torch.double), modules)
+    modules.eval()
+    y.sum().backward()
+    in_turn(xr, reference).sum().backward()
+    torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-10, atol=1e-12)
+
+
 def test_double_backward_is_refused():
     modules = chain()
     x = torch.randn(2, 5, 8, 8, requires_grad=True)
