@@ -960,6 +960,9 @@ def _buffers_of(module):
     return module.buffers() if isinstance(module, _Run) else _module_buffers(module)
 
 
+_SLICE_MIN_BYTES = 1 << 20  # a chain narrower than this is not sliced (tests lower it)
+
+
 def _slices(eager: _Recorder, current: _Recorder, root) -> List[_Slice]:
     """The chains memlean.sliced can recompute slice by slice, among the runs of sibling
     calls (_runs, a parent's whole forward included) that pay for their recompute: the
@@ -975,7 +978,7 @@ def _slices(eager: _Recorder, current: _Recorder, root) -> List[_Slice]:
         wide = max(n for k in run for _, n in current.calls[k].outputs[:1])
         widens = (sliced.role(modules[0]) != "head"
                   or first.outputs[0][1] >= 2 * sum(n for _, n in first.inputs[:1]))
-        if channels is not None and wide >= 1 << 20 and widens:
+        if channels is not None and wide >= _SLICE_MIN_BYTES and widens:
             found.append((run, modules, channels))
     found.sort(key=lambda f: (-len(f[0]), f[0][0]))
     taken, chains = set(), []

@@ -256,11 +256,14 @@ def applies(x) -> bool:
                 and not torch.compiler.is_compiling())
 
 
+SLICE_BYTES = 1 << 20  # about this much of the wide tensor per slice (tests lower it)
+
+
 def slices_for(x: torch.Tensor, head: bool, channels: int, wide: int) -> int:
     """How many slices for a chain whose widest inner tensor has `wide` bytes: about one per
-    MiB of it, at most 16 and one per channel; with a head, at most one per input's size in
-    it (each slice's backward makes a gradient of the whole input, summed)."""
-    slices = max(1, min(channels, 16, wide >> 20))
+    SLICE_BYTES (1 MiB) of it, at most 16 and one per channel; with a head, at most one per
+    input's size in it (each slice's backward makes a gradient of the whole input, summed)."""
+    slices = max(1, min(channels, 16, wide // SLICE_BYTES))
     if head:
         slices = min(slices, max(1, -(-wide // max(1, x.numel() * x.element_size()))))
     return slices

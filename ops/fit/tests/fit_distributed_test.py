@@ -4,7 +4,9 @@ needs checkpoints and swaps its SiLUs, and gives its BatchNorms and depthwise co
 memlean's lean backwards), then wrap it in DistributedDataParallel or shard it
 with FSDP2 (fully_shard on each block and the root), and train two steps on half the batch
 each. Every step's gradients equal those of one process training the same fitted model on
-the whole batch, and BatchNorm counts each training forward once.
+the whole batch, and BatchNorm counts each training forward once. The same again with the
+model fitted at its least peak, where fit recomputes channelwise chains slice by slice of
+channels (memlean.sliced_chain) beside its checkpoints.
 
 fit is called before wrapping (docs/fit.md): it measures and changes the plain module.
 Without SyncBatchNorm each rank normalizes with its own half's statistics, so the reference
@@ -28,7 +30,9 @@ BATCH = 8  # global; each rank takes half
 STEPS = 2
 LR = 0.1
 DEADLINE_S = 300
-CONFIGS = ["ddp", "fsdp"]
+# "+sliced": fitted at its least peak, which channel-sliced recompute reaches (each block's
+# bn1..act2 chain and the stem recomputed slice by slice of channels).
+CONFIGS = ["ddp", "fsdp", "ddp+sliced", "fsdp+sliced"]
 
 
 class Block(nn.Module):
@@ -43,12 +47,29 @@ class Block(nn.Module):
         return x + self.act2(self.bn2(self.conv2(self.act1(self.bn1(self.conv1(x))))))
 
 
+class Expanding(nn.Module):
+    """An inverted residual block (timm's modules as siblings): its conv_pw..act2 chain is what
+    fit slices by channels."""
+
+    def __init__(self, w):
+        super().__init__()
+        e = 4 * w
+        self.conv_pw, self.bn1, self.act1 = nn.Conv2d(w, e, 1), nn.BatchNorm2d(e), nn.SiLU()
+        self.conv_dw = nn.Conv2d(e, e, 3, padding=1, groups=e)
+        self.bn2, self.act2 = nn.BatchNorm2d(e), nn.SiLU()
+        self.conv_pwl, self.bn3 = nn.Conv2d(e, w, 1), nn.BatchNorm2d(w)
+
+    def forward(self, x):
+        h = self.act2(self.bn2(self.conv_dw(self.act1(self.bn1(self.conv_pw(x))))))
+        return x + self.bn3(self.conv_pwl(h))
+
+
 class Net(nn.Module):
-    def __init__(self, w=6, blocks=4):
+    def __init__(self, w=6, blocks=4, block=Block):
         super().__init__()
         torch.manual_seed(0)
         self.stem = nn.Sequential(nn.Conv2d(3, w, 3, padding=1), nn.BatchNorm2d(w), nn.SiLU())
-        self.blocks = nn.ModuleList(Block(w) for _ in range(blocks))
+        self.blocks = nn.ModuleList(block(w) for _ in range(blocks))
         self.head = nn.Linear(w, 5)
         self.to(D)
 
@@ -59,7 +80,7 @@ class Net(nn.Module):
         return self.head(h.mean((2, 3)))
 
 
-N_BN = 1 + 2 * 4
+N_BN = 1 + 2 * 4  # (Expanding blocks: 1 + 3 * 4)
 
 
 def halves():
@@ -70,12 +91,18 @@ def halves():
     return [(x[r * n:(r + 1) * n], y[r * n:(r + 1) * n]) for r in range(WORLD)]
 
 
-def fitted():
+def fitted(sliced=False):
     """The model, fitted on half a batch to the budget halfway between the least peak fit
     reaches and the eager peak: a plan with checkpoints, swapped SiLUs and the lean BatchNorm
     and depthwise-convolution backwards, the same in every process (memory does not depend
-    on the values)."""
-    model = Net()
+    on the values). sliced: a net of Expanding blocks at its least peak, with channel-sliced
+    recompute (its chains are far under the 1 MiB fit slices from and a slice's 1 MiB: both
+    lowered)."""
+    from memlean import fitting, sliced as slicing
+
+    fitting._SLICE_MIN_BYTES = 0 if sliced else 1 << 20
+    slicing.SLICE_BYTES = 16 << 10 if sliced else 1 << 20  # (several slices of these chains)
+    model = Net(block=Expanding) if sliced else Net()
     x, y = halves()[0]
     loss_fn = lambda out: F.cross_entropy(out, y)  # noqa: E731
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -85,23 +112,26 @@ def fitted():
     except memlean.FitError as e:
         least = e.least_peak_bytes
     eager = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt).eager_peak_bytes
-    plan = memlean.fit(model, x, (least + eager) // 2, loss_fn=loss_fn, optimizer=opt)
+    plan = memlean.fit(model, x, least if sliced else (least + eager) // 2, loss_fn=loss_fn,
+                       optimizer=opt)
     actions = {a.action for a in plan.actions}
     assert {"checkpoint", "lean batchnorm", "lean depthwise conv"} <= actions, str(plan)
+    assert ("sliced recompute" in actions) == sliced, str(plan)
     assert actions & {"inplace swish", "memory_efficient swish"}, str(plan)
     return model, plan
 
 
-def _train(how, mesh, rank):
+def _train(config, mesh, rank):
     x, y = halves()[rank]
-    model, _ = fitted()
+    how, _, sliced = config.partition("+")
+    model, _ = fitted(bool(sliced))
     return train_steps(model, wrap(model, how, mesh), x, y, steps=STEPS, lr=LR)
 
 
-def reference():
+def reference(sliced):
     """One process, the same fitted model: each step's gradients of the average of the
     halves' losses, and rank 0's BatchNorm statistics (half 0's forward only)."""
-    model, tracker = fitted()[0], fitted()[0]
+    model, tracker = fitted(sliced)[0], fitted(sliced)[0]
     return train_one_process(model, tracker, halves(), steps=STEPS, lr=LR)
 
 
@@ -110,10 +140,11 @@ def results():
     return train_on_ranks(_train, CONFIGS, world=WORLD, deadline_s=DEADLINE_S)
 
 
-@pytest.mark.parametrize("how", CONFIGS)
-def test_a_fitted_model_trains_under_ddp_and_fsdp2_as_one_process(results, how):
-    grads, buffers = reference()
-    assert_like_one_process(results[how], grads, buffers, STEPS, N_BN)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_a_fitted_model_trains_under_ddp_and_fsdp2_as_one_process(results, config):
+    sliced = "sliced" in config
+    grads, buffers = reference(sliced)
+    assert_like_one_process(results[config], grads, buffers, STEPS, 1 + 3 * 4 if sliced else N_BN)
 
 
 if __name__ == "__main__":
