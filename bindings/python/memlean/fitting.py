@@ -37,6 +37,10 @@ first:
    it lowers the planner's budget by the excess and plans again. It never returns a plan whose
    measured step exceeds the budget: a budget below the least peak it reaches raises FitError,
    naming that peak.
+4. Below the least peak checkpoints reach (CPU eager steps): chains of channelwise modules
+   (an inverted residual block's expansion, BatchNorm, activation, depthwise convolution)
+   are recomputed one slice of channels at a time (memlean.sliced_chain), so their wide
+   tensors never exist whole; then 2. and 3. again on that step.
 
 Afterwards the parameters, buffers, gradients, optimizer state, RNG state and each module's
 train/eval flag are as they were before the call; the model is changed in place (its modules'
@@ -1171,6 +1175,12 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             unparsable; a model without parameters; an output without a floating-point
             tensor; a batch on another device than the model).
 
+    Below the least peak that checkpoints reach (CPU eager steps), fit also recomputes the
+    model's chains of channelwise modules (an inverted residual block's expansion,
+    BatchNorm, activation and depthwise convolution) one slice of channels at a time
+    (memlean.sliced_chain; action "sliced recompute"), then plans checkpoints again:
+    docs/fit.md, step 5.
+
     fit runs a few real training steps (forward, backward, optimizer step) to measure:
     one eager step (when the optimizer has no state yet, after an optimizer step on zero
     gradients that gives it its state, or a real step where that would differ and on CUDA), one after the
@@ -1311,13 +1321,23 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             return done(peak, max(predicted, current.optimizer_peak), eager_only + sum(
                 isinstance(problem.calls[i].module, _Run) for i in chosen))
 
-        chosen, peak, predicted, least = search(problem, empty_peak)
-        if chosen is not None:
-            return checkpointed(problem, chosen, peak, predicted)
         # 4. Below what checkpoints reach: chains of channelwise modules recomputed slice by
         # slice of channels (memlean.sliced; CPU eager steps), then checkpoints again.
         chains = _slices(eager.recorder, current.recorder, model) if lean else []
+        # A budget well below the least peak the planner predicts for checkpoints alone (its
+        # predictions are exact in most steps: docs/fit.md) skips their search, which would
+        # only measure plans that do not fit; it runs after all if slicing goes no lower.
+        floor = max(current.optimizer_peak, _C.fit.least_peak_plan(
+            problem.base, problem.atoms, problem.candidates,
+            atom_backward_extra_bytes=problem.backward_extras)[2])
+        floor -= floor // 50
+        least = None
+        if not (chains and budget < floor):
+            chosen, peak, predicted, least = search(problem, empty_peak)
+            if chosen is not None:
+                return checkpointed(problem, chosen, peak, predicted)
         if chains:
+            lean_step = current
             wraps = [_wrap(c) for c in chains]
             undo_steps.extend(wraps)
             thin = step.run(record=True)
@@ -1332,7 +1352,18 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             if chosen is not None:
                 actions.extend(slice_actions)
                 return checkpointed(problem2, chosen, peak, predicted, len(chains))
-            least = min(least, least2, thin.peak)
+            least2 = min(least2, thin.peak)
+            if least is None and least2 >= floor:
+                # Slicing went no lower than checkpoints alone are predicted to: their search,
+                # for the least it measures (and a plan, were the prediction high).
+                for w in reversed(wraps):
+                    w()
+                    undo_steps.remove(w)
+                current = lean_step
+                chosen, peak, predicted, least = search(problem, empty_peak)
+                if chosen is not None:
+                    return checkpointed(problem, chosen, peak, predicted)
+            least = least2 if least is None else min(least, least2)
         raise FitError(
             f"{_NAME}: budget_bytes={budget} ({_gib(budget)}) is below the least step peak "
             f"memlean.fit reaches for this model and batch: {_C.fit.describe_bytes(least)} "

@@ -237,6 +237,25 @@ def lm_loss_of(targets):
     return lambda out: F.cross_entropy(out.flatten(0, 1), targets.flatten())
 
 
+def train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol, atol):
+    """Three training steps of model and twin side by side, each step's forward from the same
+    RNG state (dropout masks), the last without its optimizer step; then their gradients,
+    parameters and buffers (BatchNorm statistics, num_batches_tracked) equal within rtol and
+    atol."""
+    for step in range(3):
+        for m, o in ((model, opt), (twin, opt_twin)):
+            torch.manual_seed(100 + step)
+            loss_fn(m(x)).backward()
+            if step < 2:
+                o.step()
+                o.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=name)
+        torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=name)
+    for (name, b), c in zip(model.named_buffers(), twin.buffers()):
+        torch.testing.assert_close(b, c, rtol=rtol, atol=atol, msg=name)
+
+
 class FitTest(unittest.TestCase):
     def setUp(self):
         torch.manual_seed(0)
@@ -606,18 +625,7 @@ class FitTest(unittest.TestCase):
         least, eager = self.least_and_eager(model, x, loss_fn, opt)
         plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
         self.assertGreaterEqual(sum(a.action == "checkpoint" for a in plan.actions), 2, str(plan))
-        for step in range(3):
-            for m, o in ((model, opt), (twin, opt_twin)):
-                torch.manual_seed(100 + step)
-                loss_fn(m(x)).backward()
-                if step < 2:
-                    o.step()
-                    o.zero_grad()
-        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
-            torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
-        for (name, b), c in zip(model.named_buffers(), twin.buffers()):
-            torch.testing.assert_close(b, c, rtol=1e-10, atol=1e-12, msg=name)
+        train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol=1e-10, atol=1e-12)
 
     def test_sliced_recompute_below_what_checkpoints_reach(self):
         # Below the least that checkpoints reach, fit recomputes each block's channelwise
@@ -650,16 +658,15 @@ class FitTest(unittest.TestCase):
         sliced = {a.path for a in plan.actions if a.action == "sliced recompute"}
         self.assertGreaterEqual(len(sliced), 3, str(plan))
         self.assertIn(f"{len(sliced)} chain(s) recomputed in channel slices", str(plan))
-        for step in range(3):
-            for m, o in ((model, opt), (twin, opt_twin)):
-                loss_fn(m(x)).backward()
-                if step < 2:
-                    o.step()
-                    o.zero_grad()
+        train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol=1e-9, atol=1e-11)
+        # Compiled (aot_eager), the fitted model trains as the twin does (the sliced chains
+        # run as their modules there: eager-only, like runs).
+        for m in (model, twin):
+            m.zero_grad(set_to_none=True)
+        loss_fn(torch.compile(model, backend="aot_eager")(x)).backward()
+        loss_fn(twin(x)).backward()
         for (name, p), q in zip(model.named_parameters(), twin.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-11, msg=name)
-        for (name, b), c in zip(model.named_buffers(), twin.buffers()):
-            torch.testing.assert_close(b, c, rtol=1e-10, atol=1e-12, msg=name)
         # eval and no_grad run the modules as they are; undo puts every forward back.
         model.eval()
         twin.eval()
