@@ -676,6 +676,29 @@ class FitTest(unittest.TestCase):
         plan.undo()
         self.assertEqual([n for n, m in model.named_modules() if "forward" in m.__dict__], [])
 
+    def test_slicing_that_saves_nothing_is_not_kept(self):
+        # A budget far below the planner's least for checkpoints alone slices first. Where
+        # the slices save nothing (here: made to run their modules as they are), the least
+        # fit names is no higher than checkpoints alone reach, the plan at it slices nothing,
+        # and the FitError leaves no module wrapped.
+        from memlean import fitting
+
+        torch.manual_seed(0)
+        model = FlatMBNet()
+        x = torch.randn(8, 3, 32, 32)
+        loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        with mock.patch.object(fitting, "_slices", lambda *a: []):
+            plain, _ = self.least_and_eager(model, x, loss_fn, opt)
+        with mock.patch.object(fitting._Slice, "run", lambda self, chain, args, kwargs: None):
+            least, _ = self.least_and_eager(model, x, loss_fn, opt)
+            self.assertEqual([n for n, m in model.named_modules() if "forward" in m.__dict__],
+                             [])
+            plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
+        self.assertLessEqual(least, plain + plain // 100)
+        self.assertEqual([a for a in plan.actions if a.action == "sliced recompute"], [])
+        plan.undo()
+
     def test_swish_swap_is_safe_and_close(self):
         model, x, loss_fn, opt = self.conv_setup(dtype=torch.float64)
         twin = copy.deepcopy(model)
