@@ -297,6 +297,10 @@ def sliced_chain(x: torch.Tensor, modules: Sequence[nn.Module],
                          f"{[type(m).__name__ for m in modules]}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"memlean.sliced_chain: x must be a tensor, got {type(x).__name__}")
+    if slices is not None and (isinstance(slices, bool) or not isinstance(slices, int)
+                               or not 1 <= slices <= channels):
+        raise ValueError(f"memlean.sliced_chain: slices must be an int in 1..{channels}, got "
+                         f"{slices!r}")
     if not applies(x):
         for m in modules:
             x = m(x)
@@ -304,10 +308,6 @@ def sliced_chain(x: torch.Tensor, modules: Sequence[nn.Module],
     if x.shape[1] != (modules[0].in_channels if role(modules[0]) == "head" else channels):
         raise ValueError(f"memlean.sliced_chain: x has {x.shape[1]} channels, the chain takes "
                          f"{modules[0].in_channels if role(modules[0]) == 'head' else channels}")
-    if slices is not None and (isinstance(slices, bool) or not isinstance(slices, int)
-                               or not 1 <= slices <= channels):
-        raise ValueError(f"memlean.sliced_chain: slices must be an int in 1..{channels}, got "
-                         f"{slices!r}")
     return run_sliced(x, modules, [role(m) for m in modules], channels, slices)
 
 

@@ -165,6 +165,8 @@ def test_bad_input_is_named():
         memlean.sliced_chain(x, list(modules), slices=13)
     with pytest.raises(ValueError, match="slices must be"):
         memlean.sliced_chain(x, list(modules), slices=0)
+    with pytest.raises(ValueError, match="slices must be"):  # also where it runs in turn
+        memlean.sliced_chain(x.bfloat16(), list(modules), slices=2.0)
     with pytest.raises(ValueError, match="x has 6 channels, the chain takes 5"):
         memlean.sliced_chain(torch.randn(2, 6, 8, 8), list(modules))
     with pytest.raises(TypeError, match="x must be a tensor"):
