@@ -98,8 +98,7 @@ def chain_channels(modules: Sequence[nn.Module]) -> Optional[int]:
         return None
     channels = None
     for m, r in zip(modules, roles):
-        c = {"head": lambda: m.out_channels, "depthwise": lambda: m.out_channels,
-             "norm": lambda: m.num_features, "act": lambda: None}[r]()
+        c = m.num_features if r == "norm" else None if r == "act" else m.out_channels
         if c is not None:
             if channels is not None and c != channels:
                 return None
@@ -305,10 +304,12 @@ def sliced_chain(x: torch.Tensor, modules: Sequence[nn.Module],
         for m in modules:
             x = m(x)
         return x
-    if x.shape[1] != (modules[0].in_channels if role(modules[0]) == "head" else channels):
+    roles = [role(m) for m in modules]
+    takes = modules[0].in_channels if roles[0] == "head" else channels
+    if x.shape[1] != takes:
         raise ValueError(f"memlean.sliced_chain: x has {x.shape[1]} channels, the chain takes "
-                         f"{modules[0].in_channels if role(modules[0]) == 'head' else channels}")
-    return run_sliced(x, modules, [role(m) for m in modules], channels, slices)
+                         f"{takes}")
+    return run_sliced(x, modules, roles, channels, slices)
 
 
 def run_sliced(x, modules, roles, channels, slices=None):

@@ -237,6 +237,12 @@ def lm_loss_of(targets):
     return lambda out: F.cross_entropy(out.flatten(0, 1), targets.flatten())
 
 
+def wrapped_forwards(model):
+    """The paths of the modules whose forward an instance attribute stands over (fit's
+    wrappers): none once a plan is undone or a fit raised."""
+    return [n for n, m in model.named_modules() if "forward" in m.__dict__]
+
+
 def train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol, atol):
     """Three training steps of model and twin side by side, each step's forward from the same
     RNG state (dropout masks), the last without its optimizer step; then their gradients,
@@ -266,6 +272,20 @@ class FitTest(unittest.TestCase):
         y = torch.randint(0, 10, (batch,))
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         return model, x, cross_entropy_of(y), opt
+
+    def flat_setup(self):
+        """FlatMBNet, a batch, its loss, SGD, and the least peak fit reaches without channel
+        slicing (checkpoints alone)."""
+        from memlean import fitting
+
+        torch.manual_seed(0)
+        model = FlatMBNet()
+        x = torch.randn(8, 3, 32, 32)
+        loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        with mock.patch.object(fitting, "_slices", lambda *a: []):
+            least, _ = self.least_and_eager(model, x, loss_fn, opt)
+        return model, x, loss_fn, opt, least
 
     def least_and_eager(self, model, x, loss_fn, opt, **options):
         with self.assertRaises(memlean.FitError) as caught:
@@ -344,7 +364,7 @@ class FitTest(unittest.TestCase):
         plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt, runs=True)
         self.assertIn("6 depthwise Conv2d(s) with the lean backward", str(plan))
         plan.undo()
-        self.assertEqual([n for n, m in model.named_modules() if "forward" in m.__dict__], [])
+        self.assertEqual(wrapped_forwards(model), [])
         without, _ = self.least_and_eager(model, x, loss_fn, opt)
         self.assertLess(least, without)
         with self.assertRaisesRegex(TypeError, "runs must be a bool"):
@@ -508,7 +528,7 @@ class FitTest(unittest.TestCase):
             self.assertTrue(torch.allclose(p.grad, q.grad), name)
         for u in reversed(undo):
             u()
-        self.assertFalse(any("forward" in m.__dict__ for m in model.modules()))
+        self.assertEqual(wrapped_forwards(model), [])
 
     def test_timm_act_layer_memlean_swish(self):
         # timm builds its activations from act_layer: with memlean.Swish(variant="naive") fit
@@ -632,15 +652,7 @@ class FitTest(unittest.TestCase):
         # chain (conv_pw .. act2) slice by slice of channels: a lower least, every budget down
         # to it kept in exact bytes, and training equal to eager's (float64: gradients,
         # BatchNorm statistics and num_batches_tracked after 3 steps).
-        from memlean import fitting
-
-        torch.manual_seed(0)
-        model = FlatMBNet()
-        x = torch.randn(8, 3, 32, 32)
-        loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        with mock.patch.object(fitting, "_slices", lambda *a: []):
-            without, _ = self.least_and_eager(model, x, loss_fn, opt)
+        model, x, loss_fn, opt, without = self.flat_setup()
         least, eager, actions = self.check_budgets(model, (x,), loss_fn, opt, count=4)
         self.assertLess(least, 0.9 * without, (least, without))
         sliced = sorted({a.path for a in actions if a.action == "sliced recompute"})
@@ -674,7 +686,7 @@ class FitTest(unittest.TestCase):
             torch.testing.assert_close(model(x), twin(x), rtol=1e-10, atol=1e-12)
         self.assertEqual(model.state_dict().keys(), twin.state_dict().keys())
         plan.undo()
-        self.assertEqual([n for n, m in model.named_modules() if "forward" in m.__dict__], [])
+        self.assertEqual(wrapped_forwards(model), [])
 
     def test_slicing_that_saves_nothing_is_not_kept(self):
         # A budget far below the planner's least for checkpoints alone slices first. Where
@@ -683,17 +695,10 @@ class FitTest(unittest.TestCase):
         # and the FitError leaves no module wrapped.
         from memlean import fitting
 
-        torch.manual_seed(0)
-        model = FlatMBNet()
-        x = torch.randn(8, 3, 32, 32)
-        loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        with mock.patch.object(fitting, "_slices", lambda *a: []):
-            plain, _ = self.least_and_eager(model, x, loss_fn, opt)
+        model, x, loss_fn, opt, plain = self.flat_setup()
         with mock.patch.object(fitting._Slice, "run", lambda self, chain, args, kwargs: None):
             least, _ = self.least_and_eager(model, x, loss_fn, opt)
-            self.assertEqual([n for n, m in model.named_modules() if "forward" in m.__dict__],
-                             [])
+            self.assertEqual(wrapped_forwards(model), [])
             plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
         self.assertLessEqual(least, plain + plain // 100)
         self.assertEqual([a for a in plan.actions if a.action == "sliced recompute"], [])
@@ -750,7 +755,7 @@ class FitTest(unittest.TestCase):
         plan.undo()
         self.assertEqual([type(m) for m in model.modules()], types)
         # No wrapped forward is left: checkpoints, lean BatchNorms and convolutions alike.
-        self.assertEqual([n for n, m in model.named_modules() if "forward" in m.__dict__], [])
+        self.assertEqual(wrapped_forwards(model), [])
         step_peak(model, (x,), loss_fn, opt)  # the optimizer's state, as fit measured with
         self.assertEqual(step_peak(model, (x,), loss_fn, opt), eager)
 
