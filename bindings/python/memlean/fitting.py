@@ -861,12 +861,22 @@ class _Slice(_Run):
         super().__init__(modules, parent)
         self.roles = [sliced.role(m) for m in self.modules]
         self.channels = channels
+        self.fine = False  # sliced.slices_for: finer slices behind a 1x1 head, slower
+        self.finer = False  # whether fine slices are more than the others (the last run's)
+        self._pointwise = self.roles[0] == "head" and sliced._pointwise(self.modules[0])
 
     def run(self, chain, args, kwargs):
         if not (self.modules[0].training and len(args) == 1 and not kwargs
                 and sliced.applies(args[0])):
             return None  # (eval, CUDA, autocast, other dtypes: the modules in turn)
-        return sliced.run_sliced(args[0], self.modules, self.roles, self.channels)
+        x = args[0]
+        head = self.roles[0] == "head"
+        wide = sliced.widest(x, self.modules, self.roles, self.channels)
+        counts = [sliced.slices_for(x, head, self.channels, wide, fine)
+                  for fine in (False, self._pointwise)]
+        self.finer = counts[1] > counts[0]
+        return sliced.run_sliced(x, self.modules, self.roles, self.channels,
+                                 slices=counts[self.fine])
 
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -1327,10 +1337,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         # A budget well below the least peak the planner predicts for checkpoints alone (its
         # predictions are exact in most steps: docs/fit.md) skips their search, which would
         # only measure plans that do not fit; it runs after all if slicing goes no lower.
-        floor = max(current.optimizer_peak, _C.fit.least_peak_plan(
-            problem.base, problem.atoms, problem.candidates,
-            atom_backward_extra_bytes=problem.backward_extras)[2])
-        floor -= floor // 50
+        floor = _floor(problem, current)
         least = None
         if not (chains and budget < floor):
             chosen, peak, predicted, least = search(problem, empty_peak)
@@ -1348,11 +1355,50 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             problem2 = _problem(thin, model, _runs_beside(runs_found, current, thin, chains),
                                 exclude=_inside(chains))
             current = thin  # (the step the search measures against)
-            chosen, peak, predicted, least2 = search(problem2, thin.peak)
-            if chosen is not None:
-                actions.extend(slice_actions)
-                return checkpointed(problem2, chosen, peak, predicted, len(chains))
-            least2 = min(least2, thin.peak)
+            finer_possible = any(c.finer for c in chains)
+            floor2 = _floor(problem2, thin)
+            skipped = finer_possible and budget < floor2  # (as for checkpoints alone above)
+            least2 = thin.peak
+            if not skipped:
+                chosen, peak, predicted, least2 = search(problem2, thin.peak)
+                if chosen is not None:
+                    actions.extend(slice_actions)
+                    return checkpointed(problem2, chosen, peak, predicted, len(chains))
+                least2 = min(least2, thin.peak)
+            if finer_possible:
+                # 5b. Finer slices behind 1x1 heads: fewer bytes, more time (each slice reads
+                # the head's whole input): only below what the first slicing reaches.
+                for c in chains:
+                    c.fine = True
+                finer = step.run(record=True)
+                fine_actions = _slice_actions(chains, lean_step, finer, paths)
+                if finer.peak <= budget:
+                    actions.extend(fine_actions)
+                    return done(finer.peak, finer.peak, len(chains))
+                problem3 = _problem(finer, model,
+                                    _runs_beside(runs_found, lean_step, finer, chains),
+                                    exclude=_inside(chains))
+                current = finer
+                least2 = min(least2, finer.peak)
+                if _floor(problem3, finer) < floor2 or not skipped:
+                    # (the planner predicts a lower least than the first slicing's, or that
+                    # one was searched already)
+                    chosen, peak, predicted, least3 = search(problem3, finer.peak)
+                    if chosen is not None:
+                        actions.extend(fine_actions)
+                        return checkpointed(problem3, chosen, peak, predicted, len(chains))
+                    least2 = min(least2, least3)
+                for c in chains:
+                    c.fine = False
+                current = thin
+                if skipped and least2 >= floor2:
+                    # Finer slices went no lower than the first slicing is predicted to: its
+                    # search after all.
+                    chosen, peak, predicted, least3 = search(problem2, thin.peak)
+                    if chosen is not None:
+                        actions.extend(slice_actions)
+                        return checkpointed(problem2, chosen, peak, predicted, len(chains))
+                    least2 = min(least2, least3)
             if least is None and least2 >= floor:
                 # Slicing went no lower than checkpoints alone are predicted to: their search,
                 # for the least it measures (and a plan, were the prediction high).
@@ -1382,6 +1428,15 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             import torch._dynamo
 
             torch._dynamo.reset()  # fit's compiled code: the caller compiles the fitted model
+
+
+def _floor(problem, measured: _Measured) -> int:
+    """2 % below the least step peak the planner predicts for checkpoints on this step: a
+    budget under it skips their search (it would only measure plans that do not fit)."""
+    floor = max(measured.optimizer_peak, _C.fit.least_peak_plan(
+        problem.base, problem.atoms, problem.candidates,
+        atom_backward_extra_bytes=problem.backward_extras)[2])
+    return floor - floor // 50
 
 
 # Per model (weakly held), the plan that reached the least step peak a FitError named, by the

@@ -142,12 +142,34 @@ def _slice(t, c0, c1):
     return None if t is None else t[c0:c1]
 
 
-def _run_slice(x, modules, roles, norms, weights, c0, c1, recompute):
+def _pointwise(module) -> bool:
+    """Whether a head is a 1x1 convolution of stride 1 without padding: its input gradient is
+    a matrix product the backward adds into one tensor, slice after slice (_accumulate)."""
+    return (tuple(module.kernel_size) == (1, 1) and tuple(module.stride) == (1, 1)
+            and tuple(module.padding) == (0, 0))
+
+
+def _accumulate(grad_x, weight, grad_h, layout):
+    """grad_x += the 1x1 head's input gradient for one slice of its output channels: weight
+    (slice, C_in, 1, 1), grad_h the gradient of that slice of its output. In place, so no
+    gradient of the whole input is made per slice."""
+    n, c_in = grad_x.shape[0], grad_x.shape[1]
+    w = weight.reshape(weight.shape[0], c_in)
+    if layout == torch.channels_last:  # (N*H*W, C) matrices
+        grad_x.permute(0, 2, 3, 1).reshape(-1, c_in).addmm_(
+            grad_h.permute(0, 2, 3, 1).reshape(-1, w.shape[0]), w)
+    else:  # per sample: (C_in, H*W) += w^T (C_in, slice) @ (slice, H*W)
+        grad_x.view(n, c_in, -1).baddbmm_(w.t().expand(n, c_in, w.shape[0]),
+                                          grad_h.reshape(n, w.shape[0], -1))
+
+
+def _run_slice(x, modules, roles, norms, weights, c0, c1, recompute, start=0):
     """Channels c0..c1 of the chain's output. weights: per module, its (weight, bias) slices
     (or none for an act). recompute: the backward's pass (running statistics untouched; batch
-    statistics in training, as the forward used)."""
+    statistics in training, as the forward used). start: the first module to run (1: x is
+    the head's output slice already)."""
     y = x
-    for m, r, norm, w in zip(modules, roles, norms, weights):
+    for m, r, norm, w in list(zip(modules, roles, norms, weights))[start:]:
         if r == "head":
             y = F.conv2d(y, w[0], w[1], m.stride, m.padding, m.dilation, 1)
         elif r == "depthwise":
@@ -196,20 +218,32 @@ class _SlicedChain(torch.autograd.Function):
         need_x = ctx.needs_input_grad[0]
         need = ctx.needs_input_grad[2:]
         head = roles[0] == "head"
+        # A 1x1 head's input gradient is added into grad_x slice by slice (_accumulate);
+        # another head's is made whole per slice and added.
+        pointwise = head and need_x and _pointwise(modules[0])
         grad_x = None
         if need_x and not head:
             grad_x = torch.empty_like(x, memory_format=layout)
+        elif pointwise:
+            grad_x = torch.zeros_like(x, memory_format=layout)
         grads = [torch.zeros_like(p) if n and p is not None else None
                  for p, n in zip(params, need)]
         for c0, c1 in spec["bounds"]:
             with torch.enable_grad():
                 xs = x.detach() if head else x.detach()[:, c0:c1].contiguous(
                     memory_format=layout)
-                xs.requires_grad_(need_x)
+                xs.requires_grad_(need_x and not pointwise)
                 leaves = [None if p is None else p.detach()[c0:c1].requires_grad_(bool(n))
                           for p, n in zip(params, need)]
                 weights = _weights(modules, roles, leaves, 0, None)
-                y = _run_slice(xs, modules, roles, norms, weights, c0, c1, recompute=True)
+                if pointwise:  # the head's output slice: its gradient is what grad_x takes
+                    m = modules[0]
+                    xs = F.conv2d(xs, weights[0][0], weights[0][1], m.stride, m.padding,
+                                  m.dilation, 1)
+                    if not xs.requires_grad:
+                        xs.requires_grad_()
+                y = _run_slice(xs, modules, roles, norms, weights, c0, c1, recompute=True,
+                               start=1 if pointwise else 0)
                 wanted = ([xs] if need_x else []) + [t for t in leaves
                                                      if t is not None and t.requires_grad]
                 if not wanted:
@@ -217,10 +251,14 @@ class _SlicedChain(torch.autograd.Function):
                 got = list(torch.autograd.grad(
                     y, wanted, grad[:, c0:c1].contiguous(memory_format=layout),
                     allow_unused=True))
-            del y
+            del y, wanted, xs  # (with a 1x1 head, xs is its output slice)
             if need_x:
                 g = got.pop(0)
-                if head:
+                if pointwise:
+                    if g is not None:
+                        _accumulate(grad_x, params[0][c0:c1], g, layout)
+                    del g
+                elif head:
                     grad_x = g if grad_x is None else grad_x.add_(g)
                 elif g is not None:
                     grad_x[:, c0:c1] = g
@@ -258,12 +296,15 @@ def applies(x) -> bool:
 SLICE_BYTES = 1 << 20  # about this much of the wide tensor per slice (tests lower it)
 
 
-def slices_for(x: torch.Tensor, head: bool, channels: int, wide: int) -> int:
+def slices_for(x: torch.Tensor, head: bool, channels: int, wide: int,
+               fine: bool = False) -> int:
     """How many slices for a chain whose widest inner tensor has `wide` bytes: about one per
     SLICE_BYTES (1 MiB) of it, at most 16 and one per channel; with a head, at most one per
-    input's size in it (each slice's backward makes a gradient of the whole input, summed)."""
+    input's size in it (each slice's forward reads the whole input, and its backward adds a
+    gradient of all of it), unless `fine` (the fewest bytes, not the least time: a 1x1 head,
+    whose input gradient is added in place, slice by slice)."""
     slices = max(1, min(channels, 16, wide // SLICE_BYTES))
-    if head:
+    if head and not fine:
         slices = min(slices, max(1, -(-wide // max(1, x.numel() * x.element_size()))))
     return slices
 
@@ -312,10 +353,13 @@ def sliced_chain(x: torch.Tensor, modules: Sequence[nn.Module],
     return run_sliced(x, modules, roles, channels, slices)
 
 
-def run_sliced(x, modules, roles, channels, slices=None):
-    """sliced_chain for a chain checked already (memlean.fit checks it once)."""
+def run_sliced(x, modules, roles, channels, slices=None, fine=False):
+    """sliced_chain for a chain checked already (memlean.fit checks it once). fine: with a
+    1x1 head, as many slices as without a head (slices_for)."""
     if slices is None:
-        slices = slices_for(x, roles[0] == "head", channels, widest(x, modules, roles, channels))
+        head = roles[0] == "head"
+        slices = slices_for(x, head, channels, widest(x, modules, roles, channels),
+                            fine and head and _pointwise(modules[0]))
     bounds = [(channels * i // slices, channels * (i + 1) // slices) for i in range(slices)]
     params = [t for m, r in zip(modules, roles) for t in _tensors_of(m, r)]
     spec = {"modules": modules, "roles": roles, "bounds": bounds, "channels": channels}

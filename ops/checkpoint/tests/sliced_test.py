@@ -4,11 +4,13 @@ channels, keeping only its input for backward.
 
 Asserted: its output, running statistics (num_batches_tracked counted once) and gradients
 equal the modules run in turn, against float64 autograd of a copy, for chains with and
-without the head, contiguous and channels_last, 1 to all-channels slices, BatchNorm with
+without the head (1x1, 3x3 and strided), contiguous and channels_last, 1 to all-channels
+slices, an input with and without grad, BatchNorm with
 momentum=None, without running statistics and in eval mode, biases, torch's, memlean's
 (in-place) and timm's activations and timm's BatchNormAct2d; the bytes it keeps after its
 forward, exactly (memstats, CPU): its output and nothing else, where the modules in turn keep
-their wide inner tensors; its backward's peak a fraction of theirs; where it does not apply
+their wide inner tensors; its backward's peak a fraction of theirs, and with a 1x1 head no
+gradient of the whole input made per slice; where it does not apply
 (bfloat16, autocast) it is the modules in turn; bad input named; double backward refused.
 """
 import copy
@@ -23,8 +25,8 @@ from optional_deps import available
 
 
 def chain(head=True, cin=5, c=12, stride=2, act=nn.SiLU, bias=False, momentum=0.1,
-          track=True):
-    mods = [nn.Conv2d(cin, c, 1, bias=bias)] if head else []
+          track=True, head_conv=dict(kernel_size=1)):
+    mods = [nn.Conv2d(cin, c, bias=bias, **head_conv)] if head else []
     mods += [nn.BatchNorm2d(c, momentum=momentum, track_running_stats=track), act(),
              nn.Conv2d(c, c, 3, stride, 1, groups=c, bias=bias),
              nn.BatchNorm2d(c, momentum=momentum, track_running_stats=track), act()]
@@ -41,15 +43,15 @@ def in_turn(x, modules):
     return x
 
 
-def compare(modules, x, slices, dtype=torch.float32, train=True, tol=1e-5):
+def compare(modules, x, slices, dtype=torch.float32, train=True, tol=1e-5, x_grad=True):
     """sliced_chain on `modules` (in dtype) against a float64 copy run in turn: output,
-    gradients of the input and every parameter, buffers after."""
+    gradients of the input (x_grad) and every parameter, buffers after."""
     torch.manual_seed(1)
     mine, ref = copy.deepcopy(modules).to(dtype), copy.deepcopy(modules).double()
     mine.train(train)
     ref.train(train)
-    xs = x.to(dtype).clone().requires_grad_()
-    x64 = x.double().clone().requires_grad_()
+    xs = x.to(dtype).clone().requires_grad_(x_grad)
+    x64 = x.double().clone().requires_grad_(x_grad)
     y = memlean.sliced_chain(xs, list(mine), slices=slices)
     y64 = in_turn(x64, ref)
     assert y.dtype == dtype and y.shape == y64.shape
@@ -60,7 +62,10 @@ def compare(modules, x, slices, dtype=torch.float32, train=True, tol=1e-5):
     (y.double() * g).sum().backward()
     (y64 * g).sum().backward()
     torch.testing.assert_close(y.double(), y64, rtol=tol, atol=tol)
-    torch.testing.assert_close(xs.grad.double(), x64.grad, rtol=tol, atol=tol)
+    if x_grad:
+        torch.testing.assert_close(xs.grad.double(), x64.grad, rtol=tol, atol=tol)
+    else:
+        assert xs.grad is None
     for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad.double(), q.grad, rtol=tol, atol=tol, msg=name)
     for (name, b), r in zip(mine.named_buffers(), ref.buffers()):
@@ -83,19 +88,26 @@ def test_equals_the_modules_in_turn(head, layout, slices):
 
 
 @pytest.mark.parametrize("case", ["bias", "momentum None", "no running stats", "eval",
-                                  "relu6", "hardswish", "memlean inplace swish", "stride 1"])
+                                  "relu6", "hardswish", "memlean inplace swish", "stride 1",
+                                  "3x3 head", "strided 1x1 head", "input without grad"])
 def test_module_variants(case):
+    # (A 1x1 head adds its input gradient into one tensor slice by slice; a 3x3 or strided
+    # head makes it whole per slice: both paths.)
     torch.manual_seed(0)
     options = {"bias": dict(bias=True), "momentum None": dict(momentum=None),
                "no running stats": dict(track=False), "relu6": dict(act=nn.ReLU6),
                "hardswish": dict(act=nn.Hardswish), "stride 1": dict(stride=1),
                "memlean inplace swish": dict(act=lambda: memlean.Swish(variant="inplace")),
-               "eval": {}}[case]
+               "3x3 head": dict(head_conv=dict(kernel_size=3, padding=1), bias=True),
+               "strided 1x1 head": dict(head_conv=dict(kernel_size=1, stride=2)),
+               "eval": {}, "input without grad": {}}[case]
     modules = chain(**options)
     if case == "eval":  # statistics from a training forward first
         in_turn(torch.randn(8, 5, 6, 6), modules)
-    compare(modules, torch.randn(3, 5, 8, 8), 4, torch.float64, train=case != "eval",
-            tol=1e-10)
+    for layout in (torch.contiguous_format, torch.channels_last):
+        compare(modules, torch.randn(3, 5, 8, 8).contiguous(memory_format=layout), 4,
+                torch.float64, train=case != "eval", tol=1e-10,
+                x_grad=case != "input without grad")
 
 
 def test_timm_batchnorm_act():
@@ -137,6 +149,33 @@ def test_keeps_only_its_input_and_peaks_lower():
     wide = 8 * 48 * 32 * 32 * 4
     assert kept["in turn"] >= kept["sliced"] + 3 * wide  # conv, BN and act outputs at least
     assert peaks["sliced"] < peaks["in turn"] / 2, peaks
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_a_1x1_head_makes_no_whole_input_gradient_per_slice(layout, monkeypatch):
+    # Exact CPU bytes: the backward adds each slice's part of a 1x1 head's input gradient into
+    # one tensor. Made whole per slice and added (what it does for other heads, forced here),
+    # that gradient (the input's bytes) lives beside the sum while the slice's own tensors
+    # (an eighth of that here: 16 slices of a 2x expansion) do not: the backward peaks at
+    # least half an input's bytes higher, with equal gradients.
+    torch.manual_seed(0)
+    modules = chain(cin=64, c=128, stride=2)
+    x = torch.randn(8, 64, 16, 16).contiguous(memory_format=layout).requires_grad_()
+    peaks, grads = {}, {}
+    for name in ("accumulated", "whole per slice"):
+        if name == "whole per slice":
+            monkeypatch.setattr(memlean.sliced, "_pointwise", lambda module: False)
+        y = memlean.sliced_chain(x, list(modules), slices=16)
+        g = torch.ones_like(y)
+        with memstats.track() as t:
+            start = t.current
+            y.backward(g)
+            peaks[name] = t.peak - start
+        grads[name] = x.grad
+        x.grad = None
+        del y
+    torch.testing.assert_close(grads["accumulated"], grads["whole per slice"])
+    assert peaks["whole per slice"] - peaks["accumulated"] >= x.numel() * 4 // 2, peaks
 
 
 def test_where_it_does_not_apply_it_is_the_modules_in_turn():

@@ -153,6 +153,21 @@ class FlatMBConv(nn.Module):
         return x + y if self.residual else y
 
 
+class StridedMBNet(nn.Module):
+    """Two inverted residual blocks of 4x expansion at full resolution, the first strided:
+    its expanded chain, behind a 1x1 head, sets the least peak."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1, bias=False)
+        self.blocks = nn.Sequential(FlatMBConv(width, width, 2, expand=4),
+                                    FlatMBConv(width, width, expand=4))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10))
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)))
+
+
 class FlatMBNet(nn.Module):
     def __init__(self, act=nn.SiLU):
         super().__init__()
@@ -686,6 +701,23 @@ class FitTest(unittest.TestCase):
             torch.testing.assert_close(model(x), twin(x), rtol=1e-10, atol=1e-12)
         self.assertEqual(model.state_dict().keys(), twin.state_dict().keys())
         plan.undo()
+        self.assertEqual(wrapped_forwards(model), [])
+
+    def test_finer_slices_below_what_the_first_slicing_reaches(self):
+        # Below the least that checkpoints over the first slicing reach, fit slices the chains
+        # behind 1x1 heads finer (more slices than the head's expansion, its input gradient
+        # added in place): a lower least, every budget down to it kept in exact bytes.
+        torch.manual_seed(0)
+        model = StridedMBNet()
+        x = torch.randn(8, 3, 64, 64)
+        loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        with mock.patch.object(memlean.sliced, "SLICE_BYTES", 1 << 17):  # 16 slices, not 4
+            with mock.patch.object(memlean.sliced, "_pointwise", lambda module: False):
+                coarse, _ = self.least_and_eager(model, x, loss_fn, opt)  # no finer slices
+            least, _, actions = self.check_budgets(model, (x,), loss_fn, opt, count=3)
+        self.assertLess(least, coarse - coarse // 50, (least, coarse))
+        self.assertIn("sliced recompute", {a.action for a in actions})
         self.assertEqual(wrapped_forwards(model), [])
 
     def test_slicing_that_saves_nothing_is_not_kept(self):
