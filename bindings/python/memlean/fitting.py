@@ -1188,8 +1188,9 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
     Below the least peak that checkpoints reach (CPU eager steps), fit also recomputes the
     model's chains of channelwise modules (an inverted residual block's expansion,
     BatchNorm, activation and depthwise convolution) one slice of channels at a time
-    (memlean.sliced_chain; action "sliced recompute"), then plans checkpoints again:
-    docs/fit.md, step 5.
+    (memlean.sliced_chain; action "sliced recompute"), then plans checkpoints again, and
+    below that slices the chains behind 1x1 heads finer (fewer bytes, more time):
+    docs/fit.md, steps 5 and 5b.
 
     fit runs a few real training steps (forward, backward, optimizer step) to measure:
     one eager step (when the optimizer has no state yet, after an optimizer step on zero
