@@ -121,6 +121,12 @@ def _size(n: int) -> str:
     return _gib(n) if n >= 2**30 else _mib(n)
 
 
+# Actions that swap a module's implementation (no recompute): str(FitPlan) shows a kind done
+# to more than _LISTED modules as one row.
+_SWAPS = ("inplace swish", "memory_efficient swish", "lean batchnorm", "lean depthwise conv")
+_LISTED = 3
+
+
 class FitPlan:
     """What memlean.fit changed, and the step's memory under it.
 
@@ -193,11 +199,25 @@ class FitPlan:
         if not self.actions:
             lines.append("  no change: the step fits as it is")
             return "\n".join(lines)
-        width = max(len("module"), max(len(a.path) for a in self.actions))
-        lines.append(f"  {'module':<{width}}  {'action':<22}  {'saves':>12}  {'recompute':>10}")
+        rows = []  # (module, action, bytes saved, seconds): a swap done to more than
+        # _LISTED modules is one row (plan.actions and to_json() name each module)
+        kinds = {}
         for a in self.actions:
-            lines.append(f"  {a.path:<{width}}  {a.action:<22}  {_mib(a.bytes_saved):>12}  "
-                         f"{a.recompute_seconds * 1e3:>8.1f} ms")
+            kinds.setdefault(a.action, []).append(a)
+        for a in self.actions:
+            same = kinds[a.action]
+            if a.action in _SWAPS and len(same) > _LISTED:
+                if a is same[0]:
+                    rows.append((f"{same[0].path} .. {same[-1].path} ({len(same)})", a.action,
+                                 sum(b.bytes_saved for b in same),
+                                 sum(b.recompute_seconds for b in same)))
+            else:
+                rows.append((a.path, a.action, a.bytes_saved, a.recompute_seconds))
+        width = max(len("module"), max(len(r[0]) for r in rows))
+        lines.append(f"  {'module':<{width}}  {'action':<22}  {'saves':>12}  {'recompute':>10}")
+        for path, action, saved, seconds in rows:
+            lines.append(f"  {path:<{width}}  {action:<22}  {_mib(saved):>12}  "
+                         f"{seconds * 1e3:>8.1f} ms")
         swaps = sum(1 for a in self.actions if a.action.endswith("swish"))
         norms = sum(1 for a in self.actions if a.action == "lean batchnorm")
         convs = sum(1 for a in self.actions if a.action == "lean depthwise conv")

@@ -783,6 +783,18 @@ class FitTest(unittest.TestCase):
         self.assertEqual(sorted(a.path for a in plan.actions if a.action == "lean batchnorm"),
                          norms)
         self.assertIn(f"{len(norms)} BatchNorm(s) with the lean backward", text)
+        # str(plan): a swap done to more than 3 modules is one row, its saving summed.
+        lean = [a for a in plan.actions if a.action == "lean batchnorm"]
+        rows = [line for line in text.splitlines() if " lean batchnorm " in line]
+        if len(lean) > 3:
+            self.assertEqual(len(rows), 1, text)
+            self.assertTrue(rows[0].strip().startswith(
+                f"{lean[0].path} .. {lean[-1].path} ({len(lean)})"), text)
+        else:
+            self.assertEqual(len(rows), len(lean), text)
+        checkpoints = [a for a in plan.actions if a.action == "checkpoint"]
+        self.assertEqual(sum(" checkpoint " in line for line in text.splitlines()),
+                         len(checkpoints), text)
         plan.undo()
         plan.undo()
         self.assertEqual([type(m) for m in model.modules()], types)
