@@ -6,7 +6,7 @@ import unittest
 import torch
 
 import memlean
-from fit_test import MBNet, cross_entropy_of, step_peak
+from fit_test import MBNet, classified, step_peak
 
 
 class FitForCompileTest(unittest.TestCase):
@@ -16,11 +16,7 @@ class FitForCompileTest(unittest.TestCase):
         # plan.peak_bytes (a quarter of the way from the least compiled peak fit reaches to
         # the compiled step's peak without checkpoints: each plan tried compiles afresh, and
         # the least budget tries several).
-        torch.manual_seed(0)
-        model = MBNet()
-        x = torch.randn(8, 3, 64, 64)
-        loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, x, loss_fn, opt = classified(MBNet, 64)
         with self.assertRaises(memlean.FitError) as caught:
             memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt, compile=True)
         least = caught.exception.least_peak_bytes

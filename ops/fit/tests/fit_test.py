@@ -248,6 +248,16 @@ def cross_entropy_of(y):
     return lambda out: F.cross_entropy(out, y)
 
 
+def classified(model, size, batch=8):
+    """(model, a batch of size x size images, cross-entropy of random labels, SGD with
+    momentum): the CNN tests' training step, seeded."""
+    torch.manual_seed(0)
+    model = model()
+    x = torch.randn(batch, 3, size, size)
+    loss_fn = cross_entropy_of(torch.randint(0, 10, (batch,)))
+    return model, x, loss_fn, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
 def lm_loss_of(targets):
     return lambda out: F.cross_entropy(out.flatten(0, 1), targets.flatten())
 
@@ -293,11 +303,7 @@ class FitTest(unittest.TestCase):
         slicing (checkpoints alone)."""
         from memlean import fitting
 
-        torch.manual_seed(0)
-        model = FlatMBNet()
-        x = torch.randn(8, 3, 32, 32)
-        loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, x, loss_fn, opt = classified(FlatMBNet, 32)
         with mock.patch.object(fitting, "_slices", lambda *a: []):
             least, _ = self.least_and_eager(model, x, loss_fn, opt)
         return model, x, loss_fn, opt, least
@@ -364,10 +370,7 @@ class FitTest(unittest.TestCase):
         no_slices = mock.patch.object(fitting, "_slices", lambda *a: [])
         no_slices.start()
         self.addCleanup(no_slices.stop)
-        model = MBNet()
-        x = torch.randn(8, 3, 32, 32)
-        loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, x, loss_fn, opt = classified(MBNet, 32)
         least, eager, actions = self.check_budgets(model, (x,), loss_fn, opt, runs=True)
         self.assertTrue(any("(" in a.path for a in actions), [a.path for a in actions])
         # Every depthwise convolution of every plan got the lean backward (CPU eager steps).
@@ -427,10 +430,7 @@ class FitTest(unittest.TestCase):
 
         from memlean import _C, fitting
 
-        model = MBNet()
-        x = torch.randn(8, 3, 64, 64)
-        loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, x, loss_fn, opt = classified(MBNet, 64)
         inputs, loss_fn, device = fitting._check(model, x, loss_fn, opt)
         saved = fitting._Saved(model, opt, device)
         step = fitting._Step(model, inputs, loss_fn, opt, device)
@@ -707,11 +707,7 @@ class FitTest(unittest.TestCase):
         # Below the least that checkpoints over the first slicing reach, fit slices the chains
         # behind 1x1 heads finer (more slices than the head's expansion, its input gradient
         # added in place): a lower least, every budget down to it kept in exact bytes.
-        torch.manual_seed(0)
-        model = StridedMBNet()
-        x = torch.randn(8, 3, 64, 64)
-        loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, x, loss_fn, opt = classified(StridedMBNet, 64)
         with mock.patch.object(memlean.sliced, "SLICE_BYTES", 1 << 17):  # 16 slices, not 4
             with mock.patch.object(memlean.sliced, "_pointwise", lambda module: False):
                 coarse, _ = self.least_and_eager(model, x, loss_fn, opt)  # no finer slices
