@@ -301,8 +301,8 @@ def slices_for(x: torch.Tensor, head: bool, channels: int, wide: int,
     """How many slices for a chain whose widest inner tensor has `wide` bytes: about one per
     SLICE_BYTES (1 MiB) of it, at most 16 and one per channel; with a head, at most one per
     input's size in it (each slice's forward reads the whole input, and its backward adds a
-    gradient of all of it), unless `fine` (the fewest bytes, not the least time: a 1x1 head,
-    whose input gradient is added in place, slice by slice)."""
+    gradient of all of it), unless `fine`: fewer bytes, more time (memlean.fit passes it
+    for a 1x1 head alone, whose input gradient the backward adds in place)."""
     slices = max(1, min(channels, 16, wide // SLICE_BYTES))
     if head and not fine:
         slices = min(slices, max(1, -(-wide // max(1, x.numel() * x.element_size()))))
@@ -353,13 +353,11 @@ def sliced_chain(x: torch.Tensor, modules: Sequence[nn.Module],
     return run_sliced(x, modules, roles, channels, slices)
 
 
-def run_sliced(x, modules, roles, channels, slices=None, fine=False):
-    """sliced_chain for a chain checked already (memlean.fit checks it once). fine: with a
-    1x1 head, as many slices as without a head (slices_for)."""
+def run_sliced(x, modules, roles, channels, slices=None):
+    """sliced_chain for a chain checked already (memlean.fit checks it once and passes
+    slices: slices_for's, coarse or fine)."""
     if slices is None:
-        head = roles[0] == "head"
-        slices = slices_for(x, head, channels, widest(x, modules, roles, channels),
-                            fine and head and _pointwise(modules[0]))
+        slices = slices_for(x, roles[0] == "head", channels, widest(x, modules, roles, channels))
     bounds = [(channels * i // slices, channels * (i + 1) // slices) for i in range(slices)]
     params = [t for m, r in zip(modules, roles) for t in _tensors_of(m, r)]
     spec = {"modules": modules, "roles": roles, "bounds": bounds, "channels": channels}
