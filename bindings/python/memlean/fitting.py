@@ -883,7 +883,7 @@ class _Slice(_Run):
         self.channels = channels
         self.fine = False  # sliced.slices_for: finer slices behind a 1x1 head, slower
         self.finer = False  # whether fine slices are more than the others (the last run's)
-        self._pointwise = self.roles[0] == "head" and sliced._pointwise(self.modules[0])
+        self._pointwise = self.roles[0] == "head" and sliced.pointwise(self.modules[0])
 
     def run(self, chain, args, kwargs):
         if not (self.modules[0].training and len(args) == 1 and not kwargs
@@ -1345,12 +1345,18 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 _LEAST_PLANS.setdefault(model, {})[signature] = (reached[0], least)
             return None, peak, predicted, least
 
-        def checkpointed(problem, chosen, peak, predicted, eager_only=0):
+        def checkpointed(problem, empty_peak, taken=(), eager_only=0):
+            """search(problem): (the plan, with the actions `taken` to reach this step, its
+            checkpoints wrapped; or None, the least peak the search measured)."""
+            chosen, peak, predicted, least = search(problem, empty_peak)
+            if chosen is None:
+                return None, least
+            actions.extend(taken)
             undo_steps.extend(_wrap(problem.calls[i].module) for i in chosen)
             actions.extend(_checkpoint_actions(problem.calls, problem.candidates, chosen,
                                                paths))
             return done(peak, max(predicted, current.optimizer_peak), eager_only + sum(
-                isinstance(problem.calls[i].module, _Run) for i in chosen))
+                isinstance(problem.calls[i].module, _Run) for i in chosen)), least
 
         # 4. Below what checkpoints reach: chains of channelwise modules recomputed slice by
         # slice of channels (memlean.sliced; CPU eager steps), then checkpoints again.
@@ -1361,9 +1367,9 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         floor = _floor(problem, current)
         least = None
         if not (chains and budget < floor):
-            chosen, peak, predicted, least = search(problem, empty_peak)
-            if chosen is not None:
-                return checkpointed(problem, chosen, peak, predicted)
+            plan, least = checkpointed(problem, empty_peak)
+            if plan is not None:
+                return plan
         if chains:
             lean_step = current
             wraps = [_wrap(c) for c in chains]
@@ -1381,10 +1387,9 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             skipped = finer_possible and budget < floor2  # (as for checkpoints alone above)
             least2 = thin.peak
             if not skipped:
-                chosen, peak, predicted, least2 = search(problem2, thin.peak)
-                if chosen is not None:
-                    actions.extend(slice_actions)
-                    return checkpointed(problem2, chosen, peak, predicted, len(chains))
+                plan, least2 = checkpointed(problem2, thin.peak, slice_actions, len(chains))
+                if plan is not None:
+                    return plan
                 least2 = min(least2, thin.peak)
             if finer_possible:
                 # 5b. Finer slices behind 1x1 heads: fewer bytes, more time (each slice reads
@@ -1404,10 +1409,10 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 if _floor(problem3, finer) < floor2 or not skipped:
                     # (the planner predicts a lower least than the first slicing's, or that
                     # one was searched already)
-                    chosen, peak, predicted, least3 = search(problem3, finer.peak)
-                    if chosen is not None:
-                        actions.extend(fine_actions)
-                        return checkpointed(problem3, chosen, peak, predicted, len(chains))
+                    plan, least3 = checkpointed(problem3, finer.peak, fine_actions,
+                                                len(chains))
+                    if plan is not None:
+                        return plan
                     least2 = min(least2, least3)
                 for c in chains:
                     c.fine = False
@@ -1415,10 +1420,10 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 if skipped and least2 >= floor2:
                     # Finer slices went no lower than the first slicing is predicted to: its
                     # search after all.
-                    chosen, peak, predicted, least3 = search(problem2, thin.peak)
-                    if chosen is not None:
-                        actions.extend(slice_actions)
-                        return checkpointed(problem2, chosen, peak, predicted, len(chains))
+                    plan, least3 = checkpointed(problem2, thin.peak, slice_actions,
+                                                len(chains))
+                    if plan is not None:
+                        return plan
                     least2 = min(least2, least3)
             if least is None and least2 >= floor:
                 # Slicing went no lower than checkpoints alone are predicted to: their search,
@@ -1427,9 +1432,9 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                     w()
                     undo_steps.remove(w)
                 current = lean_step
-                chosen, peak, predicted, least = search(problem, empty_peak)
-                if chosen is not None:
-                    return checkpointed(problem, chosen, peak, predicted)
+                plan, least = checkpointed(problem, empty_peak)
+                if plan is not None:
+                    return plan
             least = least2 if least is None else min(least, least2)
         raise FitError(
             f"{_NAME}: budget_bytes={budget} ({_gib(budget)}) is below the least step peak "

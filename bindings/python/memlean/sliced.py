@@ -142,7 +142,7 @@ def _slice(t, c0, c1):
     return None if t is None else t[c0:c1]
 
 
-def _pointwise(module) -> bool:
+def pointwise(module) -> bool:
     """Whether a head is a 1x1 convolution of stride 1 without padding: its input gradient is
     a matrix product the backward adds into one tensor, slice after slice (_accumulate)."""
     return (tuple(module.kernel_size) == (1, 1) and tuple(module.stride) == (1, 1)
@@ -163,13 +163,13 @@ def _accumulate(grad_x, weight, grad_h, layout):
                                           grad_h.reshape(n, w.shape[0], -1))
 
 
-def _run_slice(x, modules, roles, norms, weights, c0, c1, recompute, start=0):
-    """Channels c0..c1 of the chain's output. weights: per module, its (weight, bias) slices
-    (or none for an act). recompute: the backward's pass (running statistics untouched; batch
-    statistics in training, as the forward used). start: the first module to run (1: x is
-    the head's output slice already)."""
+def _run_slice(x, modules, roles, norms, weights, c0, c1, recompute):
+    """Channels c0..c1 of the chain's output (of modules, a stretch of the chain: the
+    backward runs a 1x1 head apart). weights: per module, its (weight, bias) slices (or none
+    for an act). recompute: the backward's pass (running statistics untouched; batch
+    statistics in training, as the forward used)."""
     y = x
-    for m, r, norm, w in list(zip(modules, roles, norms, weights))[start:]:
+    for m, r, norm, w in zip(modules, roles, norms, weights):
         if r == "head":
             y = F.conv2d(y, w[0], w[1], m.stride, m.padding, m.dilation, 1)
         elif r == "depthwise":
@@ -220,11 +220,11 @@ class _SlicedChain(torch.autograd.Function):
         head = roles[0] == "head"
         # A 1x1 head's input gradient is added into grad_x slice by slice (_accumulate);
         # another head's is made whole per slice and added.
-        pointwise = head and need_x and _pointwise(modules[0])
+        accumulate = head and need_x and pointwise(modules[0])
         grad_x = None
         if need_x and not head:
             grad_x = torch.empty_like(x, memory_format=layout)
-        elif pointwise:
+        elif accumulate:
             grad_x = torch.zeros_like(x, memory_format=layout)
         grads = [torch.zeros_like(p) if n and p is not None else None
                  for p, n in zip(params, need)]
@@ -232,18 +232,19 @@ class _SlicedChain(torch.autograd.Function):
             with torch.enable_grad():
                 xs = x.detach() if head else x.detach()[:, c0:c1].contiguous(
                     memory_format=layout)
-                xs.requires_grad_(need_x and not pointwise)
+                xs.requires_grad_(need_x and not accumulate)
                 leaves = [None if p is None else p.detach()[c0:c1].requires_grad_(bool(n))
                           for p, n in zip(params, need)]
                 weights = _weights(modules, roles, leaves, 0, None)
-                if pointwise:  # the head's output slice: its gradient is what grad_x takes
-                    m = modules[0]
-                    xs = F.conv2d(xs, weights[0][0], weights[0][1], m.stride, m.padding,
-                                  m.dilation, 1)
+                start = 0
+                if accumulate:  # the head's output slice: its gradient is what grad_x takes
+                    xs = _run_slice(xs, modules[:1], roles[:1], norms[:1], weights[:1], c0, c1,
+                                    recompute=True)
                     if not xs.requires_grad:
                         xs.requires_grad_()
-                y = _run_slice(xs, modules, roles, norms, weights, c0, c1, recompute=True,
-                               start=1 if pointwise else 0)
+                    start = 1
+                y = _run_slice(xs, modules[start:], roles[start:], norms[start:],
+                               weights[start:], c0, c1, recompute=True)
                 wanted = ([xs] if need_x else []) + [t for t in leaves
                                                      if t is not None and t.requires_grad]
                 if not wanted:
@@ -254,7 +255,7 @@ class _SlicedChain(torch.autograd.Function):
             del y, wanted, xs  # (with a 1x1 head, xs is its output slice)
             if need_x:
                 g = got.pop(0)
-                if pointwise:
+                if accumulate:
                     if g is not None:
                         _accumulate(grad_x, params[0][c0:c1], g, layout)
                     del g

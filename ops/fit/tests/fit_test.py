@@ -709,7 +709,7 @@ class FitTest(unittest.TestCase):
         # added in place): a lower least, every budget down to it kept in exact bytes.
         model, x, loss_fn, opt = classified(StridedMBNet, 64)
         with mock.patch.object(memlean.sliced, "SLICE_BYTES", 1 << 17):  # 16 slices, not 4
-            with mock.patch.object(memlean.sliced, "_pointwise", lambda module: False):
+            with mock.patch.object(memlean.sliced, "pointwise", lambda module: False):
                 coarse, _ = self.least_and_eager(model, x, loss_fn, opt)  # no finer slices
             least, _, actions = self.check_budgets(model, (x,), loss_fn, opt, count=3)
         self.assertLess(least, coarse - coarse // 50, (least, coarse))
