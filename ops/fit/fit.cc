@@ -6,6 +6,7 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/nn/modules/activation.h>
 
 #include <algorithm>
 #include <chrono>
@@ -13,6 +14,7 @@
 #include <cstdio>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <unordered_set>
 
@@ -20,6 +22,7 @@
 #include "ops/fit/budget.h"
 #include "ops/fit/planner.h"
 #include "ops/fit/search.h"
+#include "ops/swish/module.h"
 #include "runtime/memstats/memstats.h"
 #include "runtime/memstats/nn.h"
 #include "runtime/memstats/report.h"
@@ -265,6 +268,34 @@ std::string path_of(int64_t b, int64_t e, const std::vector<std::string>& names)
   return path;
 }
 
+// beta of a layer fit may swap for memlean's in-place or memory-efficient Swish:
+// torch::nn::SiLU (beta 1) and memlean::Swish of another variant than in-place.
+std::optional<double> swish_beta(const torch::nn::AnyModule& layer) {
+  const auto module = layer.ptr();
+  if (std::dynamic_pointer_cast<torch::nn::SiLUImpl>(module)) return 1.0;
+  if (const auto s = std::dynamic_pointer_cast<memlean::SwishImpl>(module)) {
+    if (s->options.variant() != SwishVariant::kInplace) return s->options.beta();
+  }
+  return std::nullopt;
+}
+
+bool is_naive_swish(const torch::nn::AnyModule& layer) {
+  const auto s = std::dynamic_pointer_cast<memlean::SwishImpl>(layer.ptr());
+  return s && s->options.variant() == SwishVariant::kNaive;
+}
+
+// Overwriting x, the input of a layer about to run, is invisible to autograd and to the rest
+// of the step: x is held by this one handle alone (no op saved it, as SavedVariable holds the
+// tensor or, for an op's own output, a second TensorImpl of its storage; no view of it or
+// other tensor shares its storage; it is not the example input, a parameter or a buffer),
+// and in a Sequential no later layer reads a layer's input. (Checked on the forward with the
+// earlier swaps made: the in-place Swish saves its output, so of two Swish layers in a row
+// only the first is overwritten in place.)
+bool only_holder(const at::Tensor& x) {
+  return x.defined() && x.has_storage() && x.use_count() == 1 && x.storage().use_count() == 1 &&
+         !(x.is_leaf() && x.requires_grad()) && x.is_floating_point();
+}
+
 }  // namespace
 
 at::Tensor FitPlan::forward(const at::Tensor& x) const {
@@ -288,20 +319,33 @@ std::string FitPlan::str() const {
   std::ostringstream out;
   double seconds = 0;
   for (const auto& a : actions) seconds += a.recompute_seconds;
-  out << "memlean::fit: " << actions.size() << (actions.size() == 1 ? " checkpoint" : " checkpoints");
+  const size_t swaps = actions.size() - checkpointed.size();
+  out << "memlean::fit: " << checkpointed.size()
+      << (checkpointed.size() == 1 ? " checkpoint" : " checkpoints");
+  if (swaps > 0) {
+    out << ", " << swaps << (swaps == 1 ? " Swish layer swapped" : " Swish layers swapped");
+  }
   if (actions.empty()) out << " (the eager step fits the budget)";
   out << "\n";
   if (!actions.empty()) {
-    size_t w = 4;
-    for (const auto& a : actions) w = std::max(w, a.path.size());
-    char line[512];
-    std::snprintf(line, sizeof(line), "  %-*s  %-10s  %-34s  %s\n", static_cast<int>(w), "path",
-                  "action", "saves (predicted)", "recompute");
+    size_t w = 4, wa = 6;
+    for (const auto& a : actions) {
+      w = std::max(w, a.path.size());
+      wa = std::max(wa, a.action.size());
+    }
+    char line[640];
+    std::snprintf(line, sizeof(line), "  %-*s  %-*s  %-44s  %s\n", static_cast<int>(w), "path",
+                  static_cast<int>(wa), "action", "saves", "recompute");
     out << line;
     for (const auto& a : actions) {
-      std::snprintf(line, sizeof(line), "  %-*s  %-10s  %-34s  %.3g ms\n", static_cast<int>(w),
-                    a.path.c_str(), a.action.c_str(), describe_bytes(a.bytes_saved).c_str(),
-                    a.recompute_seconds * 1e3);
+      const bool checkpoint = a.action == "checkpoint";
+      char recompute[32];
+      std::snprintf(recompute, sizeof(recompute), "%.3g ms", a.recompute_seconds * 1e3);
+      const std::string saves =
+          describe_bytes(a.bytes_saved) + (checkpoint ? " predicted" : " measured");
+      std::snprintf(line, sizeof(line), "  %-*s  %-*s  %-44s  %s\n", static_cast<int>(w),
+                    a.path.c_str(), static_cast<int>(wa), a.action.c_str(), saves.c_str(),
+                    checkpoint ? recompute : "none");
       out << line;
     }
   }
@@ -311,7 +355,7 @@ std::string FitPlan::str() const {
       << "  eager      " << describe_bytes(eager_peak_bytes) << "  measured, before any change\n"
       << "  fixed      " << describe_bytes(fixed_bytes)
       << "  parameters, buffers, optimizer state, input\n";
-  if (!actions.empty()) {
+  if (!checkpointed.empty()) {
     char line[96];
     std::snprintf(line, sizeof(line), "  recompute  %.3g ms per step (forward times, measured once)\n",
                   seconds * 1e3);
@@ -416,33 +460,86 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     return result;
   }
 
-  // What each layer keeps for backward, and its forward time: one forward, layer by layer,
-  // holding only the latest output (as a training forward does). Layer i allocates
-  // kept_i = (allocated after it) - (before it), its input still held; dropping that input
-  // then frees what no layer saved (freed_i: layer i - 1's output when layer i does not save
-  // it). What layer i keeps until backward is kept_i - freed_{i+1}. (measure_layer_costs
-  // keeps every output alive, so it counts outputs that the next layer does not save, e.g.
-  // a Linear's before a Tanh, and its sum exceeds what the forward keeps.)
+  // 1. Swish layers, no recompute: each torch::nn::SiLU or memlean::Swish whose input only it
+  // holds (only_holder) becomes memlean's in-place Swish (one bit per element kept instead of
+  // its input); a naive memlean::Swish that cannot be in place becomes the memory-efficient one
+  // (its input kept, not its sigmoid). The layers live in the plan's Sequential; `model`
+  // keeps its own.
+  //
+  // What each layer keeps for backward, and its forward time: one forward, layer by layer, of
+  // the swapped layers, holding only the latest output (as a training forward does). Layer i
+  // allocates kept_i = (allocated after it) - (before it), its input still held; dropping that
+  // input then frees what no layer saved (freed_i: layer i - 1's output when layer i does not
+  // save it). What layer i keeps until backward is kept_i - freed_{i+1}. (measure_layer_costs
+  // keeps every output alive, so it counts outputs that the next layer does not save, e.g. a
+  // Linear's before a Tanh, and its sum exceeds what the forward keeps.)
   const auto n = static_cast<int64_t>(model->size());
+  std::vector<std::string> names;
+  for (const auto& item : model->named_children()) names.push_back(item.key());
+  names.resize(n);
+  std::vector<torch::nn::AnyModule> layers(model->begin(), model->end());
+  std::vector<std::string> swapped(n);  // the action, for a swapped layer
+  std::vector<int64_t> input_bytes(n, 0);
+  std::vector<bool> writes_input(n, false), passes_input(n, false);
   std::vector<double> seconds(n, 0.0);
   std::vector<int64_t> kept(n, 0), freed(n + 1, 0), output_bytes(n, 0);
   {
     at::AutoGradMode grad_mode(true);
-    const auto seq = model.ptr();
     at::Tensor h = example_input;
     for (int64_t i = 0; i < n; ++i) {
+      if (const auto beta = swish_beta(layers[i])) {
+        const bool in_place = only_holder(h);
+        if (in_place || is_naive_swish(layers[i])) {
+          const auto variant = in_place ? SwishVariant::kInplace : SwishVariant::kMemoryEfficient;
+          layers[i] = torch::nn::AnyModule(memlean::Swish(SwishOptions(*beta).variant(variant)));
+          swapped[i] = to_string(variant) + " swish";
+          input_bytes[i] = storage_bytes(h);
+        }
+      }
       synchronize(device);
       const int64_t before = memstats::memory_allocated(device);
+      const int64_t version = h._version();
       const auto t0 = Clock::now();
-      at::Tensor out = seq->begin()[i].forward(h);
+      at::Tensor out = layers[i].forward(h);
       synchronize(device);
       seconds[i] = std::chrono::duration<double>(Clock::now() - t0).count();
       const int64_t after = memstats::memory_allocated(device);
+      // A layer that writes its input (swapped here, or in place already) cannot begin a
+      // checkpointed run (nor follow layers that hand their input on): memlean::checkpoint
+      // refuses a function that overwrites its input.
+      writes_input[i] = h._version() != version;
+      passes_input[i] = out.defined() && h.defined() && out.has_storage() && h.has_storage() &&
+                        out.storage().is_alias_of(h.storage());
       h = at::Tensor();
       freed[i] = after - memstats::memory_allocated(device);
       kept[i] = after - before;
       output_bytes[i] = storage_bytes(out);
       h = std::move(out);
+    }
+  }
+  torch::nn::Sequential work = model;
+  std::vector<FitAction> swaps;
+  int64_t empty_peak = result.eager_peak_bytes;  // the step without checkpoints
+  const auto is_swapped = [](const std::string& action) { return !action.empty(); };
+  if (std::any_of(swapped.begin(), swapped.end(), is_swapped)) {
+    work = torch::nn::Sequential();
+    for (int64_t i = 0; i < n; ++i) work->push_back(names[i], layers[i]);
+    step.model = work;
+    empty_peak = step.measure([&work](const at::Tensor& x) { return work->forward(x); });
+    const int64_t saving = std::max<int64_t>(0, result.eager_peak_bytes - empty_peak);
+    int64_t total = 0;
+    for (const int64_t b : input_bytes) total += b;
+    for (int64_t i = 0; i < n; ++i) {
+      if (swapped[i].empty()) continue;
+      swaps.push_back({path_of(i, i + 1, names), swapped[i],
+                       total > 0 ? saving * input_bytes[i] / total : 0, 0.0});
+    }
+    if (empty_peak <= budget_bytes) {
+      result.actions = swaps;
+      result.peak_bytes = result.predicted_peak_bytes = empty_peak;
+      FitPlanAccess::set_runner(result, work);
+      snapshot.restore();
+      return result;
     }
   }
   Problem problem;
@@ -451,7 +548,7 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     problem.atom_saved_bytes.push_back(std::max<int64_t>(0, kept[i] - freed[i + 1]));
     atoms += problem.atom_saved_bytes.back();
   }
-  problem.base_bytes = std::max<int64_t>(0, result.eager_peak_bytes - atoms);
+  problem.base_bytes = std::max<int64_t>(0, empty_peak - atoms);
   // Backward's own bytes at each layer above base and what layers 0..i saved (activation
   // gradients, temporaries, the parameter gradients made by then): where checkpointed steps
   // peak, in the backward of early, wide layers.
@@ -481,7 +578,7 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     output_kept[i] = std::max<int64_t>(0, output_bytes[i] - freed[i + 1]);
   }
   std::vector<std::vector<at::Tensor>> layer_buffers(n);
-  for (int64_t i = 0; i < n; ++i) layer_buffers[i] = model->begin()[i].ptr()->buffers();
+  for (int64_t i = 0; i < n; ++i) layer_buffers[i] = layers[i].ptr()->buffers();
   auto buffer_copy_bytes = [&](int64_t b, int64_t e) {  // as BufferRestore clones them
     std::vector<at::Tensor> run;
     for (int64_t i = b; i < e; ++i) {
@@ -491,17 +588,20 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     for (const auto& t : unique_tensors(run)) total += static_cast<int64_t>(t.nbytes());
     return total;
   };
+  auto writes_run_input = [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      if (writes_input[i]) return true;
+      if (!passes_input[i]) return false;
+    }
+    return false;
+  };
   for (Candidate c : chain_candidates(problem.atom_saved_bytes, output_kept, seconds)) {
-    if (c.end == n) continue;
+    if (c.end == n || writes_run_input(c.begin, c.end)) continue;
     c.freed_bytes = std::max<int64_t>(0, c.freed_bytes - freed[c.begin]);
     c.input_bytes = freed[c.begin];
     c.recompute_extra_bytes = freed[c.end] + buffer_copy_bytes(c.begin, c.end);
     problem.candidates.push_back(c);
   }
-
-  std::vector<std::string> names;
-  for (const auto& item : model->named_children()) names.push_back(item.key());
-  names.resize(n);
 
   auto make = [&](const Plan& p) {
     FitPlan f;
@@ -509,13 +609,14 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     f.eager_peak_bytes = result.eager_peak_bytes;
     f.fixed_bytes = result.fixed_bytes;
     f.predicted_peak_bytes = p.predicted_peak_bytes;
+    f.actions = swaps;
     for (const int c : p.chosen) {
       const Candidate& cand = problem.candidates[c];
       f.checkpointed.emplace_back(cand.begin, cand.end);
       f.actions.push_back({path_of(cand.begin, cand.end, names), "checkpoint", cand.freed_bytes,
                            cand.seconds});
     }
-    FitPlanAccess::set_runner(f, model);
+    FitPlanAccess::set_runner(f, work);
     return f;
   };
 
@@ -523,7 +624,7 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   SearchOptions search_options;
   search_options.resolution = options.resolution;
   const SearchResult found = search(
-      problem, budget_bytes, /*floor_bytes=*/0, result.eager_peak_bytes,
+      problem, budget_bytes, /*floor_bytes=*/0, empty_peak,
       [&](const Plan& p) {
         const FitPlan f = make(p);
         return step.measure([&f](const at::Tensor& x) { return f.forward(x); });
@@ -545,7 +646,9 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
       << " (measured; the planner's least predicted peak is "
       << describe_bytes(least.predicted_peak_bytes) << ", with " << least.chosen.size()
       << (least.chosen.size() == 1 ? " checkpointed run" : " checkpointed runs") << " of the "
-      << n << " layers); the eager step peaks at " << describe_bytes(result.eager_peak_bytes)
+      << n << " layers";
+  if (!swaps.empty()) msg << ", " << swaps.size() << " Swish layers swapped";
+  msg << "); the eager step peaks at " << describe_bytes(result.eager_peak_bytes)
       << ", of which " << describe_bytes(result.fixed_bytes)
       << " are parameters, buffers, optimizer state and input. Raise the budget to at least "
       << best << " bytes, or lower the batch size.";

@@ -12,13 +12,21 @@
 // (its gradients undefined), plus the most that memstats sees allocated above its value at the
 // start (exact on the CPU; CUDA: the caching allocator's allocated bytes).
 //
-// What fit() does: measures the eager step; if it fits, returns the empty plan. Otherwise it
+// What fit() does: measures the eager step; if it fits, returns the empty plan. Otherwise,
+// cheapest first, the Swish layers, no recompute: each torch::nn::SiLU or memlean::Swish whose
+// input it alone holds (no earlier op saved it, no view or other tensor shares its storage,
+// it is not the example input; checked on the forward, so autograd's version counter cannot
+// fire) becomes memlean's in-place Swish (one bit per element kept instead of its input), and
+// a naive memlean::Swish that cannot be in place the memory-efficient one. The swapped layers
+// live in the plan's Sequential (plan.model(), which shares every other layer with `model`);
+// `model` itself is not changed. If the step with them fits, that is the plan. Otherwise it
 // runs the forward once layer by layer to measure what each layer keeps for backward (what
 // it allocates, less its input when it does not save it) and its forward time, and one step
 // with a hook on each layer's output to measure what backward holds at each layer; it plans
-// with the planner of planner.h (every run of layers but those ending at the last is a
-// candidate, with what its recompute adds: its input where the first layer does not save it,
-// its recomputed output) inside the search of search.h, the loop memlean.fit runs too: it
+// with the planner of planner.h (every run of layers but those ending at the last, and those
+// whose input a layer of theirs overwrites, which memlean::checkpoint refuses, is a candidate,
+// with what its recompute adds: its input where the first layer does not save it, its
+// recomputed output) inside the search of search.h, the loop memlean.fit runs too: it
 // measures one step under each plan; while the measured step exceeds the budget it plans again
 // with the planner's budget lowered by the excess (then the least-peak plan); once a plan fits
 // it bisects back up for a faster one, and returns the
@@ -65,12 +73,15 @@ struct FitOptions {
   int resolution = 4096;
 };
 
-// One chosen checkpoint.
+// One change: a swapped Swish layer or a checkpointed run.
 struct FitAction {
   std::string path;    // "layers 3-5", "layer 2", with the layers' names when they have some
-  std::string action;  // "checkpoint"
-  int64_t bytes_saved = 0;         // predicted: the run's kept bytes minus its output
-  double recompute_seconds = 0;    // the run's forward time, measured once
+  // "checkpoint", "inplace swish" or "memory_efficient swish"
+  std::string action;
+  // A checkpoint: predicted, the run's kept bytes minus its output. A swap: measured, the
+  // eager peak less the swapped step's, split among the swapped layers by their inputs' bytes.
+  int64_t bytes_saved = 0;
+  double recompute_seconds = 0;    // a checkpoint: the run's forward time, measured once; else 0
 };
 
 // What fit() chose, and the runner of the Sequential under it.
@@ -81,21 +92,24 @@ class FitPlan {
   int64_t predicted_peak_bytes = 0;  // the planner's model of that peak
   int64_t fixed_bytes = 0;           // parameters, buffers, optimizer state, example input
   int64_t eager_peak_bytes = 0;      // measured: one step before any change
-  std::vector<FitAction> actions;    // in forward order
+  std::vector<FitAction> actions;    // the swaps, then the checkpoints, each in forward order
   std::vector<std::pair<int64_t, int64_t>> checkpointed;  // [begin, end) runs, in order
 
-  // The Sequential on x: each run [b, e) of `checkpointed` through memlean::checkpoint (its
-  // layers' parameters and buffers given, so a BatchNorm updates its statistics once), the
-  // other layers as usual.
+  // The plan's Sequential on x: each run [b, e) of `checkpointed` through memlean::checkpoint
+  // (its layers' parameters and buffers given, so a BatchNorm updates its statistics once),
+  // the other layers as usual.
   at::Tensor forward(const at::Tensor& x) const;
-  // A table for people: one row per action, then the budget, peak, predicted, eager and
-  // fixed lines.
+  // A table for people: one row per action (what it saves; a checkpoint's recompute time),
+  // then the budget, peak, predicted, eager and fixed lines.
   std::string str() const;
   // {"budget_bytes": ..., "peak_bytes": ..., "predicted_peak_bytes": ..., "fixed_bytes": ...,
   //  "eager_peak_bytes": ..., "recompute_seconds": ..., "checkpointed": [[b, e], ...],
   //  "actions": [{"path": ..., "action": ..., "bytes_saved": ..., "recompute_seconds": ...}]}
   std::string to_json() const;
 
+  // The Sequential the plan runs: the model given to fit(), or where fit() swapped Swish
+  // layers a new Sequential of the same names with those layers replaced and every other layer
+  // the model's own (shared: parameters, buffers and training mode are the model's).
   torch::nn::Sequential model() const { return model_; }
 
  private:

@@ -19,10 +19,12 @@
 #include <stdexcept>
 #include <string>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "ops/fit/budget.h"
 #include "ops/fit/fit.h"
+#include "ops/swish/module.h"
 #include "runtime/memstats/memstats.h"
 #include "runtime/memstats/nn.h"
 
@@ -49,7 +51,8 @@ torch::nn::Sequential make_model() {
 }
 
 struct Bench {
-  torch::nn::Sequential model = make_model();
+  explicit Bench(torch::nn::Sequential m = make_model()) : model(std::move(m)) {}
+  torch::nn::Sequential model;
   at::Tensor x = at::randn({kBatch, kIn}, at::kDouble);
   at::Tensor y = at::randn({kBatch, kOut}, at::kDouble);
   torch::optim::SGD sgd{model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9)};
@@ -194,11 +197,12 @@ struct TableImpl : torch::nn::Module {
 };
 TORCH_MODULE(Table);
 
-// A chain of SiLUs (each saves its input, the previous layer's output) around a layer with a
+// A chain of GELUs (each saves its input, the previous layer's output; a chain of SiLUs
+// would become in-place Swish layers first) around a layer with a
 // buffer: every plan's predicted peak is the measured one to within 64 bytes, at every budget,
 // and plans checkpoint runs through the table. While a run is recomputed the step holds its
 // recomputed output only where no layer saved it (counting it again made the planner avoid
-// runs that end before a SiLU, the table's among them: a least peak 512 KiB higher), and
+// runs that end before a GELU, the table's among them: a least peak 512 KiB higher), and
 // a copy of the run's buffers (memlean::checkpoint puts them back after the recompute; here
 // backward's own bytes through the run exceed that copy).
 TEST(Fit, EveryPlanIsPredictedToTheByteOnAChainWithABuffer) {
@@ -207,10 +211,10 @@ TEST(Fit, EveryPlanIsPredictedToTheByteOnAChainWithABuffer) {
   constexpr int64_t kWide = int64_t{1} << 16, kRows = 2;
   namespace nn = torch::nn;
   nn::Sequential m(nn::Linear(8, kWide));
-  // SiLU saves its input (which a checkpoint ending before it keeps, exactly as predicted).
-  for (int i = 0; i < 5; ++i) m->push_back(nn::SiLU());
+  // GELU saves its input (which a checkpoint ending before it keeps, exactly as predicted).
+  for (int i = 0; i < 5; ++i) m->push_back(nn::GELU());
   m->push_back(Table(kWide));  // layer 6
-  for (int i = 0; i < 5; ++i) m->push_back(nn::SiLU());
+  for (int i = 0; i < 5; ++i) m->push_back(nn::GELU());
   m->push_back(nn::Linear(kWide, 4));
   m->train();
   const at::Tensor x = at::randn({kRows, 8});
@@ -242,6 +246,181 @@ TEST(Fit, EveryPlanIsPredictedToTheByteOnAChainWithABuffer) {
     for (const auto& [b, e] : plan.checkpointed) with_buffers += b <= 6 && 6 < e ? 1 : 0;
   }
   EXPECT_GT(with_buffers, 0) << "no plan checkpointed the table: nothing was tested";
+}
+
+// Swish layers (torch's SiLU, memlean's naive Swish) in a chain with layers that save their
+// output (ReLU; memlean's in-place Swish itself) and one that writes its input already
+// (ReLU(inplace)).
+//   0 Linear  1 SiLU  2 Linear  3 SiLU  4 SiLU  5 ReLU  6 SiLU  7 Linear  8 ReLU  9 Swish(naive)
+//   10 Linear  11 ReLU(inplace)  12 Linear  13 SiLU  14 Linear
+// In place where only the layer holds its input: 1 and 3 (after a Linear), 13; not 4 (the
+// in-place Swish at 3 saves its output), not 6 (ReLU saves its output). The naive Swish at 9
+// (after a ReLU) becomes the memory-efficient one.
+torch::nn::Sequential make_swish_model() {
+  at::set_num_threads(1);
+  at::manual_seed(0);
+  namespace nn = torch::nn;
+  auto naive = memlean::Swish(SwishOptions(1.5).variant(SwishVariant::kNaive));
+  nn::Sequential m(nn::Linear(kIn, kHidden), nn::SiLU(), nn::Linear(kHidden, kHidden), nn::SiLU(),
+                   nn::SiLU(), nn::ReLU(), nn::SiLU(), nn::Linear(kHidden, kHidden), nn::ReLU(),
+                   naive, nn::Linear(kHidden, kHidden), nn::ReLU(nn::ReLUOptions(true)),
+                   nn::Linear(kHidden, kHidden), nn::SiLU(), nn::Linear(kHidden, kOut));
+  m->to(at::kDouble);
+  m->train();
+  return m;
+}
+
+// The variant of layer i of a plan's Sequential if it is a memlean::Swish, else "".
+std::string swish_variant(const torch::nn::Sequential& m, int64_t i) {
+  const auto s = std::dynamic_pointer_cast<memlean::SwishImpl>(m->begin()[i].ptr());
+  return s ? to_string(s->options.variant()) : "";
+}
+
+TEST(Fit, SwishLayersBecomeInPlaceWhereOnlyTheyHoldTheirInputSavingExactBytes) {
+  Bench s(make_swish_model());
+  s.train_step();
+  const int64_t eager = fit(s.model, s.x, int64_t{1} << 40, s.options()).eager_peak_bytes;
+  const FitPlan plan = fit(s.model, s.x, eager - 1, s.options());
+  std::printf("%s", plan.str().c_str());
+  EXPECT_TRUE(plan.checkpointed.empty()) << "the swaps alone save more than a byte";
+  std::vector<std::string> got;
+  for (const auto& a : plan.actions) got.push_back(a.path + ": " + a.action);
+  EXPECT_EQ(got, (std::vector<std::string>{"layer 1: inplace swish", "layer 3: inplace swish",
+                                           "layer 9: memory_efficient swish",
+                                           "layer 13: inplace swish"}));
+  for (const int64_t i : {1, 3, 13}) EXPECT_EQ(swish_variant(plan.model(), i), "inplace") << i;
+  EXPECT_EQ(swish_variant(plan.model(), 9), "memory_efficient");
+  for (const int64_t i : {4, 6}) EXPECT_EQ(swish_variant(plan.model(), i), "") << i;
+  // The model given keeps its own layers; the plan's Sequential shares the others.
+  EXPECT_TRUE(std::dynamic_pointer_cast<torch::nn::SiLUImpl>(s.model->begin()[1].ptr()));
+  EXPECT_EQ(swish_variant(s.model, 9), "naive");
+  EXPECT_EQ(plan.model()->begin()[0].ptr(), s.model->begin()[0].ptr());
+  // The same step with those layers swapped by hand, measured here: the same bytes, below
+  // the eager step's peak by at least two activations less two in-place masks (1 MiB
+  // each, 16 KiB masks).
+  torch::nn::Sequential by_hand;
+  for (int64_t i = 0; i < static_cast<int64_t>(s.model->size()); ++i) {
+    const std::string v =
+        i == 9 ? "memory_efficient" : i == 1 || i == 3 || i == 13 ? "inplace" : "";
+    const double beta = i == 9 ? 1.5 : 1.0;
+    if (v.empty()) {
+      by_hand->push_back(s.model->begin()[i]);
+    } else {
+      by_hand->push_back(memlean::Swish(SwishOptions(beta).variant(parse_swish_variant(v))));
+    }
+  }
+  const int64_t swapped = measure_step(s, [&](const at::Tensor& x) { return by_hand->forward(x); });
+  EXPECT_EQ(plan.peak_bytes, swapped);
+  EXPECT_EQ(plan.predicted_peak_bytes, swapped);
+  EXPECT_EQ(measure_step(s, [&plan](const at::Tensor& x) { return plan.forward(x); }), swapped);
+  const int64_t activation = kBatch * kHidden * 8;
+  EXPECT_GE(eager - swapped, 2 * (activation - activation / 64)) << plan.str();
+  int64_t saved = 0;
+  for (const auto& a : plan.actions) saved += a.bytes_saved;
+  EXPECT_LE(eager - swapped - saved, 3) << "the measured saving, split among the layers";
+}
+
+// Below what the swaps reach alone: checkpoints on top, none beginning at a layer that writes
+// its input (memlean::checkpoint refuses those), every budget down to the least kept, and
+// gradients and the loss through the plan those of the model given (in-place Swish within its
+// float64 bound, docs/swish.md).
+TEST(Fit, CheckpointsOnTopOfTheSwapsKeepEveryBudgetAndTheGradients) {
+  Bench s(make_swish_model());
+  s.train_step();
+  const int64_t eager = fit(s.model, s.x, "1TiB", s.options()).eager_peak_bytes;
+  const FitPlan swaps = fit(s.model, s.x, eager - 1, s.options());
+  int64_t least = 0;
+  try {
+    fit(s.model, s.x, int64_t{1}, s.options());
+    FAIL() << "a 1-byte budget fitted";
+  } catch (const FitError& e) {
+    least = e.least_peak_bytes;
+    const std::string m = e.what();
+    EXPECT_NE(m.find(", 4 Swish layers swapped)"), std::string::npos) << m;
+  }
+  ASSERT_LT(least, swaps.peak_bytes * 9 / 10);
+  const auto params = s.model->parameters();
+  auto grads_of = [&](const std::function<at::Tensor(const at::Tensor&)>& run) {
+    s.sgd.zero_grad();
+    const at::Tensor loss = at::mse_loss(run(s.x), s.y);
+    loss.backward();
+    std::vector<at::Tensor> g{loss.detach()};
+    for (const auto& p : params) g.push_back(p.grad().clone());
+    return g;
+  };
+  constexpr int kBudgets = 4;
+  for (int k = 0; k < kBudgets; ++k) {
+    const int64_t budget = least + (swaps.peak_bytes - 1 - least) * (k + 1) / kBudgets;
+    const FitPlan plan = fit(s.model, s.x, budget, s.options());
+    std::printf("%s", plan.str().c_str());
+    EXPECT_LE(plan.peak_bytes, budget);
+    EXPECT_FALSE(plan.checkpointed.empty());
+    EXPECT_EQ(plan.actions.size(), plan.checkpointed.size() + swaps.actions.size());
+    EXPECT_LE(std::abs(plan.predicted_peak_bytes - plan.peak_bytes),
+              std::max<int64_t>(plan.peak_bytes / 50, kMiB)) << plan.str();
+    for (const auto& [b, e] : plan.checkpointed) {
+      EXPECT_NE(swish_variant(plan.model(), b), "inplace") << "a run begins at layer " << b;
+      EXPECT_NE(b, 11) << "a run begins at the in-place ReLU";
+    }
+    EXPECT_EQ(measure_step(s, [&plan](const at::Tensor& x) { return plan.forward(x); }),
+              plan.peak_bytes);
+    const auto plain = grads_of([&](const at::Tensor& x) { return s.model->forward(x); });
+    const auto fitted = grads_of([&plan](const at::Tensor& x) { return plan.forward(x); });
+    for (size_t i = 0; i < plain.size(); ++i) {
+      EXPECT_TRUE(at::allclose(fitted[i], plain[i], 1e-7, 1e-10)) << "budget " << budget << ", "
+          << (i == 0 ? "loss" : "parameter " + std::to_string(i - 1));
+    }
+  }
+}
+
+// A layer that scales its input in place and returns it widened four times (x *= 2; [x x x x]).
+struct WidenImpl : torch::nn::Module {
+  at::Tensor forward(const at::Tensor& x) { return x.mul_(2).repeat({1, 4}); }
+};
+TORCH_MODULE(Widen);
+
+// memlean::checkpoint refuses a function that overwrites its input: no checkpointed run begins
+// at a layer that writes its input (Widen, ReLU(inplace)), though a run beginning at Widen
+// keeps its narrow input where the run after it keeps the wide output, and recomputes less
+// than the runs beginning before it.
+TEST(Fit, NoCheckpointedRunBeginsAtALayerThatWritesItsInput) {
+  at::set_num_threads(1);
+  at::manual_seed(0);
+  namespace nn = torch::nn;
+  nn::Sequential m(nn::Linear(kIn, kHidden));
+  for (int i = 0; i < 4; ++i) {
+    m->push_back(nn::Linear(kHidden, kHidden));
+    m->push_back(Widen());                          // layers 2, 6, 10, 14
+    m->push_back(nn::Linear(4 * kHidden, kHidden));
+    m->push_back(nn::ReLU(nn::ReLUOptions(true)));  // layers 4, 8, 12, 16
+  }
+  m->push_back(nn::Linear(kHidden, kOut));
+  m->to(at::kDouble);
+  Bench s(m);
+  s.train_step();
+  const int64_t eager = fit(s.model, s.x, "1TiB", s.options()).eager_peak_bytes;
+  int64_t least = 0;
+  try {
+    fit(s.model, s.x, int64_t{1}, s.options());
+    FAIL() << "a 1-byte budget fitted";
+  } catch (const FitError& e) {
+    least = e.least_peak_bytes;
+  }
+  ASSERT_LT(least, eager * 4 / 5);
+  int runs = 0;
+  constexpr int kBudgets = 6;
+  for (int k = 0; k < kBudgets; ++k) {
+    // Above the least peak (which fit() reached once; another call may time the layers
+    // differently and choose other runs).
+    const int64_t budget = least + (eager - 1 - least) * (k + 1) / kBudgets;
+    const FitPlan plan = fit(s.model, s.x, budget, s.options());
+    EXPECT_LE(plan.peak_bytes, budget);
+    for (const auto& [b, e] : plan.checkpointed) {
+      EXPECT_TRUE(b == 0 || b % 2 == 1) << "a run begins at layer " << b << "\n" << plan.str();
+      ++runs;
+    }
+  }
+  EXPECT_GE(runs, kBudgets);
 }
 
 TEST(Fit, GradientsAndBatchNormStatisticsThroughThePlanEqualThePlainOnes) {
