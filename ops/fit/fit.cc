@@ -7,6 +7,8 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/conv.h>
 
 #include <algorithm>
 #include <chrono>
@@ -16,9 +18,13 @@
 #include <mutex>
 #include <optional>
 #include <sstream>
+#include <type_traits>
 #include <unordered_set>
+#include <variant>
 
 #include "ops/checkpoint/checkpoint.h"
+#include "ops/checkpoint/lean_batchnorm.h"
+#include "ops/checkpoint/lean_conv.h"
 #include "ops/fit/budget.h"
 #include "ops/fit/planner.h"
 #include "ops/fit/search.h"
@@ -268,6 +274,131 @@ std::string path_of(int64_t b, int64_t e, const std::vector<std::string>& names)
   return path;
 }
 
+// The parameters and buffers of `from` registered in `to` under the same names (the same
+// tensors: state_dict keys and values are the layer's own).
+void share_tensors(torch::nn::Module& to, const torch::nn::Module& from) {
+  for (const auto& item : from.named_parameters(/*recurse=*/false)) {
+    to.register_parameter(item.key(), item.value(), item.value().defined() && item.value().requires_grad());
+  }
+  for (const auto& item : from.named_buffers(/*recurse=*/false)) {
+    to.register_buffer(item.key(), item.value());
+  }
+}
+
+// A torch::nn::BatchNorm{1,2,3}d with memlean::lean_batch_norm's backward in training where it
+// applies (else, and in eval mode, the layer's own forward). Its training mode is the layer's.
+template <typename BatchNorm>
+class LeanBatchNormImpl : public torch::nn::Module {
+ public:
+  explicit LeanBatchNormImpl(std::shared_ptr<BatchNorm> bn)
+      : torch::nn::Module("memlean::fit::LeanBatchNorm"), bn_(std::move(bn)) {
+    share_tensors(*this, *bn_);
+  }
+
+  // Whether forward runs the lean backward for x (training mode, its dimensions the layer's).
+  bool applies(const at::Tensor& x) const {
+    const int64_t d = x.dim();
+    const bool dims = std::is_same_v<BatchNorm, torch::nn::BatchNorm1dImpl> ? d == 2 || d == 3
+                      : std::is_same_v<BatchNorm, torch::nn::BatchNorm2dImpl> ? d == 4
+                                                                               : d == 5;
+    return bn_->is_training() && dims && lean_batch_norm_applies(x);
+  }
+
+  at::Tensor forward(const at::Tensor& x) {
+    if (!applies(x)) return bn_->forward(x);
+    const auto& o = bn_->options;
+    double factor = o.momentum().value_or(0.0);  // as torch::nn::BatchNorm's forward
+    if (o.track_running_stats() && bn_->num_batches_tracked.defined()) {
+      bn_->num_batches_tracked += 1;
+      if (!o.momentum().has_value()) factor = 1.0 / bn_->num_batches_tracked.template item<double>();
+    }
+    auto maybe = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
+    return lean_batch_norm(x, maybe(bn_->weight), maybe(bn_->bias), maybe(bn_->running_mean),
+                           maybe(bn_->running_var), factor, o.eps());
+  }
+
+  void train(bool on) override {
+    torch::nn::Module::train(on);
+    bn_->train(on);
+  }
+
+  void pretty_print(std::ostream& stream) const override {
+    stream << "memlean::fit::LeanBatchNorm(";
+    bn_->pretty_print(stream);
+    stream << ")";
+  }
+
+ private:
+  std::shared_ptr<BatchNorm> bn_;
+};
+
+// A depthwise torch::nn::Conv2d (groups == in == out channels, zero padding given as numbers)
+// with memlean::lean_conv2d's backward where it applies (else the layer's own forward).
+class LeanConv2dImpl : public torch::nn::Module {
+ public:
+  explicit LeanConv2dImpl(std::shared_ptr<torch::nn::Conv2dImpl> conv)
+      : torch::nn::Module("memlean::fit::LeanConv2d"), conv_(std::move(conv)) {
+    share_tensors(*this, *conv_);
+  }
+
+  static bool depthwise(const torch::nn::Conv2dImpl& conv) {
+    const auto& o = conv.options;
+    return o.groups() == o.in_channels() && o.groups() == o.out_channels() &&
+           std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode()) &&
+           std::holds_alternative<torch::ExpandingArray<2>>(o.padding());
+  }
+
+  bool applies(const at::Tensor& x) const {
+    return depthwise(*conv_) && lean_conv2d_applies(x, conv_->weight, conv_->options.groups());
+  }
+
+  at::Tensor forward(const at::Tensor& x) {
+    if (!applies(x)) return conv_->forward(x);
+    const auto& o = conv_->options;
+    const auto& padding = std::get<torch::ExpandingArray<2>>(o.padding());
+    return lean_conv2d(x, conv_->weight,
+                       conv_->bias.defined() ? std::optional<at::Tensor>(conv_->bias) : std::nullopt,
+                       *o.stride(), *padding, *o.dilation(), o.groups());
+  }
+
+  void train(bool on) override {
+    torch::nn::Module::train(on);
+    conv_->train(on);
+  }
+
+  void pretty_print(std::ostream& stream) const override {
+    stream << "memlean::fit::LeanConv2d(";
+    conv_->pretty_print(stream);
+    stream << ")";
+  }
+
+ private:
+  std::shared_ptr<torch::nn::Conv2dImpl> conv_;
+};
+
+// The lean layer fit gives `layer` for its input x on the CPU ("lean batchnorm", "lean
+// depthwise conv"), or none.
+std::optional<std::pair<torch::nn::AnyModule, std::string>> lean_layer(
+    const torch::nn::AnyModule& layer, const at::Tensor& x) {
+  const auto module = layer.ptr();
+  auto lean_bn = [&](auto bn) -> std::optional<std::pair<torch::nn::AnyModule, std::string>> {
+    using BatchNorm = typename decltype(bn)::element_type;
+    auto lean = std::make_shared<LeanBatchNormImpl<BatchNorm>>(bn);
+    if (!lean->applies(x)) return std::nullopt;
+    return std::make_pair(torch::nn::AnyModule(lean), std::string("lean batchnorm"));
+  };
+  if (auto bn = std::dynamic_pointer_cast<torch::nn::BatchNorm1dImpl>(module)) return lean_bn(bn);
+  if (auto bn = std::dynamic_pointer_cast<torch::nn::BatchNorm2dImpl>(module)) return lean_bn(bn);
+  if (auto bn = std::dynamic_pointer_cast<torch::nn::BatchNorm3dImpl>(module)) return lean_bn(bn);
+  if (auto conv = std::dynamic_pointer_cast<torch::nn::Conv2dImpl>(module)) {
+    if (!LeanConv2dImpl::depthwise(*conv)) return std::nullopt;
+    auto lean = std::make_shared<LeanConv2dImpl>(conv);
+    if (!lean->applies(x)) return std::nullopt;
+    return std::make_pair(torch::nn::AnyModule(lean), std::string("lean depthwise conv"));
+  }
+  return std::nullopt;
+}
+
 // beta of a layer fit may swap for memlean's in-place or memory-efficient Swish:
 // torch::nn::SiLU (beta 1) and memlean::Swish of another variant than in-place.
 std::optional<double> swish_beta(const torch::nn::AnyModule& layer) {
@@ -323,7 +454,7 @@ std::string FitPlan::str() const {
   out << "memlean::fit: " << checkpointed.size()
       << (checkpointed.size() == 1 ? " checkpoint" : " checkpoints");
   if (swaps > 0) {
-    out << ", " << swaps << (swaps == 1 ? " Swish layer swapped" : " Swish layers swapped");
+    out << ", " << swaps << (swaps == 1 ? " layer swapped" : " layers swapped");
   }
   if (actions.empty()) out << " (the eager step fits the budget)";
   out << "\n";
@@ -460,11 +591,13 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     return result;
   }
 
-  // 1. Swish layers, no recompute: each torch::nn::SiLU or memlean::Swish whose input only it
+  // 1. Layers swapped, no recompute: each torch::nn::SiLU or memlean::Swish whose input only it
   // holds (only_holder) becomes memlean's in-place Swish (one bit per element kept instead of
   // its input); a naive memlean::Swish that cannot be in place becomes the memory-efficient one
-  // (its input kept, not its sigmoid). The layers live in the plan's Sequential; `model`
-  // keeps its own.
+  // (its input kept, not its sigmoid). On the CPU, a BatchNorm in training mode and a depthwise
+  // Conv2d get memlean's lean backward (LeanBatchNormImpl, LeanConv2dImpl: up to two tensors
+  // of the input's size less at their backward). The layers live in the plan's Sequential;
+  // `model` keeps its own.
   //
   // What each layer keeps for backward, and its forward time: one forward, layer by layer, of
   // the swapped layers, holding only the latest output (as a training forward does). Layer i
@@ -487,6 +620,13 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     at::AutoGradMode grad_mode(true);
     at::Tensor h = example_input;
     for (int64_t i = 0; i < n; ++i) {
+      if (device.is_cpu() && at::GradMode::is_enabled()) {
+        if (auto lean = lean_layer(layers[i], h)) {
+          layers[i] = std::move(lean->first);
+          swapped[i] = std::move(lean->second);
+          input_bytes[i] = storage_bytes(h);
+        }
+      }
       if (const auto beta = swish_beta(layers[i])) {
         const bool in_place = only_holder(h);
         if (in_place || is_naive_swish(layers[i])) {
@@ -647,7 +787,9 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
       << describe_bytes(least.predicted_peak_bytes) << ", with " << least.chosen.size()
       << (least.chosen.size() == 1 ? " checkpointed run" : " checkpointed runs") << " of the "
       << n << " layers";
-  if (!swaps.empty()) msg << ", " << swaps.size() << " Swish layers swapped";
+  if (!swaps.empty()) {
+    msg << ", " << swaps.size() << (swaps.size() == 1 ? " layer swapped" : " layers swapped");
+  }
   msg << "); the eager step peaks at " << describe_bytes(result.eager_peak_bytes)
       << ", of which " << describe_bytes(result.fixed_bytes)
       << " are parameters, buffers, optimizer state and input. Raise the budget to at least "

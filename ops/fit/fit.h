@@ -17,9 +17,14 @@
 // input it alone holds (no earlier op saved it, no view or other tensor shares its storage,
 // it is not the example input; checked on the forward, so autograd's version counter cannot
 // fire) becomes memlean's in-place Swish (one bit per element kept instead of its input), and
-// a naive memlean::Swish that cannot be in place the memory-efficient one. The swapped layers
-// live in the plan's Sequential (plan.model(), which shares every other layer with `model`);
-// `model` itself is not changed. If the step with them fits, that is the plan. Otherwise it
+// a naive memlean::Swish that cannot be in place the memory-efficient one; on the CPU, each
+// torch::nn::BatchNorm{1,2,3}d in training mode gets memlean::lean_batch_norm's backward and
+// each depthwise torch::nn::Conv2d with zero padding memlean::lean_conv2d's (up to two, and
+// four to six, tensors of the input's size less at their backwards; ops/checkpoint). The
+// swapped layers live in the plan's Sequential (plan.model(), which shares every other layer
+// with `model`; a lean layer holds its layer's tensors under the same names and follows its
+// training mode); `model` itself is not changed. If the step with them fits, that is the
+// plan. Otherwise it
 // runs the forward once layer by layer to measure what each layer keeps for backward (what
 // it allocates, less its input when it does not save it) and its forward time, and one step
 // with a hook on each layer's output to measure what backward holds at each layer; it plans
@@ -76,7 +81,8 @@ struct FitOptions {
 // One change: a swapped Swish layer or a checkpointed run.
 struct FitAction {
   std::string path;    // "layers 3-5", "layer 2", with the layers' names when they have some
-  // "checkpoint", "inplace swish" or "memory_efficient swish"
+  // "checkpoint", "inplace swish", "memory_efficient swish", "lean batchnorm" or
+  // "lean depthwise conv"
   std::string action;
   // A checkpoint: predicted, the run's kept bytes minus its output. A swap: measured, the
   // eager peak less the swapped step's, split among the swapped layers by their inputs' bytes.
@@ -107,8 +113,8 @@ class FitPlan {
   //  "actions": [{"path": ..., "action": ..., "bytes_saved": ..., "recompute_seconds": ...}]}
   std::string to_json() const;
 
-  // The Sequential the plan runs: the model given to fit(), or where fit() swapped Swish
-  // layers a new Sequential of the same names with those layers replaced and every other layer
+  // The Sequential the plan runs: the model given to fit(), or where fit() swapped layers a
+  // new Sequential of the same names with those layers replaced and every other layer
   // the model's own (shared: parameters, buffers and training mode are the model's).
   torch::nn::Sequential model() const { return model_; }
 
