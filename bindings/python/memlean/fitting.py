@@ -47,11 +47,12 @@ train/eval flag are as they were before the call; the model is changed in place 
 forwards are wrapped, activations swapped for parameterless ones): state_dict keys do not
 change, and plan.undo() puts everything back.
 
-torch.compile: the wrapped modules run memlean.checkpoint, which dynamo runs as in eager mode
-while it compiles the rest; compiled, memlean's Swish computes what nn.SiLU does. A plan
-fitted for eager steps may peak higher compiled (inductor's graphs keep other tensors):
-fit(..., compile=True) measures every plan on the compiled step instead, so the budget holds
-there. Under compile, torch's own activation_memory_budget is the compiler's peer of this;
+torch.compile: the wrapped modules of a plan for eager steps run memlean.checkpoint, which
+dynamo runs as in eager mode while it compiles the rest; compiled, memlean's Swish computes
+what nn.SiLU does. A plan fitted for eager steps may peak higher compiled (inductor's graphs
+keep other tensors): fit(..., compile=True) measures every plan on the compiled step instead,
+so the budget holds there, and its wrapped modules, traced by dynamo, run torch's
+non-reentrant checkpoint, which the compiler recomputes inside its graph (_traced_checkpoint). Under compile, torch's own activation_memory_budget is the compiler's peer of this;
 memlean.fit's savings are for eager mode (and LibTorch: memlean::fit).
 """
 from __future__ import annotations
@@ -670,28 +671,62 @@ def _replace(model, old, new):
 # ---- checkpoint wrapping -------------------------------------------------------------------
 
 
-def _wrap(module):
+def _wrap(module, traced=False):
     """Run `module`'s forward under memlean.checkpoint (its hooks, state_dict keys and place
-    in its parent unchanged); returns the undo. A _Run: see _wrap_run."""
+    in its parent unchanged); returns the undo. A _Run: see _wrap_run. traced (a plan made
+    with compile=): where dynamo traces the forward, torch's checkpoint instead
+    (_traced_checkpoint), which the compiler recomputes inside its graph."""
     if isinstance(module, _Run):
         return _wrap_run(module)
     own = module.__dict__.get("forward")
     original = module.forward
 
-    def forward(*args, **kwargs):
-        return checkpoint_module_forward(module, original, args, kwargs)
-
-    # Under torch.compile the checkpointed call runs eagerly (dynamo does not trace into the
-    # checkpoint): skip the whole wrapper, so that dynamo neither traces its prelude nor
-    # compiles it once per wrapped module (every wrapper shares one code object, and the
-    # recompiles would reach dynamo's recompile limit after 8 modules).
+    # memlean.checkpoint, which dynamo does not trace into: disabled for dynamo (under
+    # torch.compile a graph break, and the checkpoint runs eagerly), so that dynamo neither
+    # traces the wrapper's prelude nor compiles it once per wrapped module (every wrapper
+    # shares one code object, and the recompiles would reach dynamo's recompile limit after 8
+    # modules).
     import torch._dynamo  # (not at import: it takes a while to load)
 
-    forward = torch._dynamo.disable(forward)
+    forward = torch._dynamo.disable(
+        lambda *args, **kwargs: checkpoint_module_forward(module, original, args, kwargs))
+    if traced:
+        eager = forward
+
+        def forward(*args, **kwargs):  # noqa: F811
+            if torch.compiler.is_compiling():
+                return _traced_checkpoint(module, original, args, kwargs)
+            return eager(*args, **kwargs)
+
     forward.__memlean_fit__ = True
     module.forward = forward
 
     return lambda: restore_forward(module, own)
+
+
+def _traced_checkpoint(module, original, args, kwargs):
+    """`original(*args, **kwargs)` checkpointed while dynamo traces it: torch's non-reentrant
+    checkpoint, which dynamo makes one region of the compiled graph that the compiler
+    recomputes in backward (no graph break; inductor fuses across it, and a BatchNorm in it is
+    updated once: the graph's buffer mutations run once, in the forward). Where dynamo cannot
+    trace the region (a graph break inside the module), torch's checkpoint runs eagerly
+    instead, and its recompute would update a BatchNorm a second time (pytorch#96136): there
+    the module's buffers are put back after the recompute, as memlean.checkpoint does."""
+    buffers = _module_buffers(module)
+
+    def region(*inputs):
+        # is_compiling() first: while dynamo traces, the rest is not evaluated.
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+            kept = [b.detach().clone() for b in buffers]  # eager, recomputing in backward
+            try:
+                return original(*inputs, **kwargs)
+            finally:
+                with torch.no_grad():
+                    for b, k in zip(buffers, kept):
+                        b.copy_(k)
+        return original(*inputs, **kwargs)
+
+    return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False)
 
 
 def _wrap_run(run: _Run):
@@ -1273,6 +1308,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
 
         # With compile=: every decision on the compiled step (compiled afresh each time).
         compiled = compile_options is not None
+        untraced = set()  # plans whose checkpoints the compiler failed on, traced
         plain = _measure_plan(step, [], (), compile_options) if compiled else eager.peak
         if plain <= budget:
             return done(plain, plain)
@@ -1321,7 +1357,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
 
             def measure(chosen):
                 measured[tuple(chosen)] = _measure_plan(step, problem.calls, chosen,
-                                                        compile_options)
+                                                        compile_options, untraced)
                 return measured[tuple(chosen)]
 
             found, chosen, peak, predicted, _, least, _ = _C.fit.search(
@@ -1333,7 +1369,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             if not found and remembered is not None and remembered[1] <= budget:
                 # The plan that reached the least an earlier FitError named for this step.
                 chosen = list(remembered[0])
-                peak = _measure_plan(step, problem.calls, chosen, compile_options)
+                peak = _measure_plan(step, problem.calls, chosen, compile_options, untraced)
                 found = peak <= budget
                 predicted = _C.fit.predicted_peak(
                     problem.base, problem.atoms, problem.candidates, chosen,
@@ -1352,7 +1388,8 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             if chosen is None:
                 return None, least
             actions.extend(taken)
-            undo_steps.extend(_wrap(problem.calls[i].module) for i in chosen)
+            traced = compiled and tuple(chosen) not in untraced
+            undo_steps.extend(_wrap(problem.calls[i].module, traced=traced) for i in chosen)
             actions.extend(_checkpoint_actions(problem.calls, problem.candidates, chosen,
                                                paths))
             return done(peak, max(predicted, current.optimizer_peak), eager_only + sum(
@@ -1579,12 +1616,16 @@ def _keep_taken(leans, undo_steps) -> list:
     return kept
 
 
-def _measure_plan(step: _Step, calls, chosen, compile_options=None) -> int:
+def _measure_plan(step: _Step, calls, chosen, compile_options=None, untraced=None) -> int:
     """The measured step peak with the chosen modules checkpointed (unwrapped again after).
     compile_options not None (fit(compile=...)): the step of torch.compile(model,
     **compile_options), compiled afresh (torch._dynamo.reset() first, as the caller's own
-    compile of the fitted model will be) in a step before the measured one."""
-    wraps = [_wrap(calls[i].module) for i in chosen]
+    compile of the fitted model will be) in a step before the measured one, its checkpoints
+    traced into the compiled graph (_traced_checkpoint); where the compiler fails on that
+    graph, measured again with them run eagerly between graphs, and the plan (tuple(chosen))
+    added to the set `untraced`."""
+    traced = compile_options is not None and tuple(chosen) not in (untraced or ())
+    wraps = [_wrap(calls[i].module, traced=traced) for i in chosen]
     try:
         if compile_options is None:
             return step.run().peak
@@ -1592,11 +1633,18 @@ def _measure_plan(step: _Step, calls, chosen, compile_options=None) -> int:
 
         torch._dynamo.reset()
         compiled = torch.compile(step.model, **compile_options)
-        step.run(forward=compiled)  # compiles
-        return step.run(forward=compiled).peak
+        try:
+            step.run(forward=compiled)  # compiles
+        except torch._dynamo.exc.BackendCompilerFailed:
+            if not traced or untraced is None:
+                raise
+            untraced.add(tuple(chosen))
+        else:
+            return step.run(forward=compiled).peak
     finally:
         for w in reversed(wraps):
             w()
+    return _measure_plan(step, calls, chosen, compile_options, untraced)  # now untraced
 
 
 def _checkpoint_actions(calls, candidates, chosen, paths):

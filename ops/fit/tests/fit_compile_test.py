@@ -1,12 +1,58 @@
 """memlean.fit(compile=True): the budget kept by the compiled step (inductor), measured here
-apart from fit; the argument checked. Apart from fit_test.py: each plan fit tries compiles
-afresh, so this takes minutes under load."""
+apart from fit; its checkpoints traced into the compiled graph (no graph break), training as
+the eager step does, BatchNorm updated once and dropout's mask the same in forward and
+backward, also where dynamo cannot trace a checkpointed module; the fallback where the
+compiler fails on them; the argument checked. Apart from fit_test.py: each plan fit tries
+compiles afresh, so this takes minutes under load."""
+import copy
 import unittest
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 import memlean
 from fit_test import MBNet, classified, step_peak
+from memlean import fitting
+
+
+def _same(test, a, b, what, rtol=1e-4, atol=1e-6):
+    test.assertEqual(len(a), len(b), what)
+    for i, (x, y) in enumerate(zip(a, b)):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=lambda m: f"{what} {i}: {m}")
+
+
+class _Stage(nn.Module):
+    """Convolution, BatchNorm, SiLU; with graph_break, dynamo cannot trace it in one piece."""
+
+    def __init__(self, graph_break):
+        super().__init__()
+        self.conv, self.bn, self.graph_break = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), graph_break
+
+    def forward(self, x):
+        h = self.bn(self.conv(x))
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        return F.silu(h)
+
+
+class _Net(nn.Module):
+    def __init__(self, graph_break=False):
+        super().__init__()
+        self.stage, self.head = _Stage(graph_break), nn.Linear(8 * 8 * 8, 4)
+
+    def forward(self, x):
+        return self.head(self.stage(x).flatten(1))
+
+
+class _Dropped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return F.dropout(self.lin(x), 0.5, self.training)
 
 
 class FitForCompileTest(unittest.TestCase):
@@ -27,12 +73,94 @@ class FitForCompileTest(unittest.TestCase):
             plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt, compile=True)
             self.assertTrue(plan.actions, str(plan))  # below the unchanged compiled peak
             torch._dynamo.reset()
+            counters.clear()
             compiled = torch.compile(model, dynamic=False)  # as fit measured it
             step_peak(compiled, (x,), loss_fn, opt)  # compiles
             measured = step_peak(compiled, (x,), loss_fn, opt)
             self.assertLessEqual(measured, budget, f"compiled: {measured} > budget {budget}\n{plan}")
             self.assertEqual(measured, plan.peak_bytes, str(plan))
+            # The checkpoints are regions of inductor's graph, not graph breaks, and one
+            # compiled step trains as one eager step of the model without the plan: the same
+            # gradients and BatchNorm running statistics (to float32 tolerance).
+            self.assertEqual(sum(counters["graph_break"].values()), 0, dict(counters["graph_break"]))
+            start = copy.deepcopy(model.state_dict())
+            opt.zero_grad(set_to_none=True)
+            loss_fn(compiled(x)).backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            stats = [b.clone() for b in model.buffers()]
             plan.undo()
+            model.load_state_dict(start)
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model(x)).backward()
+            _same(self, grads, [p.grad for p in model.parameters()], "gradient")
+            _same(self, stats, list(model.buffers()), "buffer")
+        torch._dynamo.reset()
+
+    def test_batchnorm_once_where_dynamo_cannot_trace_a_checkpointed_module(self):
+        # A graph break inside the module: dynamo runs torch's checkpoint eagerly there, whose
+        # recompute would update the BatchNorm again; the module's buffers are put back.
+        for backend in ("aot_eager", "inductor"):
+            for graph_break in (False, True):
+                torch._dynamo.reset()
+                counters.clear()
+                torch.manual_seed(0)
+                model = _Net(graph_break).double()
+                plain = copy.deepcopy(model)
+                x = torch.randn(4, 8, 8, 8, dtype=torch.double)
+                undo = fitting._wrap(model.stage, traced=True)
+                torch.compile(model, backend=backend)(x).sum().backward()
+                plain(x).sum().backward()
+                what = f"{backend}, graph break {graph_break}"
+                self.assertEqual(sum(counters["graph_break"].values()) > 0, graph_break, what)
+                self.assertEqual(model.stage.bn.num_batches_tracked.item(), 1, what)
+                _same(self, list(model.buffers()), list(plain.buffers()), what, 1e-12, 1e-14)
+                _same(self, [p.grad for p in model.parameters()],
+                      [p.grad for p in plain.parameters()], what, 1e-10, 1e-12)
+                undo()
+        torch._dynamo.reset()
+
+    def test_dropout_in_a_traced_checkpoint_drops_the_same_units_in_backward(self):
+        # out = dropout(lin(x)) * 1: the bias's gradient of out.sum() counts, per unit, the
+        # rows the forward kept (times 2): the recompute's mask is the forward's.
+        for backend in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = nn.Sequential(_Dropped(), nn.Identity())
+            undo = fitting._wrap(model[0], traced=True)
+            out = torch.compile(model, backend=backend)(torch.randn(256, 16))
+            out.sum().backward()
+            kept = (out != 0).sum(0).to(out.dtype)
+            self.assertTrue(0.3 < kept.mean().item() / 256 < 0.7, backend)
+            torch.testing.assert_close(model[0].lin.bias.grad, kept * 2, msg=backend)
+            undo()
+        torch._dynamo.reset()
+
+    def test_plans_the_compiler_fails_on_traced_run_their_checkpoints_eagerly(self):
+        # A backend that refuses graphs holding a checkpoint region: fit measures those plans
+        # with the checkpoints between graphs instead, and the plan it returns compiles with it.
+        refused = []
+
+        def backend(gm, inputs):
+            if any(n.target is torch.ops.higher_order.tag_activation_checkpoint
+                   for n in gm.graph.nodes):
+                refused.append(gm)
+                raise RuntimeError("this backend takes no checkpoint regions")
+            return gm.forward
+
+        model, x, loss_fn, opt = classified(MBNet, 32)
+        options = {"backend": backend}
+        plain = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt, compile=options)
+        budget = plain.peak_bytes * 3 // 4
+        plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt, compile=options)
+        self.assertTrue(refused)
+        self.assertTrue(any(a.action == "checkpoint" for a in plan.actions), str(plan))
+        torch._dynamo.reset()
+        refused.clear()
+        compiled = torch.compile(model, backend=backend)
+        step_peak(compiled, (x,), loss_fn, opt)  # compiles
+        self.assertLessEqual(step_peak(compiled, (x,), loss_fn, opt), budget, str(plan))
+        self.assertEqual(refused, [])
+        plan.undo()
         torch._dynamo.reset()
 
     def test_compile_argument_is_checked(self):
