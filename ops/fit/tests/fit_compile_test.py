@@ -10,6 +10,7 @@ import unittest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.utils import counters
 
 import memlean
@@ -21,6 +22,17 @@ def _same(test, a, b, what, rtol=1e-4, atol=1e-6):
     test.assertEqual(len(a), len(b), what)
     for i, (x, y) in enumerate(zip(a, b)):
         torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=lambda m: f"{what} {i}: {m}")
+
+
+def _has_region(gm):
+    """Whether a graph dynamo hands a backend holds a checkpoint region."""
+    return any(n.target is torch.ops.higher_order.tag_activation_checkpoint for n in gm.graph.nodes)
+
+
+def _traced(model):
+    """{module path: whether its checkpoint is traced when compiled} of the modules fit wraps."""
+    return {name: m.forward.__memlean_traced__ for name, m in model.named_modules()
+            if getattr(m.forward, "__memlean_fit__", False) and hasattr(m.forward, "__memlean_traced__")}
 
 
 class _Stage(nn.Module):
@@ -79,9 +91,13 @@ class FitForCompileTest(unittest.TestCase):
             measured = step_peak(compiled, (x,), loss_fn, opt)
             self.assertLessEqual(measured, budget, f"compiled: {measured} > budget {budget}\n{plan}")
             self.assertEqual(measured, plan.peak_bytes, str(plan))
-            # The checkpoints are regions of inductor's graph, not graph breaks, and one
-            # compiled step trains as one eager step of the model without the plan: the same
-            # gradients and BatchNorm running statistics (to float32 tolerance).
+            # The checkpoints are regions of inductor's graph, not graph breaks (where the
+            # search found a plan so: see the next test), and one compiled step trains as one
+            # eager step of the model without the plan: the same gradients and BatchNorm
+            # running statistics (to float32 tolerance).
+            traced = _traced(model)
+            self.assertTrue(traced, str(plan))
+            self.assertEqual(set(traced.values()), {True}, traced)
             self.assertEqual(sum(counters["graph_break"].values()), 0, dict(counters["graph_break"]))
             start = copy.deepcopy(model.state_dict())
             opt.zero_grad(set_to_none=True)
@@ -135,14 +151,71 @@ class FitForCompileTest(unittest.TestCase):
             undo()
         torch._dynamo.reset()
 
+    def test_where_traced_checkpoints_keep_more_the_plan_runs_them_between_graphs(self):
+        # A backend under which every graph holding a checkpoint region keeps 4 MiB more
+        # through the step: no plan with traced checkpoints reaches the least peak of those
+        # between graphs, and fit's second search finds that one.
+        slack = 4 << 20
+
+        aot_eager = lookup_backend("aot_eager")
+
+        def backend(gm, inputs):
+            region = _has_region(gm)
+            compiled = aot_eager(gm, inputs)
+            if not region:
+                return compiled
+
+            def run(*args):
+                extra = torch.empty(slack, dtype=torch.uint8)
+                outs = compiled(*args)
+                held = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+                held[0].register_hook(lambda g, extra=extra: None)  # alive until backward
+                return outs
+            return run
+
+        model, x, loss_fn, opt = classified(MBNet, 32)
+        options = {"backend": backend}
+        with self.assertRaises(memlean.FitError) as caught:
+            memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt, compile=options)
+        least = caught.exception.least_peak_bytes
+        plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt, compile=options)
+        traced = _traced(model)
+        self.assertTrue(traced, str(plan))
+        self.assertEqual(set(traced.values()), {False}, traced)
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, backend=backend)
+        step_peak(compiled, (x,), loss_fn, opt)  # compiles
+        self.assertLessEqual(step_peak(compiled, (x,), loss_fn, opt), least, str(plan))
+        self.assertGreater(sum(counters["graph_break"].values()), 0)
+        plan.undo()
+        torch._dynamo.reset()
+
+    def test_for_dynamos_eager_backend_the_checkpoints_run_between_graphs(self):
+        # The "eager" backend runs a traced region as torch's eager checkpoint, whose recompute
+        # updates a BatchNorm again (and then fails its backward): not traced there.
+        model, x, loss_fn, opt = classified(MBNet, 32)
+        options = {"backend": "eager"}
+        plain = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt, compile=options)
+        budget = plain.peak_bytes * 3 // 4
+        plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt, compile=options)
+        traced = _traced(model)
+        self.assertTrue(traced, str(plan))
+        self.assertEqual(set(traced.values()), {False}, traced)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="eager")
+        step_peak(compiled, (x,), loss_fn, opt)  # compiles
+        self.assertLessEqual(step_peak(compiled, (x,), loss_fn, opt), budget, str(plan))
+        plan.undo()
+        torch._dynamo.reset()
+
     def test_plans_the_compiler_fails_on_traced_run_their_checkpoints_eagerly(self):
         # A backend that refuses graphs holding a checkpoint region: fit measures those plans
         # with the checkpoints between graphs instead, and the plan it returns compiles with it.
         refused = []
 
         def backend(gm, inputs):
-            if any(n.target is torch.ops.higher_order.tag_activation_checkpoint
-                   for n in gm.graph.nodes):
+            if _has_region(gm):
                 refused.append(gm)
                 raise RuntimeError("this backend takes no checkpoint regions")
             return gm.forward
