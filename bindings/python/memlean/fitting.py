@@ -1363,21 +1363,35 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             graphs (the compiler's regions may keep more: EfficientNet-B0's least compiled
             peak was 12 % lower so, docs/fit.md); chosen plans of that pass go to
             `untraced`."""
-            found = search_as(problem, empty_peak, traced=trace)
-            if not trace or found[0] is not None:
-                return found
-            again = search_as(problem, empty_peak, traced=False)
+            if not trace:
+                return search_as(problem, empty_peak, False, {})
+            # The planner's least-peak plan first, traced: over the budget, the traced search
+            # would only compile plans that do not fit (EfficientNet-B0: 298 s), so the second
+            # search runs at once.
+            least_plan = tuple(_C.fit.least_peak_plan(
+                problem.base, problem.atoms, problem.candidates,
+                atom_backward_extra_bytes=problem.backward_extras)[1])
+            probe = _measure_plan(step, problem.calls, least_plan, compile_options, untraced)
+            found = (None, probe, 0, probe)
+            if probe <= budget:
+                found = search_as(problem, empty_peak, True, {least_plan: probe})
+                if found[0] is not None:
+                    return found
+            again = search_as(problem, empty_peak, False, {})
             return again[:3] + (min(found[3], again[3]),)
 
-        def search_as(problem, empty_peak, traced):
+        def search_as(problem, empty_peak, traced, known):
+            """search() with the checkpoints traced or not; known: chosen -> peak measured
+            already (so)."""
             measured = {}  # chosen -> measured peak, every plan the search measured
 
             def measure(chosen):
+                key = tuple(chosen)
                 if not traced:
-                    untraced.add(tuple(chosen))
-                measured[tuple(chosen)] = _measure_plan(step, problem.calls, chosen,
-                                                        compile_options, untraced)
-                return measured[tuple(chosen)]
+                    untraced.add(key)
+                measured[key] = known[key] if key in known else _measure_plan(
+                    step, problem.calls, chosen, compile_options, untraced)
+                return measured[key]
 
             found, chosen, peak, predicted, _, least, _ = _C.fit.search(
                 problem.base, problem.atoms, problem.candidates, budget,
