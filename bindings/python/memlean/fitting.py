@@ -52,8 +52,10 @@ dynamo runs as in eager mode while it compiles the rest; compiled, memlean's Swi
 what nn.SiLU does. A plan fitted for eager steps may peak higher compiled (inductor's graphs
 keep other tensors): fit(..., compile=True) measures every plan on the compiled step instead,
 so the budget holds there, and its wrapped modules, traced by dynamo, run torch's
-non-reentrant checkpoint, which the compiler recomputes inside its graph (_traced_checkpoint). Under compile, torch's own activation_memory_budget is the compiler's peer of this;
-memlean.fit's savings are for eager mode (and LibTorch: memlean::fit).
+non-reentrant checkpoint, which the compiler recomputes inside its graph (_traced_checkpoint)
+where that reaches the budget. Under compile, torch's own activation_memory_budget is the
+compiler's peer of this; memlean.fit's savings are for eager mode (and LibTorch:
+memlean::fit).
 """
 from __future__ import annotations
 
@@ -1359,10 +1361,10 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             each plan, lower the target by any excess, bisect back up; the fastest plan
             measured to fit, never one over the budget. Returns (chosen or None, peak,
             predicted, least). With compile=: first with the checkpoints traced into the
-            compiled graph (faster); if no plan fits so, again with them run eagerly between
-            graphs (the compiler's regions may keep more: EfficientNet-B0's least compiled
-            peak was 12 % lower so, docs/fit.md); chosen plans of that pass go to
-            `untraced`."""
+            compiled graph (faster), if the planner's least-peak plan fits so; if no plan
+            fits so, again with them run eagerly between graphs (the compiler's regions may
+            keep more: EfficientNet-B0's least compiled peak was 12 % lower so,
+            docs/fit.md); plans of that pass go to `untraced`."""
             if not trace:
                 return search_as(problem, empty_peak, False, {})
             # The planner's least-peak plan first, traced: over the budget, the traced search

@@ -32,7 +32,7 @@ def _has_region(gm):
 def _traced(model):
     """{module path: whether its checkpoint is traced when compiled} of the modules fit wraps."""
     return {name: m.forward.__memlean_traced__ for name, m in model.named_modules()
-            if getattr(m.forward, "__memlean_fit__", False) and hasattr(m.forward, "__memlean_traced__")}
+            if hasattr(m.forward, "__memlean_traced__")}
 
 
 class _Stage(nn.Module):
@@ -40,7 +40,8 @@ class _Stage(nn.Module):
 
     def __init__(self, graph_break):
         super().__init__()
-        self.conv, self.bn, self.graph_break = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), graph_break
+        self.conv, self.bn = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.graph_break = graph_break
 
     def forward(self, x):
         h = self.bn(self.conv(x))
@@ -98,7 +99,8 @@ class FitForCompileTest(unittest.TestCase):
             traced = _traced(model)
             self.assertTrue(traced, str(plan))
             self.assertEqual(set(traced.values()), {True}, traced)
-            self.assertEqual(sum(counters["graph_break"].values()), 0, dict(counters["graph_break"]))
+            breaks = counters["graph_break"]
+            self.assertEqual(sum(breaks.values()), 0, dict(breaks))
             start = copy.deepcopy(model.state_dict())
             opt.zero_grad(set_to_none=True)
             loss_fn(compiled(x)).backward()
