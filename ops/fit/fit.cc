@@ -285,15 +285,43 @@ void share_tensors(torch::nn::Module& to, const torch::nn::Module& from) {
   }
 }
 
+// Absent where undefined (an affine=false BatchNorm's weight, a Conv2d without bias).
+std::optional<at::Tensor> if_defined(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// A layer with a lean backward in its place: it holds the layer's tensors under the same names
+// and follows its training mode, either way round.
+template <typename Layer>
+class LeanLayer : public torch::nn::Module {
+ public:
+  LeanLayer(std::shared_ptr<Layer> layer, const std::string& name)
+      : torch::nn::Module(name), layer_(std::move(layer)) {
+    share_tensors(*this, *layer_);
+  }
+
+  void train(bool on) override {
+    torch::nn::Module::train(on);
+    layer_->train(on);
+  }
+
+  void pretty_print(std::ostream& stream) const override {
+    stream << name() << "(";
+    layer_->pretty_print(stream);
+    stream << ")";
+  }
+
+ protected:
+  std::shared_ptr<Layer> layer_;
+};
+
 // A torch::nn::BatchNorm{1,2,3}d with memlean::lean_batch_norm's backward in training where it
-// applies (else, and in eval mode, the layer's own forward). Its training mode is the layer's.
+// applies (else, and in eval mode, the layer's own forward).
 template <typename BatchNorm>
-class LeanBatchNormImpl : public torch::nn::Module {
+class LeanBatchNormImpl : public LeanLayer<BatchNorm> {
  public:
   explicit LeanBatchNormImpl(std::shared_ptr<BatchNorm> bn)
-      : torch::nn::Module("memlean::fit::LeanBatchNorm"), bn_(std::move(bn)) {
-    share_tensors(*this, *bn_);
-  }
+      : LeanLayer<BatchNorm>(std::move(bn), "memlean::fit::LeanBatchNorm") {}
 
   // Whether forward runs the lean backward for x (training mode, its dimensions the layer's).
   bool applies(const at::Tensor& x) const {
@@ -301,79 +329,46 @@ class LeanBatchNormImpl : public torch::nn::Module {
     const bool dims = std::is_same_v<BatchNorm, torch::nn::BatchNorm1dImpl> ? d == 2 || d == 3
                       : std::is_same_v<BatchNorm, torch::nn::BatchNorm2dImpl> ? d == 4
                                                                                : d == 5;
-    return bn_->is_training() && dims && lean_batch_norm_applies(x);
+    return this->layer_->is_training() && dims && lean_batch_norm_applies(x);
   }
 
   at::Tensor forward(const at::Tensor& x) {
-    if (!applies(x)) return bn_->forward(x);
-    const auto& o = bn_->options;
+    const auto& bn = this->layer_;
+    if (!applies(x)) return bn->forward(x);
+    const auto& o = bn->options;
     double factor = o.momentum().value_or(0.0);  // as torch::nn::BatchNorm's forward
-    if (o.track_running_stats() && bn_->num_batches_tracked.defined()) {
-      bn_->num_batches_tracked += 1;
-      if (!o.momentum().has_value()) factor = 1.0 / bn_->num_batches_tracked.template item<double>();
+    if (o.track_running_stats() && bn->num_batches_tracked.defined()) {
+      bn->num_batches_tracked += 1;
+      if (!o.momentum().has_value()) factor = 1.0 / bn->num_batches_tracked.template item<double>();
     }
-    auto maybe = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
-    return lean_batch_norm(x, maybe(bn_->weight), maybe(bn_->bias), maybe(bn_->running_mean),
-                           maybe(bn_->running_var), factor, o.eps());
+    return lean_batch_norm(x, if_defined(bn->weight), if_defined(bn->bias),
+                           if_defined(bn->running_mean), if_defined(bn->running_var), factor,
+                           o.eps());
   }
-
-  void train(bool on) override {
-    torch::nn::Module::train(on);
-    bn_->train(on);
-  }
-
-  void pretty_print(std::ostream& stream) const override {
-    stream << "memlean::fit::LeanBatchNorm(";
-    bn_->pretty_print(stream);
-    stream << ")";
-  }
-
- private:
-  std::shared_ptr<BatchNorm> bn_;
 };
 
 // A depthwise torch::nn::Conv2d (groups == in == out channels, zero padding given as numbers)
 // with memlean::lean_conv2d's backward where it applies (else the layer's own forward).
-class LeanConv2dImpl : public torch::nn::Module {
+class LeanConv2dImpl : public LeanLayer<torch::nn::Conv2dImpl> {
  public:
   explicit LeanConv2dImpl(std::shared_ptr<torch::nn::Conv2dImpl> conv)
-      : torch::nn::Module("memlean::fit::LeanConv2d"), conv_(std::move(conv)) {
-    share_tensors(*this, *conv_);
-  }
-
-  static bool depthwise(const torch::nn::Conv2dImpl& conv) {
-    const auto& o = conv.options;
-    return o.groups() == o.in_channels() && o.groups() == o.out_channels() &&
-           std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode()) &&
-           std::holds_alternative<torch::ExpandingArray<2>>(o.padding());
-  }
+      : LeanLayer(std::move(conv), "memlean::fit::LeanConv2d") {}
 
   bool applies(const at::Tensor& x) const {
-    return depthwise(*conv_) && lean_conv2d_applies(x, conv_->weight, conv_->options.groups());
+    const auto& o = layer_->options;
+    return o.groups() == o.in_channels() && o.groups() == o.out_channels() &&
+           std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode()) &&
+           std::holds_alternative<torch::ExpandingArray<2>>(o.padding()) &&
+           lean_conv2d_applies(x, layer_->weight, o.groups());
   }
 
   at::Tensor forward(const at::Tensor& x) {
-    if (!applies(x)) return conv_->forward(x);
-    const auto& o = conv_->options;
+    if (!applies(x)) return layer_->forward(x);
+    const auto& o = layer_->options;
     const auto& padding = std::get<torch::ExpandingArray<2>>(o.padding());
-    return lean_conv2d(x, conv_->weight,
-                       conv_->bias.defined() ? std::optional<at::Tensor>(conv_->bias) : std::nullopt,
-                       *o.stride(), *padding, *o.dilation(), o.groups());
+    return lean_conv2d(x, layer_->weight, if_defined(layer_->bias), *o.stride(), *padding,
+                       *o.dilation(), o.groups());
   }
-
-  void train(bool on) override {
-    torch::nn::Module::train(on);
-    conv_->train(on);
-  }
-
-  void pretty_print(std::ostream& stream) const override {
-    stream << "memlean::fit::LeanConv2d(";
-    conv_->pretty_print(stream);
-    stream << ")";
-  }
-
- private:
-  std::shared_ptr<torch::nn::Conv2dImpl> conv_;
 };
 
 // The lean layer fit gives `layer` for its input x on the CPU ("lean batchnorm", "lean
@@ -391,7 +386,6 @@ std::optional<std::pair<torch::nn::AnyModule, std::string>> lean_layer(
   if (auto bn = std::dynamic_pointer_cast<torch::nn::BatchNorm2dImpl>(module)) return lean_bn(bn);
   if (auto bn = std::dynamic_pointer_cast<torch::nn::BatchNorm3dImpl>(module)) return lean_bn(bn);
   if (auto conv = std::dynamic_pointer_cast<torch::nn::Conv2dImpl>(module)) {
-    if (!LeanConv2dImpl::depthwise(*conv)) return std::nullopt;
     auto lean = std::make_shared<LeanConv2dImpl>(conv);
     if (!lean->applies(x)) return std::nullopt;
     return std::make_pair(torch::nn::AnyModule(lean), std::string("lean depthwise conv"));
