@@ -143,9 +143,15 @@ class _BatchNormStatisticsKept:
         self.calls.__exit__(*exc)
         if self.kept:
             for pairs in self.kept.values():
-                for b, c in pairs:
-                    b.data.copy_(c)
+                put_back(pairs)
         return False
+
+
+def put_back(pairs) -> None:
+    """Copy each (buffer, copy) pair's copy into its buffer without bumping the buffer's
+    version counter (.data: not recorded): what a recompute changed, as the forward left it."""
+    for b, c in pairs:
+        b.data.copy_(c)
 
 
 _NO_FSDP = contextlib.nullcontext()

@@ -74,7 +74,7 @@ from torch.utils._pytree import tree_flatten
 
 from memlean import _C, memstats, sliced
 from memlean.lean import lean_forward
-from memlean.checkpoint import (_module_buffers, checkpoint_module_forward,
+from memlean.checkpoint import (_module_buffers, checkpoint_module_forward, put_back,
                                 checkpoint_run_forward, module_parameters, restore_forward)
 from memlean.swish import Swish
 
@@ -720,13 +720,11 @@ def _traced_checkpoint(module, original, args, kwargs):
     def region(*inputs):
         # is_compiling() first: while dynamo traces, the rest is not evaluated.
         if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
-            kept = [b.detach().clone() for b in buffers]  # eager, recomputing in backward
+            kept = [(b, b.detach().clone()) for b in buffers]  # eager, recomputing
             try:
                 return original(*inputs, **kwargs)
             finally:
-                with torch.no_grad():
-                    for b, k in zip(buffers, kept):
-                        b.copy_(k)
+                put_back(kept)
         return original(*inputs, **kwargs)
 
     return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False)
