@@ -342,8 +342,11 @@ TEST(Fit, SwishLayersBecomeInPlaceWhereOnlyTheyHoldTheirInputSavingExactBytes) {
 //   0 Conv2d  1 BatchNorm2d  2 SiLU  3 Conv2d depthwise  4 BatchNorm2d  5 ReLU
 //   6 Conv2d depthwise, reflect padding  7 Flatten  8 Linear
 // fit gives 1 and 4 the lean batch-norm backward, 3 the lean depthwise convolution (not 6:
-// reflect padding), and makes 2 an in-place Swish.
-TEST(Fit, BatchNormAndDepthwiseConvolutionGetTheLeanBackwardsOnTheCpu) {
+// reflect padding), and makes 2 an in-place Swish; with a contiguous batch and a channels_last
+// one (the lean backwards keep the layout: lean_batchnorm_test, lean_conv_test).
+class FitLeanLayers : public ::testing::TestWithParam<bool> {};
+
+TEST_P(FitLeanLayers, BatchNormAndDepthwiseConvolutionGetTheLeanBackwardsOnTheCpu) {
   at::set_num_threads(1);
   at::manual_seed(0);
   namespace nn = torch::nn;
@@ -359,6 +362,7 @@ TEST(Fit, BatchNormAndDepthwiseConvolutionGetTheLeanBackwardsOnTheCpu) {
   m->train();
   Bench s(m);
   s.x = at::randn({8, 3, kSide, kSide}, at::kDouble);
+  if (GetParam()) s.x = s.x.contiguous(at::MemoryFormat::ChannelsLast);
   s.y = at::randn({8, kOut}, at::kDouble);
   s.train_step();
   const int64_t eager = fit(s.model, s.x, "1TiB", s.options()).eager_peak_bytes;
@@ -430,6 +434,16 @@ TEST(Fit, BatchNormAndDepthwiseConvolutionGetTheLeanBackwardsOnTheCpu) {
     EXPECT_TRUE(at::allclose(planned[i].to(at::kDouble), plain[i].to(at::kDouble), 1e-8, 1e-11))
         << (i < params.size() ? "gradient " : "buffer ") << i;
   }
+  // The lean layers keep a channels_last batch channels_last, as the layers they replace do.
+  {
+    at::Tensor h = s.x;
+    for (int64_t i = 0; i < 6; ++i) {
+      h = plan.model()->begin()[i].forward(h);
+      EXPECT_EQ(h.is_contiguous(at::MemoryFormat::ChannelsLast) && !h.is_contiguous(), GetParam())
+          << "layer " << i;
+    }
+    reset();
+  }
   // Training mode is the model's layers', either way round.
   plan.model()->eval();
   EXPECT_FALSE(s.model->ptr(1)->is_training());
@@ -441,6 +455,9 @@ TEST(Fit, BatchNormAndDepthwiseConvolutionGetTheLeanBackwardsOnTheCpu) {
   EXPECT_EQ(tracked.item<int64_t>(), before + 1);
   reset();
 }
+
+INSTANTIATE_TEST_SUITE_P(Layouts, FitLeanLayers, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "ChannelsLast" : "Contiguous"; });
 
 // Below what the swaps reach alone: checkpoints on top, none beginning at a layer that writes
 // its input (memlean::checkpoint refuses those), every budget down to the least kept, and

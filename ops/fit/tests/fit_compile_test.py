@@ -114,6 +114,73 @@ class FitForCompileTest(unittest.TestCase):
             _same(self, stats, list(model.buffers()), "buffer")
         torch._dynamo.reset()
 
+    def test_channels_last_and_bf16_autocast_keep_the_budget_traced(self):
+        # The paths users compile: channels_last weights and batch, and a bf16 autocast step
+        # (fit, and each step, inside an autocast region of its own, as a training loop enters
+        # one per step: within one region autocast reuses its bf16 copies of the weights).
+        # At 0.8 of the compiled step's peak without checkpoints the plan's checkpoints are
+        # traced (no graph break), the compiled step measured here keeps the budget and
+        # equals plan.peak_bytes, and it trains as the eager step of the model without the
+        # plan (float32: to float tolerance; bf16: the gradient within 10 % in norm, the
+        # rounding of autocast's bf16 apart; compiled without a plan it differs by about 5 %).
+        import contextlib
+
+        for path in ("channels_last", "autocast bf16"):
+            with self.subTest(path=path):
+                torch.manual_seed(0)
+                model, x, loss_fn, opt = classified(MBNet, 64)
+                if path == "channels_last":
+                    model = model.to(memory_format=torch.channels_last)
+                    x = x.contiguous(memory_format=torch.channels_last)
+                    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+                def region():
+                    return (torch.autocast("cpu", dtype=torch.bfloat16)
+                            if path == "autocast bf16" else contextlib.nullcontext())
+
+                with region():
+                    plain = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt,
+                                        compile=True)
+                budget = plain.peak_bytes * 4 // 5
+                with region():
+                    plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt,
+                                       compile=True)
+                traced = _traced(model)
+                self.assertTrue(traced, str(plan))
+                self.assertEqual(set(traced.values()), {True}, traced)
+                torch._dynamo.reset()
+                counters.clear()
+                compiled = torch.compile(model, dynamic=False)
+                with region():
+                    step_peak(compiled, (x,), loss_fn, opt)  # compiles
+                with region():
+                    measured = step_peak(compiled, (x,), loss_fn, opt)
+                self.assertLessEqual(measured, budget, str(plan))
+                self.assertEqual(measured, plan.peak_bytes, str(plan))
+                self.assertEqual(sum(counters["graph_break"].values()), 0,
+                                 dict(counters["graph_break"]))
+                start = copy.deepcopy(model.state_dict())
+
+                def gradients(forward):
+                    model.load_state_dict(start)
+                    opt.zero_grad(set_to_none=True)
+                    with region():
+                        loss_fn(forward(x)).backward()
+                    return [p.grad.clone() for p in model.parameters()]
+
+                grads = gradients(compiled)
+                plan.undo()
+                plain_grads = gradients(model)
+                if path == "channels_last":
+                    self.assertTrue(model.stem[0].weight.is_contiguous(
+                        memory_format=torch.channels_last))
+                    _same(self, grads, plain_grads, "gradient")
+                else:  # all parameters' gradients as one vector (a conv bias before a
+                    # BatchNorm has a gradient of 0 but for rounding)
+                    a, b = (torch.cat([g.flatten() for g in gs]) for gs in (grads, plain_grads))
+                    self.assertLessEqual((a - b).norm().item(), 0.1 * b.norm().item())
+                torch._dynamo.reset()
+
     def test_batchnorm_once_where_dynamo_cannot_trace_a_checkpointed_module(self):
         # A graph break inside the module: dynamo runs torch's checkpoint eagerly there, whose
         # recompute would update the BatchNorm again; the module's buffers are put back.
