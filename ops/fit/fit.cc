@@ -2,6 +2,7 @@
 #include "ops/fit/fit.h"
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
@@ -210,6 +211,7 @@ struct Step {
     const auto n = static_cast<int64_t>(seq->size());
     std::vector<int64_t> levels(n, 0);
     const int64_t fixed = fixed_bytes();
+    at::autocast::clear_cache();  // as measure()
     memstats::Tracker tracker(device);  // its peak restarts at each layer's backward
     const int64_t start = tracker.current();
     int64_t running = -1;               // the layer whose backward runs now
@@ -233,6 +235,7 @@ struct Step {
     synchronize(device);
     next_layer(-1);
     clear_grads();
+    at::autocast::clear_cache();
     return levels;
   }
 
@@ -241,6 +244,10 @@ struct Step {
     at::AutoGradMode grad_mode(true);
     clear_grads();
     synchronize(device);
+    // With autocast on, its lower-precision copies of the weights stay cached until
+    // clear_cache(): a loop clears them once per step, so each measured step makes them afresh
+    // (and leaves none behind).
+    at::autocast::clear_cache();
     const int64_t fixed = fixed_bytes();
     memstats::Tracker tracker(device);
     const int64_t start = tracker.current();
@@ -251,6 +258,7 @@ struct Step {
     }
     if (optimizer != nullptr) optimizer->step();
     clear_grads();
+    at::autocast::clear_cache();
     synchronize(device);
     tracker.stop();
     return fixed + (tracker.peak() - start);
@@ -612,6 +620,7 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   std::vector<int64_t> kept(n, 0), freed(n + 1, 0), output_bytes(n, 0);
   {
     at::AutoGradMode grad_mode(true);
+    at::autocast::clear_cache();  // each layer makes its weight copies, as in a step
     at::Tensor h = example_input;
     for (int64_t i = 0; i < n; ++i) {
       if (device.is_cpu() && at::GradMode::is_enabled()) {
@@ -650,6 +659,8 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
       output_bytes[i] = storage_bytes(out);
       h = std::move(out);
     }
+    h = at::Tensor();
+    at::autocast::clear_cache();
   }
   torch::nn::Sequential work = model;
   std::vector<FitAction> swaps;

@@ -5,6 +5,7 @@
 // called by hand do, fit leaves the model, optimizer and RNG as they were, and bad input is a
 // clear error.
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
@@ -549,6 +550,64 @@ TEST(Fit, NoCheckpointedRunBeginsAtALayerThatWritesItsInput) {
     }
   }
   EXPECT_GE(runs, kBudgets);
+}
+
+// CPU autocast to bfloat16 on this thread while alive (as a LibTorch loop turns it on).
+class CpuAutocast {
+ public:
+  CpuAutocast()
+      : enabled_(at::autocast::is_autocast_enabled(at::kCPU)),
+        dtype_(at::autocast::get_autocast_dtype(at::kCPU)) {
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+  }
+  ~CpuAutocast() {
+    at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(at::kCPU, enabled_);
+    at::autocast::set_autocast_dtype(at::kCPU, dtype_);
+  }
+  CpuAutocast(const CpuAutocast&) = delete;
+  CpuAutocast& operator=(const CpuAutocast&) = delete;
+
+ private:
+  bool enabled_;
+  at::ScalarType dtype_;
+};
+
+// With autocast on, its bfloat16 copies of the weights stay cached until
+// at::autocast::clear_cache(), which a loop calls once per step: fit measures each step as
+// making them afresh, also when a forward before the call left them cached (without that its
+// figures missed their bytes). The step measured here after clear_cache() peaks at fit's
+// figure, within the budget.
+TEST(Fit, AnAutocastStepIsMeasuredWithTheWeightCopiesItMakes) {
+  torch::nn::Sequential m = make_model();
+  m->to(at::kFloat);
+  Bench s(m);
+  s.x = s.x.to(at::kFloat);
+  s.y = s.y.to(at::kFloat);
+  const CpuAutocast autocast;
+  s.train_step();
+  auto cache_weights = [&s] {
+    at::NoGradGuard no_grad;
+    (void)s.model->forward(s.x);
+  };
+  at::autocast::clear_cache();
+  const int64_t eager = measure_step(s, [&s](const at::Tensor& x) { return s.model->forward(x); });
+  cache_weights();
+  EXPECT_EQ(fit(s.model, s.x, "1TiB", s.options()).eager_peak_bytes, eager);
+  cache_weights();
+  const int64_t least = one_byte_budget(s).least_peak_bytes;
+  ASSERT_LT(least, eager);
+  const int64_t budget = least + (eager - least) / 2;
+  cache_weights();
+  const FitPlan plan = fit(s.model, s.x, budget, s.options());
+  std::printf("%s", plan.str().c_str());
+  EXPECT_FALSE(plan.checkpointed.empty());
+  at::autocast::clear_cache();
+  const int64_t measured =
+      measure_step(s, [&plan](const at::Tensor& x) { return plan.forward(x); });
+  EXPECT_LE(measured, budget);
+  EXPECT_EQ(measured, plan.peak_bytes);
 }
 
 TEST(Fit, GradientsAndBatchNormStatisticsThroughThePlanEqualThePlainOnes) {

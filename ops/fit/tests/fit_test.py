@@ -2,6 +2,7 @@
 of fit's own figures), the fitted step trains as the eager one (gradients, BatchNorm
 statistics, dropout masks), the Swish swap is safe, fit leaves the training state as it found
 it, undo() and state_dict() work, and bad input is named."""
+import contextlib
 import copy
 import json
 import gc
@@ -308,29 +309,37 @@ class FitTest(unittest.TestCase):
             least, _ = self.least_and_eager(model, x, loss_fn, opt)
         return model, x, loss_fn, opt, least
 
-    def least_and_eager(self, model, x, loss_fn, opt, **options):
-        with self.assertRaises(memlean.FitError) as caught:
+    def least_and_eager(self, model, x, loss_fn, opt, fit_region=contextlib.nullcontext,
+                        **options):
+        with self.assertRaises(memlean.FitError) as caught, fit_region():
             memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt, **options)
-        plan = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt, **options)
+        with fit_region():
+            plan = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt, **options)
         self.assertEqual(plan.actions, [])
         return caught.exception.least_peak_bytes, plan.eager_peak_bytes
 
-    def check_budgets(self, model, inputs, loss_fn, opt, count=8, **options):
+    def check_budgets(self, model, inputs, loss_fn, opt, count=8, fit_region=contextlib.nullcontext,
+                      step_region=contextlib.nullcontext, **options):
         """For `count` budgets from the least reachable peak to the eager one: the step, measured
         here, peaks at or under the budget, equal to fit's own figure; the peak never rises as
-        the budget falls. Returns (least, eager, the plans' actions)."""
-        least, eager = self.least_and_eager(model, inputs, loss_fn, opt, **options)
+        the budget falls. fit runs inside fit_region(), each step measured here inside a
+        step_region() of its own. Returns (least, eager, the plans' actions)."""
+        least, eager = self.least_and_eager(model, inputs, loss_fn, opt, fit_region, **options)
         actions = []
         self.assertLess(least, eager)
         previous = None
         for i in range(count):
             budget = eager - (eager - least) * i // (count - 1)
-            plan = memlean.fit(model, inputs, budget, loss_fn=loss_fn, optimizer=opt, **options)
+            with fit_region():
+                plan = memlean.fit(model, inputs, budget, loss_fn=loss_fn, optimizer=opt,
+                                   **options)
             actions += plan.actions
             # A warm step gives the optimizer its state, as fit measured with.
             if opt is not None and not opt.state:
-                step_peak(model, inputs, loss_fn, opt)
-            measured = step_peak(model, inputs, loss_fn, opt)
+                with step_region():
+                    step_peak(model, inputs, loss_fn, opt)
+            with step_region():
+                measured = step_peak(model, inputs, loss_fn, opt)
             self.assertLessEqual(measured, budget, f"budget {budget}: {plan}")
             self.assertEqual(measured, plan.peak_bytes, str(plan))
             # The printed plan says when it checkpoints runs (eager steps only), and only then.
@@ -389,12 +398,12 @@ class FitTest(unittest.TestCase):
             memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt, runs=1)
 
     def test_budget_is_a_promise_on_the_paths_users_take(self):
-        # channels_last weights and batch; a bf16 autocast step (fit called inside the
-        # autocast region, as the training loop runs); memlean.Swish as the activation (as
+        # channels_last weights and batch; a bf16 autocast step (fit called inside an autocast
+        # region in which a forward already ran, so autocast holds bf16 copies of the weights
+        # to the region's end, and each step measured here in a region of its own, as a loop
+        # enters one per step: fit measures its steps so); memlean.Swish as the activation (as
         # timm's act_layer=memlean.Swish builds it). Each: budgets kept, in exact bytes, and
         # the plan swaps Swish modules, memlean's own included.
-        import contextlib
-
         for path in ["channels_last", "autocast bf16", "memlean.Swish"]:
             with self.subTest(path=path):
                 torch.manual_seed(0)
@@ -405,10 +414,22 @@ class FitTest(unittest.TestCase):
                     model = model.to(memory_format=torch.channels_last)
                     x = x.contiguous(memory_format=torch.channels_last)
                 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-                region = (torch.autocast("cpu", dtype=torch.bfloat16) if path == "autocast bf16"
-                          else contextlib.nullcontext())
-                with region:
-                    self.check_budgets(model, (x,), loss_fn, opt, count=4)
+                bf16 = path == "autocast bf16"
+
+                def step_region():
+                    return (torch.autocast("cpu", dtype=torch.bfloat16) if bf16
+                            else contextlib.nullcontext())
+
+                @contextlib.contextmanager
+                def fit_region():
+                    with step_region():
+                        with torch.no_grad():
+                            model(x)  # autocast keeps its weight copies to the region's end
+                        yield
+
+                self.check_budgets(model, (x,), loss_fn, opt, count=4, fit_region=fit_region,
+                                   step_region=step_region)
+                with step_region():
                     plan = memlean.fit(model, (x,), 2**50 - 1, loss_fn=loss_fn, optimizer=opt)
                     self.assertEqual(plan.actions, [])  # eager fits: nothing changed
                     least = memlean.fit(model, (x,), plan.eager_peak_bytes - 1, loss_fn=loss_fn,
