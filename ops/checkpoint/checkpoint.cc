@@ -65,13 +65,23 @@ struct AutocastState {
   }
 };
 
-// Sets the forward's autocast state for the recompute, and puts the current one back.
+// Sets the forward's autocast state for the recompute, and puts the current one back. The
+// recompute is an autocast region of its own, as torch.autocast makes one: leaving it outside
+// any other region (backward outside the user's, as PyTorch's docs advise) empties autocast's
+// cache of weight copies. Left there, the copies of the weights as they were before the
+// optimizer step stayed cached into the next step, whose forward then used them: training
+// diverged from the plain loop's (checkpoint_test's
+// test_autocast_loop_with_backward_outside_the_region_trains_as_without_checkpoint).
 class AutocastRestore {
  public:
   explicit AutocastRestore(const AutocastState& forward) : previous_(AutocastState::capture()) {
     forward.apply();
+    at::autocast::increment_nesting();
   }
-  ~AutocastRestore() { previous_.apply(); }
+  ~AutocastRestore() {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    previous_.apply();
+  }
 
  private:
   AutocastState previous_;

@@ -380,6 +380,44 @@ def test_autocast_state_of_the_forward_is_used_by_the_recompute():
     assert not torch.is_autocast_enabled("cpu")
 
 
+def test_autocast_loop_with_backward_outside_the_region_trains_as_without_checkpoint():
+    # A loop as PyTorch's autocast docs write it: forward and loss in a region per step,
+    # backward and the optimizer step outside it. The recompute's bf16 copies of the weights
+    # must not outlive it (autocast would hand the next step's forward those stale copies):
+    # every step's loss and the weights after 4 steps equal those of the loop without
+    # checkpoint (bitwise: the same bf16 operations on the same values), also with memlean's
+    # sequential checkpoint.
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+
+    def train(kind):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                          nn.Linear(32, 4))
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        losses = []
+        for _ in range(4):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                if kind == "checkpoint":
+                    out = m[4](memlean.checkpoint(m[:4], x))
+                elif kind == "checkpoint_sequential":
+                    out = memlean.checkpoint_sequential(m, 2, x)
+                else:
+                    out = m(x)
+                loss = ((out.float() - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, [p.detach().clone() for p in m.parameters()]
+
+    plain_losses, plain_params = train("plain")
+    for kind in ("checkpoint", "checkpoint_sequential"):
+        losses, params = train(kind)
+        assert losses == plain_losses, kind
+        for a, b in zip(params, plain_params):
+            assert torch.equal(a, b), kind
+
+
 # ---- memory ------------------------------------------------------------------------------
 
 
