@@ -1439,7 +1439,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         # A budget well below the least peak the planner predicts for checkpoints alone (its
         # predictions are exact in most steps: docs/fit.md) skips their search, which would
         # only measure plans that do not fit; it runs after all if slicing goes no lower.
-        floor = _floor(problem, current)
+        floor = _floor(problem, current) if chains else None  # (a run of the planner's DP)
         least = None
         if not (chains and budget < floor):
             plan, least = checkpointed(problem, empty_peak)
