@@ -436,7 +436,7 @@ class _Recorder:
         if key is not None and key not in self.preexisting and key not in self.saved:
             self.saved[key] = self.atom
             self.atom_bytes[self.atom] += nbytes
-        return t, self.atom
+        return t.detach(), self.atom  # (not t: memstats.saved_storages says why)
 
     def _unpack(self, packed):
         t, atom = packed

@@ -459,7 +459,10 @@ def saved_storages():
 
     def pack(t):
         saved.add(t)
-        return t
+        # Detached: a saved output returned as itself would make a cycle through its grad_fn
+        # that Python's collector cannot see (pytorch#115255): a graph never run backward
+        # would then keep its tensors, and the model's parameters, alive for good.
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield saved

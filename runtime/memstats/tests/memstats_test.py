@@ -444,6 +444,25 @@ def test_saved_storages_counts_each_storage_once():
     y.sum().backward()
 
 
+def test_saved_storages_keeps_nothing_alive_past_the_graph():
+    # A forward recorded and never run backward (a measurement, an exception): dropping its
+    # output frees what it saved, also an op's saved output (tanh's), which would otherwise
+    # close a cycle through its grad_fn that Python's collector cannot see.
+    import weakref
+
+    with memstats.track() as t:
+        start = t.current
+        w = torch.randn(256, 256, requires_grad=True)
+        with memlean.memstats.saved_storages() as saved:
+            y = torch.tanh(torch.tanh(w) * 2)
+        assert saved.nbytes == 2 * w.nbytes  # the two tanh outputs
+        ref = weakref.ref(w)
+        del w, y
+        gc.collect()
+        assert ref() is None
+        assert t.current == start
+
+
 def test_free_mark_goes_to_this_threads_tracker():
     # memstats.mark() marks the innermost tracker of the calling thread, as documented, even
     # when another thread started one later.
