@@ -152,9 +152,23 @@ struct Step {
   // the warm-up step); -1: count its tensors.
   int64_t unknown_state_bytes = -1;
 
+  // The loop keeps the parameters' gradients between steps (FitOptions::keep_grads).
+  bool keep_grads = false;
+
+  // Before and after each measured step: no gradient, or with keep_grads the parameters'
+  // gradients zeroed (made where missing), as the loop's zero_grad leaves them.
   void clear_grads() const {
+    at::NoGradGuard no_grad;
     for (const auto& t : grad_holders) {
-      if (t.grad().defined()) t.mutable_grad().reset();
+      if (keep_grads && t.requires_grad() && !t.is_same(input)) {
+        if (t.grad().defined()) {
+          t.grad().zero_();
+        } else {
+          t.mutable_grad() = at::zeros_like(t);
+        }
+      } else if (t.grad().defined()) {
+        t.mutable_grad().reset();
+      }
     }
   }
 
@@ -174,6 +188,9 @@ struct Step {
       if (seen.insert(key).second) total += storage_bytes(t);
     };
     for (const auto& p : params) add(p);
+    if (keep_grads) {
+      for (const auto& p : params) add(p.grad());
+    }
     for (const auto& b : buffers) add(b);
     for (const auto& s : state_tensors()) add(s);
     add(input);
@@ -550,6 +567,7 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   step.loss_fn = options.loss_fn;
   step.optimizer = options.optimizer;
   step.device = device;
+  step.keep_grads = options.keep_grads;
   if (options.optimizer != nullptr) {
     for (const auto& group : options.optimizer->param_groups()) {
       params.insert(params.end(), group.params().begin(), group.params().end());
@@ -563,6 +581,11 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   }
   memstats::enable();
   Snapshot snapshot(step.params, step.buffers, step.grad_holders, options.optimizer, device);
+  // The caller's gradients stay in the snapshot, untouched (keep_grads zeroes gradients in
+  // place: fit's own).
+  for (const auto& t : step.grad_holders) {
+    if (t.grad().defined()) t.mutable_grad().reset();
+  }
   const Runner eager = [&model](const at::Tensor& x) { return model->forward(x); };
 
   // Warm-up: the optimizer makes its state (of the same sizes as the one moved out), and

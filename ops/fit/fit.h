@@ -76,6 +76,12 @@ struct FitOptions {
   torch::optim::Optimizer* optimizer = nullptr;
   // The planner's resolution (planner.h).
   int resolution = 4096;
+  // The training loop keeps the parameters' gradients allocated between steps
+  // (optimizer.zero_grad(false), or gradient accumulation): each measured step begins with them
+  // alive (zeroed; counted in fixed_bytes) and ends zeroing them, so the peak is that loop's
+  // (higher by up to the gradients' bytes than with zero_grad(), whose step makes them in
+  // backward). Default: false, LibTorch's zero_grad() (set_to_none = true).
+  bool keep_grads = false;
 };
 
 // One change: a swapped Swish layer or a checkpointed run.
@@ -97,6 +103,7 @@ class FitPlan {
   int64_t peak_bytes = 0;            // measured: one step under this plan
   int64_t predicted_peak_bytes = 0;  // the planner's model of that peak
   int64_t fixed_bytes = 0;           // parameters, buffers, optimizer state, example input
+                                     // (and gradients, with FitOptions::keep_grads)
   int64_t eager_peak_bytes = 0;      // measured: one step before any change
   std::vector<FitAction> actions;    // the swaps, then the checkpoints, each in forward order
   std::vector<std::pair<int64_t, int64_t>> checkpointed;  // [begin, end) runs, in order

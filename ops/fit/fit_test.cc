@@ -86,14 +86,27 @@ int64_t bytes(const at::Tensor& t) { return static_cast<int64_t>(t.storage().nby
 // The step's peak as the budget counts it, measured here (not with fit's code): the unique
 // storages of parameters, buffers, optimizer state and input, plus memstats' peak above the
 // start of forward, loss, backward, step and zero_grad. Changes the model (a real step).
-int64_t measure_step(Bench& s, const std::function<at::Tensor(const at::Tensor&)>& run) {
-  s.sgd.zero_grad();  // set_to_none
+// keep_grads: the loop's zero_grad(false): the step begins with the parameters' gradients
+// allocated (zeros the first time), counted as the parameters are.
+int64_t measure_step(Bench& s, const std::function<at::Tensor(const at::Tensor&)>& run,
+                     bool keep_grads = false) {
+  if (keep_grads) {
+    at::NoGradGuard no_grad;
+    for (auto& p : s.model->parameters()) {
+      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+    }
+  } else {
+    s.sgd.zero_grad();  // set_to_none
+  }
   std::unordered_set<const void*> seen;
   int64_t fixed = 0;
   auto add = [&](const at::Tensor& t) {
     if (t.defined() && seen.insert(t.storage().unsafeGetStorageImpl()).second) fixed += bytes(t);
   };
   for (const auto& p : s.model->parameters()) add(p);
+  if (keep_grads) {
+    for (const auto& p : s.model->parameters()) add(p.grad());
+  }
   for (const auto& b : s.model->buffers()) add(b);
   for (const auto& t : memstats::optimizer_state_tensors(s.sgd)) add(t);
   add(s.x);
@@ -104,7 +117,7 @@ int64_t measure_step(Bench& s, const std::function<at::Tensor(const at::Tensor&)
     at::mse_loss(out, s.y).backward();
   }
   s.sgd.step();
-  s.sgd.zero_grad();
+  s.sgd.zero_grad(/*set_to_none=*/!keep_grads);
   tracker.stop();
   return fixed + tracker.peak() - start;
 }
@@ -550,6 +563,48 @@ TEST(Fit, NoCheckpointedRunBeginsAtALayerThatWritesItsInput) {
     }
   }
   EXPECT_GE(runs, kBudgets);
+}
+
+// A loop zeroing with zero_grad(false) (or accumulating gradients) begins each step with every
+// gradient alive: fit with keep_grads measures that step. Its eager peak is higher and its
+// fixed bytes count the gradients; at 3 budgets that loop's step, measured here, peaks at or
+// under the budget, at plan.peak_bytes; a plan for the default loop is exceeded by it. The
+// caller's gradients are put back.
+TEST(Fit, KeepGradsMeasuresTheLoopThatKeepsGradientsAllocated) {
+  Bench s;
+  s.train_step();
+  FitOptions kept = s.options();
+  kept.keep_grads = true;
+  int64_t grads = 0;
+  for (const auto& p : s.model->parameters()) grads += bytes(p);
+  const FitPlan plain = fit(s.model, s.x, "1TiB", s.options());
+  const FitPlan plain_kept = fit(s.model, s.x, "1TiB", kept);
+  EXPECT_EQ(plain_kept.fixed_bytes, plain.fixed_bytes + grads);
+  EXPECT_GT(plain_kept.eager_peak_bytes, plain.eager_peak_bytes);
+  int64_t least = 0;
+  try {
+    fit(s.model, s.x, int64_t{1}, kept);
+    ADD_FAILURE() << "a 1-byte budget fitted";
+  } catch (const FitError& e) {
+    least = e.least_peak_bytes;
+  }
+  ASSERT_LT(least, plain_kept.eager_peak_bytes);
+  const at::Tensor mine = at::full_like(s.model->parameters()[0], 3.0);
+  int64_t budget = 0;
+  for (int i = 0; i < 3; ++i) {
+    budget = least + (plain_kept.eager_peak_bytes - least) * i / 3;
+    s.model->parameters()[0].mutable_grad() = mine.clone();
+    const FitPlan plan = fit(s.model, s.x, budget, kept);
+    EXPECT_TRUE(at::equal(s.model->parameters()[0].grad(), mine)) << "the caller's gradient";
+    const int64_t measured = measure_step(
+        s, [&plan](const at::Tensor& x) { return plan.forward(x); }, /*keep_grads=*/true);
+    EXPECT_LE(measured, budget) << plan.str();
+    EXPECT_EQ(measured, plan.peak_bytes) << plan.str();
+  }
+  const FitPlan plan = fit(s.model, s.x, budget, s.options());
+  const auto run = [&plan](const at::Tensor& x) { return plan.forward(x); };
+  EXPECT_GT(measure_step(s, run, /*keep_grads=*/true), plan.peak_bytes);
+  EXPECT_EQ(measure_step(s, run), plan.peak_bytes);
 }
 
 // CPU autocast to bfloat16 on this thread while alive (as a LibTorch loop turns it on).

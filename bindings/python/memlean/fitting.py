@@ -498,9 +498,12 @@ class _Measured:
 class _Step:
     """Runs and measures training steps of one model, and puts its state back."""
 
-    def __init__(self, model, inputs, loss_fn, optimizer, device):
+    def __init__(self, model, inputs, loss_fn, optimizer, device, keep_grads=False):
         self.model, self.inputs, self.loss_fn, self.optimizer = model, inputs, loss_fn, optimizer
         self.device = device
+        # The loop keeps gradients allocated between steps (fit(keep_grads=True)): each step
+        # begins with them zeroed, resident as parameters are, and ends zeroing them.
+        self.keep_grads = keep_grads
         self.cuda = device.type == "cuda"
         self.params = [p for p in model.parameters()]
         self.all_dense_grads = True  # set by each recorded step
@@ -510,6 +513,8 @@ class _Step:
         state, the batch (on the model's device). key: what keys them (default _key)."""
         found = {}
         tensors = list(self.params) + list(self.model.buffers()) + _tensors(self.inputs)
+        if self.keep_grads:
+            tensors += [p.grad for p in self.params if p.grad is not None]
         if self.optimizer is not None:
             tensors += _tensors(list(self.optimizer.state.values()))
         for t in _storage_parts(tensors):
@@ -524,7 +529,12 @@ class _Step:
         torch.compile(model))."""
         forward = forward if forward is not None else self.model
         for p in self.params:
-            p.grad = None
+            if not self.keep_grads:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+            elif p.requires_grad:
+                p.grad = torch.zeros_like(p)
         resident_storages = self.storages()
         resident = sum(resident_storages.values())
         identities = _Identities()
@@ -569,10 +579,13 @@ class _Step:
             t.reset_peak()
             if self.optimizer is not None:
                 self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                self.optimizer.zero_grad(set_to_none=not self.keep_grads)
             else:
                 for p in self.params:
-                    p.grad = None
+                    if not self.keep_grads:
+                        p.grad = None
+                    elif p.grad is not None:
+                        p.grad.zero_()
             if self.cuda:
                 torch.cuda.synchronize(self.device)
             optimizer_peak = t.peak
@@ -1203,7 +1216,7 @@ def _twin_seconds(calls) -> List[float]:
 def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         loss_fn: Optional[Callable] = None,
         optimizer: Optional[torch.optim.Optimizer] = None,
-        compile=False, runs: bool = False) -> FitPlan:
+        compile=False, runs: bool = False, keep_grads: bool = False) -> FitPlan:
     """Make one training step of ``model`` on batches like ``example_inputs`` peak at or
     under ``budget_bytes`` on the model's device, changing the model in place.
 
@@ -1235,6 +1248,14 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             the budget (39-84 % on the tests' ConvNet: docs/fit.md; ``print(plan)`` says
             when the plan checkpoints runs); ignored with
             ``compile``. Default False. docs/fit.md says where a run is one.
+        keep_grads (bool): the training loop keeps the parameters' gradients allocated
+            between steps: ``optimizer.zero_grad(set_to_none=False)``, or gradient
+            accumulation (each micro-batch's backward adds to gradients already there). fit
+            then measures steps that begin with the gradients alive (zeroed) and end with
+            ``zero_grad(set_to_none=False)``: the step's peak is higher by up to the
+            gradients' bytes (all of them are alive at forward's end, where the loop that
+            frees them has few), and a budget made for one loop does not hold for the other.
+            Default False (torch's default, ``set_to_none=True``).
 
     Returns:
         FitPlan: what changed, the measured and predicted peaks, undo().
@@ -1271,6 +1292,8 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                         f"arguments, got {type(compile).__name__}")
     if not isinstance(runs, bool):
         raise TypeError(f"{_NAME}: runs must be a bool, got {type(runs).__name__}")
+    if not isinstance(keep_grads, bool):
+        raise TypeError(f"{_NAME}: keep_grads must be a bool, got {type(keep_grads).__name__}")
     if compile_options is not None:
         # fit measures one example batch: static shapes, unless the caller says otherwise.
         # (With dynamo's automatic dynamic shapes, recompiling a plan's graphs made inductor
@@ -1286,7 +1309,9 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
 
     try:
         model.train()
-        step = _Step(model, inputs, loss_fn, optimizer, device)
+        for p in model.parameters():
+            p.grad = None  # the caller's stay in `saved`, untouched (keep_grads zeroes in place)
+        step = _Step(model, inputs, loss_fn, optimizer, device, keep_grads)
         # The optimizer's state, as every later step has it. On the CPU it comes from an
         # optimizer step on zero gradients (a whole training step less), unless the optimizer
         # refuses them or a parameter then gets no gradient or a sparse one (a real first step

@@ -196,14 +196,20 @@ def storages(tensors):
     return found
 
 
-def step_peak(model, inputs, loss_fn, opt):
+def step_peak(model, inputs, loss_fn, opt, keep_grads=False):
     """The budget's definition, measured here: the unique storages of parameters, buffers,
     optimizer state and batch, plus the most the step allocates above them (memstats, exact on
-    the CPU)."""
+    the CPU). keep_grads: the loop's zero_grad(set_to_none=False): the step begins with the
+    gradients allocated (zeros the first time), counted as the parameters are."""
     for p in model.parameters():
-        p.grad = None
+        if not keep_grads:
+            p.grad = None
+        elif p.grad is None and p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)] if opt else []
-    fixed = sum(storages(list(model.parameters()) + list(model.buffers()) + state + list(inputs)).values())
+    fixed = sum(storages(list(model.parameters()) + list(model.buffers()) + state + list(inputs)
+                         + grads).values())
     gc.disable()  # earlier garbage freed inside the step would lower its peak
     with memlean.memstats.track("cpu") as t:
         start = t.current
@@ -212,7 +218,7 @@ def step_peak(model, inputs, loss_fn, opt):
         loss.backward()
         if opt is not None:
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=not keep_grads)
         del out, loss
     gc.enable()
     return fixed + t.peak - start
@@ -396,6 +402,51 @@ class FitTest(unittest.TestCase):
         self.assertLess(least, without)
         with self.assertRaisesRegex(TypeError, "runs must be a bool"):
             memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt, runs=1)
+
+    def test_keep_grads_measures_the_loop_that_keeps_gradients_allocated(self):
+        # A loop zeroing with set_to_none=False (or accumulating gradients) begins each step
+        # with every gradient alive. fit(keep_grads=True) measures that step: at 3 budgets
+        # that loop's step, measured here, peaks at or under the budget, equal to
+        # plan.peak_bytes, and the fixed bytes count the gradients. A plan made for the
+        # default loop is exceeded by that loop's step (gradients alive that the default
+        # step has not made yet where it peaks).
+        model, x, loss_fn, opt = self.conv_setup()
+        step_peak(model, (x,), loss_fn, opt)  # mid-training: the optimizer has its state
+        model.blocks[0].conv1.weight.grad = torch.ones_like(model.blocks[0].conv1.weight)
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        with self.assertRaises(memlean.FitError) as caught:
+            memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt, keep_grads=True)
+        least = caught.exception.least_peak_bytes
+        plain = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt, keep_grads=True)
+        self.assertEqual(plain.actions, [])
+        # fit put the caller's gradient back
+        self.assertTrue(torch.equal(model.blocks[0].conv1.weight.grad,
+                                    torch.ones_like(model.blocks[0].conv1.weight)))
+        for p in model.parameters():
+            p.grad = None
+        default = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt)
+        self.assertEqual(plain.fixed_bytes, default.fixed_bytes + params)
+        self.assertGreater(plain.eager_peak_bytes, default.eager_peak_bytes)
+        for i in range(3):
+            budget = least + (plain.eager_peak_bytes - least) * i // 3
+            plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt,
+                               keep_grads=True)
+            if not opt.state:  # a warm step: the optimizer's state, as fit measured with
+                step_peak(model, (x,), loss_fn, opt, keep_grads=True)
+            measured = step_peak(model, (x,), loss_fn, opt, keep_grads=True)
+            self.assertLessEqual(measured, budget, str(plan))
+            self.assertEqual(measured, plan.peak_bytes, str(plan))
+            self.assertIsNotNone(model.stem[0].weight.grad)  # the loop's, not fit's
+            plan.undo()
+            for p in model.parameters():
+                p.grad = None
+        plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
+        self.assertGreater(step_peak(model, (x,), loss_fn, opt, keep_grads=True),
+                           plan.peak_bytes)
+        self.assertEqual(step_peak(model, (x,), loss_fn, opt), plan.peak_bytes)
+        plan.undo()
+        with self.assertRaisesRegex(TypeError, "keep_grads must be a bool"):
+            memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt, keep_grads=None)
 
     def test_budget_is_a_promise_on_the_paths_users_take(self):
         # channels_last weights and batch; a bf16 autocast step (fit called inside an autocast
