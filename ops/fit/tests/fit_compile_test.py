@@ -4,6 +4,7 @@ the eager step does, BatchNorm updated once and dropout's mask the same in forwa
 backward, also where dynamo cannot trace a checkpointed module; the fallback where the
 compiler fails on them; the argument checked. Apart from fit_test.py: each plan fit tries
 compiles afresh, so this takes minutes under load."""
+import contextlib
 import copy
 import unittest
 
@@ -33,6 +34,26 @@ def _traced(model):
     """{module path: whether its checkpoint is traced when compiled} of the modules fit wraps."""
     return {name: m.forward.__memlean_traced__ for name, m in model.named_modules()
             if hasattr(m.forward, "__memlean_traced__")}
+
+
+def _assert_traced(test, model, plan, traced):
+    """The modules fit wrapped: some, and each traced (or each not)."""
+    found = _traced(model)
+    test.assertTrue(found, str(plan))
+    test.assertEqual(set(found.values()), {traced}, found)
+
+
+def _compiled_step_peak(model, x, loss_fn, opt, region=contextlib.nullcontext, **options):
+    """(The compiled model, its step's peak): torch.compile(model, **options) afresh (dynamo
+    reset, graph-break counters cleared), a compiling step, then the measured one, each in a
+    region() of its own."""
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, **options)
+    with region():
+        step_peak(compiled, (x,), loss_fn, opt)  # compiles
+    with region():
+        return compiled, step_peak(compiled, (x,), loss_fn, opt)
 
 
 class _Stage(nn.Module):
@@ -85,20 +106,14 @@ class FitForCompileTest(unittest.TestCase):
         for budget in [least + (plain.peak_bytes - least) // 4]:
             plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt, compile=True)
             self.assertTrue(plan.actions, str(plan))  # below the unchanged compiled peak
-            torch._dynamo.reset()
-            counters.clear()
-            compiled = torch.compile(model, dynamic=False)  # as fit measured it
-            step_peak(compiled, (x,), loss_fn, opt)  # compiles
-            measured = step_peak(compiled, (x,), loss_fn, opt)
+            compiled, measured = _compiled_step_peak(model, x, loss_fn, opt, dynamic=False)
             self.assertLessEqual(measured, budget, f"compiled: {measured} > budget {budget}\n{plan}")
             self.assertEqual(measured, plan.peak_bytes, str(plan))
             # The checkpoints are regions of inductor's graph, not graph breaks (where the
             # search found a plan so: see the next test), and one compiled step trains as one
             # eager step of the model without the plan: the same gradients and BatchNorm
             # running statistics (to float32 tolerance).
-            traced = _traced(model)
-            self.assertTrue(traced, str(plan))
-            self.assertEqual(set(traced.values()), {True}, traced)
+            _assert_traced(self, model, plan, True)
             breaks = counters["graph_break"]
             self.assertEqual(sum(breaks.values()), 0, dict(breaks))
             start = copy.deepcopy(model.state_dict())
@@ -123,8 +138,6 @@ class FitForCompileTest(unittest.TestCase):
         # equals plan.peak_bytes, and it trains as the eager step of the model without the
         # plan (float32: to float tolerance; bf16: the gradient within 10 % in norm, the
         # rounding of autocast's bf16 apart; compiled without a plan it differs by about 5 %).
-        import contextlib
-
         for path in ("channels_last", "autocast bf16"):
             with self.subTest(path=path):
                 torch.manual_seed(0)
@@ -145,16 +158,9 @@ class FitForCompileTest(unittest.TestCase):
                 with region():
                     plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt,
                                        compile=True)
-                traced = _traced(model)
-                self.assertTrue(traced, str(plan))
-                self.assertEqual(set(traced.values()), {True}, traced)
-                torch._dynamo.reset()
-                counters.clear()
-                compiled = torch.compile(model, dynamic=False)
-                with region():
-                    step_peak(compiled, (x,), loss_fn, opt)  # compiles
-                with region():
-                    measured = step_peak(compiled, (x,), loss_fn, opt)
+                _assert_traced(self, model, plan, True)
+                compiled, measured = _compiled_step_peak(model, x, loss_fn, opt, region,
+                                                         dynamic=False)
                 self.assertLessEqual(measured, budget, str(plan))
                 self.assertEqual(measured, plan.peak_bytes, str(plan))
                 self.assertEqual(sum(counters["graph_break"].values()), 0,
@@ -248,14 +254,9 @@ class FitForCompileTest(unittest.TestCase):
             memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt, compile=options)
         least = caught.exception.least_peak_bytes
         plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt, compile=options)
-        traced = _traced(model)
-        self.assertTrue(traced, str(plan))
-        self.assertEqual(set(traced.values()), {False}, traced)
-        torch._dynamo.reset()
-        counters.clear()
-        compiled = torch.compile(model, backend=backend)
-        step_peak(compiled, (x,), loss_fn, opt)  # compiles
-        self.assertLessEqual(step_peak(compiled, (x,), loss_fn, opt), least, str(plan))
+        _assert_traced(self, model, plan, False)
+        _, measured = _compiled_step_peak(model, x, loss_fn, opt, backend=backend)
+        self.assertLessEqual(measured, least, str(plan))
         self.assertGreater(sum(counters["graph_break"].values()), 0)
         plan.undo()
         torch._dynamo.reset()
@@ -268,13 +269,9 @@ class FitForCompileTest(unittest.TestCase):
         plain = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt, compile=options)
         budget = plain.peak_bytes * 3 // 4
         plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt, compile=options)
-        traced = _traced(model)
-        self.assertTrue(traced, str(plan))
-        self.assertEqual(set(traced.values()), {False}, traced)
-        torch._dynamo.reset()
-        compiled = torch.compile(model, backend="eager")
-        step_peak(compiled, (x,), loss_fn, opt)  # compiles
-        self.assertLessEqual(step_peak(compiled, (x,), loss_fn, opt), budget, str(plan))
+        _assert_traced(self, model, plan, False)
+        _, measured = _compiled_step_peak(model, x, loss_fn, opt, backend="eager")
+        self.assertLessEqual(measured, budget, str(plan))
         plan.undo()
         torch._dynamo.reset()
 
@@ -296,11 +293,9 @@ class FitForCompileTest(unittest.TestCase):
         plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt, compile=options)
         self.assertTrue(refused)
         self.assertTrue(any(a.action == "checkpoint" for a in plan.actions), str(plan))
-        torch._dynamo.reset()
         refused.clear()
-        compiled = torch.compile(model, backend=backend)
-        step_peak(compiled, (x,), loss_fn, opt)  # compiles
-        self.assertLessEqual(step_peak(compiled, (x,), loss_fn, opt), budget, str(plan))
+        _, measured = _compiled_step_peak(model, x, loss_fn, opt, backend=backend)
+        self.assertLessEqual(measured, budget, str(plan))
         self.assertEqual(refused, [])
         plan.undo()
         torch._dynamo.reset()
