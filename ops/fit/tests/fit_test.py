@@ -734,6 +734,51 @@ class FitTest(unittest.TestCase):
         self.assertGreaterEqual(sum(a.action == "checkpoint" for a in plan.actions), 2, str(plan))
         train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol=1e-10, atol=1e-12)
 
+    def test_fine_tuning_with_frozen_parameters(self):
+        # Fine-tuning paths: the stem and the first two blocks frozen (their BatchNorms still
+        # train their statistics), and every BatchNorm's affine parameters frozen; the
+        # optimizer given the trainable parameters only (also runs=True, whose runs and
+        # slices cross frozen modules). Budgets kept in exact bytes; at the least peak, three
+        # float64 training steps (ReLU: no Swish swap, so to float tolerance) equal the
+        # model's without the plan: gradients, parameters, BatchNorm statistics; frozen
+        # parameters get no gradient.
+        def frozen(model, case):
+            if case == "stem and blocks 0-1":
+                for m in [model.stem, model.blocks[0], model.blocks[1]]:
+                    m.requires_grad_(False)
+            else:
+                for m in model.modules():
+                    if isinstance(m, nn.BatchNorm2d):
+                        m.requires_grad_(False)
+            return model
+
+        def sgd(model):
+            return torch.optim.SGD([p for p in model.parameters() if p.requires_grad],
+                                   lr=0.05, momentum=0.9)
+
+        for case in ("stem and blocks 0-1", "batchnorm affine"):
+            for runs in (False, True):
+                with self.subTest(case=case, runs=runs):
+                    torch.manual_seed(0)
+                    model, x, loss_fn, _ = self.conv_setup()
+                    frozen(model, case)
+                    self.check_budgets(model, (x,), loss_fn, sgd(model), count=3, runs=runs)
+                    torch.manual_seed(1)
+                    model = frozen(ConvNet(act=nn.ReLU).double(), case)
+                    twin = copy.deepcopy(model)
+                    x64 = x.double()
+                    opt, opt_twin = sgd(model), sgd(twin)
+                    least, _ = self.least_and_eager(model, x64, loss_fn, opt, runs=runs)
+                    plan = memlean.fit(model, x64, least, loss_fn=loss_fn, optimizer=opt,
+                                       runs=runs)
+                    self.assertTrue(any(a.action == "checkpoint" for a in plan.actions),
+                                    str(plan))
+                    train_alike(model, opt, twin, opt_twin, x64, loss_fn, rtol=1e-9,
+                                atol=1e-11)
+                    for p in model.parameters():
+                        self.assertEqual(p.grad is None, not p.requires_grad)
+                    plan.undo()
+
     def test_sliced_recompute_below_what_checkpoints_reach(self):
         # Below the least that checkpoints reach, fit recomputes each block's channelwise
         # chain (conv_pw .. act2) slice by slice of channels: a lower least, every budget down
