@@ -139,6 +139,8 @@ class FitPlan:
     the step's peak measured before any change. actions: the FitActions, in forward order.
     undo() puts the model back as it was; to_json() and str() report the plan (str() also
     says when runs of sibling modules are checkpointed or sliced: in eager steps only).
+    fit may be called again on a fitted model (another budget): the new plan is made on top
+    of the earlier one, and undoing the earlier one undoes the later ones first.
     """
 
     def __init__(self, budget_bytes, peak_bytes, predicted_peak_bytes, fixed_bytes,
@@ -153,6 +155,16 @@ class FitPlan:
         self.fit_seconds = float(seconds)
         self._undo_steps = list(undo_steps)
         self._eager_only_runs = int(eager_only_runs)
+        self._later: List[FitPlan] = []  # plans fit made on the model after (on top of) it
+
+    def _applied_to(self, model):
+        """Registers the plan as the model's latest: the one before it (if not undone) undoes
+        it first when undone, and holds it so."""
+        plans = _APPLIED.setdefault(model, [])
+        plans[:] = [r for r in plans if r() is not None and not r().undone]
+        if plans:
+            plans[-1]()._later.append(self)
+        plans.append(weakref.ref(self))
 
     @property
     def undone(self) -> bool:
@@ -160,9 +172,13 @@ class FitPlan:
 
     def undo(self) -> None:
         """Put every module fit changed back as it was (original activations, unwrapped
-        forwards). Undoing twice is harmless."""
+        forwards). Plans fit made on the same model after this one (on top of it) are undone
+        first. Undoing twice is harmless."""
         if self._undo_steps is None:
             return
+        for later in reversed(self._later):
+            later.undo()
+        self._later = []
         for step in reversed(self._undo_steps):
             step()
         self._undo_steps = None
@@ -1334,8 +1350,10 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         def done(peak, predicted, eager_only_runs=0):
             """The plan of what was changed so far, with the training state put back."""
             saved.restore()
-            return FitPlan(budget, peak, predicted, fixed, eager.peak, actions, undo_steps,
+            plan = FitPlan(budget, peak, predicted, fixed, eager.peak, actions, undo_steps,
                            device, time.perf_counter() - started, eager_only_runs)
+            plan._applied_to(model)
+            return plan
 
         # With compile=: every decision on the compiled step (compiled afresh each time).
         compiled = compile_options is not None
@@ -1564,6 +1582,10 @@ def _floor(problem, measured: _Measured) -> int:
         atom_backward_extra_bytes=problem.backward_extras)[2])
     return floor - floor // 50
 
+
+# Per model (weakly held), weak references to the plans fit returned for it, oldest first
+# (each plan holds those made after it: FitPlan._later).
+_APPLIED: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
 
 # Per model (weakly held), the plan that reached the least step peak a FitError named, by the
 # step's planner problem: a later fit of the same step at that budget or more tries it when

@@ -916,6 +916,47 @@ class FitTest(unittest.TestCase):
         step_peak(model, (x,), loss_fn, opt)  # the optimizer's state, as fit measured with
         self.assertEqual(step_peak(model, (x,), loss_fn, opt), eager)
 
+    def test_fit_again_on_a_fitted_model_and_undo_in_either_order(self):
+        # A tighter budget on a fitted model: the second plan is made on top of the first and
+        # keeps its budget (measured here). Undone in reverse order each step is back where
+        # it was; undoing the first plan first also undoes the second (made on top of it),
+        # the model then as before both (no wrapper left, eager's peak); the second's undo
+        # afterwards is harmless. A model dropped with its plans is freed.
+        import weakref
+
+        for order in ("later first", "earlier first"):
+            with self.subTest(order=order):
+                model, x, loss_fn, opt = self.conv_setup()
+                types = [type(m) for m in model.modules()]
+                least, eager = self.least_and_eager(model, x, loss_fn, opt)
+                first_budget = least + (eager - least) * 2 // 3
+                first = memlean.fit(model, x, first_budget, loss_fn=loss_fn, optimizer=opt)
+                second_budget = least + (eager - least) // 4
+                second = memlean.fit(model, x, second_budget, loss_fn=loss_fn, optimizer=opt)
+                self.assertEqual(second.eager_peak_bytes, first.peak_bytes)
+                step_peak(model, (x,), loss_fn, opt)  # the optimizer's state, as fit's steps
+                measured = step_peak(model, (x,), loss_fn, opt)
+                self.assertLessEqual(measured, second_budget, str(second))
+                self.assertEqual(measured, second.peak_bytes, str(second))
+                if order == "later first":
+                    second.undo()
+                    self.assertEqual(step_peak(model, (x,), loss_fn, opt), first.peak_bytes)
+                    first.undo()
+                else:
+                    first.undo()
+                    self.assertTrue(second.undone)
+                    second.undo()
+                self.assertEqual([type(m) for m in model.modules()], types)
+                self.assertEqual(wrapped_forwards(model), [])
+                self.assertEqual(step_peak(model, (x,), loss_fn, opt), eager)
+        model, x, loss_fn, opt = self.conv_setup()
+        plan = memlean.fit(model, x, self.least_and_eager(model, x, loss_fn, opt)[0],
+                           loss_fn=loss_fn, optimizer=opt)
+        gone = weakref.ref(model)
+        del model, opt, plan
+        gc.collect()
+        self.assertIsNone(gone())
+
     def test_the_least_a_fit_error_names_is_reached_at_that_budget(self):
         # A later call's search may walk to other plans (recompute times are measured afresh,
         # and a plan can measure above its prediction): fit then tries the plan that reached
