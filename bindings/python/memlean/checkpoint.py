@@ -58,6 +58,7 @@ checkpoint_sequential and the segment planner are in memlean/sequential.py, as
 ops/checkpoint/sequential.h is apart from checkpoint.h.
 """
 import contextlib
+import copy
 import sys
 import threading
 from typing import Callable, List, Optional, Sequence
@@ -434,14 +435,42 @@ def _call(name, function, args, kwargs, listed, buffers, preserve_rng_state, wat
                 watch_batchnorm)
 
 
-def restore_forward(module: torch.nn.Module, own) -> None:
-    """Put back a module's forward as it was before a wrapper replaced it: its own instance
-    attribute `own` (module.__dict__.get("forward") then), or none (its class's). The undo of
-    memlean.fit's checkpoint wraps and of memlean.lean.lean_forward."""
-    if own is None:
-        del module.forward
-    else:
-        module.forward = own
+# What wrap_forward sets on a module (and its undo puts back as it was).
+_WRAPPED = ("forward", "__deepcopy__")
+
+
+def wrap_forward(module: torch.nn.Module, forward: Callable, rewrap=None) -> Callable:
+    """Set ``forward`` over ``module``'s own, as an instance attribute (its hooks, its place in
+    its parent and its state_dict keys unchanged); returns the undo, which puts back what was
+    there (an earlier wrapper too). memlean.fit's checkpoint wraps and runs and
+    memlean.lean.lean_forward set theirs so.
+
+    ``copy.deepcopy`` of the module, alone or within its model (an EMA copy, torch's
+    AveragedModel), gives the copy a forward of its own: the copy is made without this wrapper
+    (with what was there before, itself copied so), then ``rewrap(copy, memo)`` wraps it as
+    ``module`` is (None: left so, e.g. the modules of a run, which their parent's rewrap wraps
+    again). A function set as a forward is copied as itself: the copy's forward would run the
+    original's modules, in silence."""
+    before = {k: module.__dict__[k] for k in _WRAPPED if k in module.__dict__}
+
+    def put(state):
+        for k in _WRAPPED:
+            module.__dict__.pop(k, None)
+        module.__dict__.update(state)
+
+    def deepcopy(memo):
+        mine = {k: module.__dict__[k] for k in _WRAPPED if k in module.__dict__}
+        put(before)
+        try:
+            twin = copy.deepcopy(module, memo)
+        finally:
+            put(mine)
+        if rewrap is not None:
+            rewrap(twin, memo)
+        return twin
+
+    put({"forward": forward, "__deepcopy__": deepcopy})
+    return lambda: put(before)
 
 
 def checkpoint_module_forward(module: torch.nn.Module, forward: Callable, args, kwargs):

@@ -60,6 +60,7 @@ memlean::fit).
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import numbers
 import time
@@ -75,7 +76,7 @@ from torch.utils._pytree import tree_flatten
 from memlean import _C, memstats, sliced
 from memlean.lean import lean_forward
 from memlean.checkpoint import (_module_buffers, checkpoint_module_forward, put_back,
-                                checkpoint_run_forward, module_parameters, restore_forward)
+                                checkpoint_run_forward, module_parameters, wrap_forward)
 from memlean.swish import Swish
 
 __all__ = ["FitAction", "FitError", "FitPlan", "fit", "parse_budget"]
@@ -714,7 +715,6 @@ def _wrap(module, traced=False):
     (_traced_checkpoint), which the compiler recomputes inside its graph."""
     if isinstance(module, _Run):
         return _wrap_run(module)
-    own = module.__dict__.get("forward")
     original = module.forward
 
     # memlean.checkpoint, which dynamo does not trace into: disabled for dynamo (under
@@ -736,9 +736,8 @@ def _wrap(module, traced=False):
 
     forward.__memlean_fit__ = True
     forward.__memlean_traced__ = traced
-    module.forward = forward
-
-    return lambda: restore_forward(module, own)
+    # (A deep copy of the module, e.g. an EMA model, gets a checkpoint of its own.)
+    return wrap_forward(module, forward, lambda twin, memo: _wrap(twin, traced))
 
 
 def _traced_checkpoint(module, original, args, kwargs):
@@ -775,7 +774,6 @@ def _wrap_run(run: _Run):
     module, a module skipped or called out of turn) raises, naming the run, never a wrong
     value in silence."""
     modules, parent = run.modules, run.parent
-    owns = [m.__dict__.get("forward") for m in modules]
     originals = [m.forward for m in modules]
     state = _RunState()
 
@@ -815,7 +813,7 @@ def _wrap_run(run: _Run):
             return out
         return forward
 
-    parent_own, parent_forward = parent.__dict__.get("forward"), parent.forward
+    parent_forward = parent.forward
 
     def enter():
         # Each call of the parent starts afresh (a forward that raised left its state).
@@ -844,16 +842,18 @@ def _wrap_run(run: _Run):
 
     enter_, leave_ = torch._dynamo.disable(enter), torch._dynamo.disable(leave)
     forwards = [head] + [later(k) for k in range(1, len(modules))]
+    undos = []
     for m, f in zip(modules, forwards):
         f = torch._dynamo.disable(f)
         f.__memlean_fit__ = True
-        m.forward = f
-    parent.forward = parent_wrapper
+        undos.append(wrap_forward(m, f))  # (a deep copy: its parent's rewrap wraps them)
+    # A deep copy of the parent (with the run's modules) gets the run of its own modules.
+    undos.append(wrap_forward(parent, parent_wrapper,
+                              lambda twin, memo: _wrap_run(copy.deepcopy(run, memo))))
 
     def undo():
-        restore_forward(parent, parent_own)
-        for m, own in zip(modules, owns):
-            restore_forward(m, own)
+        for u in reversed(undos):
+            u()
 
     return undo
 

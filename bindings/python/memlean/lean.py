@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from memlean.batchnorm import _batch_norm, _lean_applies as _lean_batch_norm
-from memlean.checkpoint import restore_forward
+from memlean.checkpoint import wrap_forward
 from memlean.conv import _conv2d, _lean_applies as _lean_conv
 
 
@@ -50,7 +50,6 @@ def lean_forward(module: torch.nn.Module):
     it is). Returns (undo, calls): undo() puts its forward back; calls() says how many of its
     calls ran a lean backward so far (0: none did, e.g. the module calls neither function, or
     only in eval mode, in bfloat16 or for a convolution that is not depthwise)."""
-    own = module.__dict__.get("forward")
     original = module.forward
     taken = [0]
 
@@ -64,5 +63,6 @@ def lean_forward(module: torch.nn.Module):
         return out
 
     forward.__memlean_lean__ = True  # (memlean.sliced may run the module's chain sliced)
-    module.forward = forward
-    return lambda: restore_forward(module, own), lambda: taken[0]
+    # (A deep copy of the module gets a lean forward of its own.)
+    undo = wrap_forward(module, forward, lambda twin, memo: lean_forward(twin))
+    return undo, lambda: taken[0]

@@ -957,6 +957,63 @@ class FitTest(unittest.TestCase):
         gc.collect()
         self.assertIsNone(gone())
 
+    def test_a_deep_copy_of_a_fitted_model_is_fitted_on_its_own_modules(self):
+        # copy.deepcopy of a fitted model (an EMA copy; torch's AveragedModel makes one) gets
+        # the plan on its own modules: checkpoints, runs, lean BatchNorms and the in-place
+        # Swish wrap the copy's modules, not the original's (a wrapper function copied as
+        # itself ran the original's). Its outputs are those of an unfitted copy with the same
+        # weights, in eval and train mode; its training step peaks at the plan's bytes
+        # (measured here) and leaves the original's gradients alone; undoing the plan leaves
+        # the copy fitted.
+        from torch.optim.swa_utils import AveragedModel
+
+        model, x, loss_fn, opt = self.conv_setup()
+        least, _ = self.least_and_eager(model, x, loss_fn, opt, runs=True)
+        plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt, runs=True)
+        self.assertTrue({"checkpoint", "lean batchnorm", "inplace swish"}
+                        <= {a.action for a in plan.actions}, str(plan))
+        self.assertIn("run(s) of sibling modules", str(plan))
+        twin = copy.deepcopy(model)
+        self.assertEqual(wrapped_forwards(twin), wrapped_forwards(model))
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.mul_(0.5)
+        for training in (False, True):
+            for m in (model, twin):
+                m.train(training)
+            torch.manual_seed(3)
+            out = twin(x)
+            torch.manual_seed(3)
+            original_out = model(x)
+            self.assertFalse(torch.allclose(out, original_out))
+        model.train()
+        twin.train()
+        twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+        step_peak(twin, (x,), loss_fn, twin_opt)  # the optimizer's state
+        for p in model.parameters():
+            p.grad = None
+        self.assertEqual(step_peak(twin, (x,), loss_fn, twin_opt), plan.peak_bytes)
+        self.assertTrue(all(p.grad is None for p in model.parameters()))
+        # The copy computes as an unfitted model with its weights (the same state_dict keys).
+        reference = self.conv_setup()[0]
+        reference.load_state_dict(twin.state_dict())
+        for training in (False, True):
+            for m in (twin, reference):
+                m.train(training)
+            torch.manual_seed(4)
+            a = twin(x)
+            torch.manual_seed(4)
+            b = reference(x)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        plan.undo()
+        self.assertEqual(wrapped_forwards(model), [])
+        self.assertTrue(wrapped_forwards(twin))
+        averaged = AveragedModel(twin)
+        self.assertEqual(wrapped_forwards(averaged.module), wrapped_forwards(twin))
+        twin.eval()
+        averaged.eval()
+        torch.testing.assert_close(averaged(x), twin(x))
+
     def test_the_least_a_fit_error_names_is_reached_at_that_budget(self):
         # A later call's search may walk to other plans (recompute times are measured afresh,
         # and a plan can measure above its prediction): fit then tries the plan that reached
