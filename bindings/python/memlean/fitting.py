@@ -522,7 +522,7 @@ class _Step:
         # begins with them zeroed, resident as parameters are, and ends zeroing them.
         self.keep_grads = keep_grads
         self.cuda = device.type == "cuda"
-        self.params = [p for p in model.parameters()]
+        self.params = _trained_parameters(model, optimizer)
         self.all_dense_grads = True  # set by each recorded step
 
     def storages(self, key=None):
@@ -612,14 +612,27 @@ class _Step:
                          resident + optimizer_peak - start, resident, recorder)
 
 
+def _trained_parameters(model, optimizer) -> list:
+    """The model's parameters, then those of the optimizer's groups that are not the model's
+    (a learnable parameter of the loss, another module trained by the same optimizer): each
+    once. The step's memory counts them, and fit puts them back."""
+    found = {id(p): p for p in model.parameters()}
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                found.setdefault(id(p), p)
+    return list(found.values())
+
+
 class _Saved:
     """Parameters, buffers, gradients, optimizer state, RNG and train flags, put back by
     restore() exactly (copies held on the CPU, outside a CUDA device's budget)."""
 
     def __init__(self, model, optimizer, device):
         self.model, self.optimizer = model, optimizer
-        self.params = [(p, p.detach().to("cpu", copy=True)) for p in model.parameters()]
-        self.grads = [(p, p.grad) for p in model.parameters()]
+        params = _trained_parameters(model, optimizer)
+        self.params = [(p, p.detach().to("cpu", copy=True)) for p in params]
+        self.grads = [(p, p.grad) for p in params]
         self.buffers = [(b, b.detach().to("cpu", copy=True)) for b in model.buffers()]
         self.training = {id(m): (m, m.training) for m in model.modules()}
         self.optimizer_state = None
@@ -1325,7 +1338,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
 
     try:
         model.train()
-        for p in model.parameters():
+        for p in _trained_parameters(model, optimizer):
             p.grad = None  # the caller's stay in `saved`, untouched (keep_grads zeroes in place)
         step = _Step(model, inputs, loss_fn, optimizer, device, keep_grads)
         # The optimizer's state, as every later step has it. On the CPU it comes from an

@@ -196,20 +196,21 @@ def storages(tensors):
     return found
 
 
-def step_peak(model, inputs, loss_fn, opt, keep_grads=False):
+def step_peak(model, inputs, loss_fn, opt, keep_grads=False, extra=()):
     """The budget's definition, measured here: the unique storages of parameters, buffers,
     optimizer state and batch, plus the most the step allocates above them (memstats, exact on
     the CPU). keep_grads: the loop's zero_grad(set_to_none=False): the step begins with the
-    gradients allocated (zeros the first time), counted as the parameters are."""
-    for p in model.parameters():
+    gradients allocated (zeros the first time), counted as the parameters are. extra: other
+    parameters the optimizer trains (counted too)."""
+    for p in list(model.parameters()) + list(extra):
         if not keep_grads:
             p.grad = None
         elif p.grad is None and p.requires_grad:
             p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in list(model.parameters()) + list(extra) if p.grad is not None]
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)] if opt else []
     fixed = sum(storages(list(model.parameters()) + list(model.buffers()) + state + list(inputs)
-                         + grads).values())
+                         + grads + list(extra)).values())
     gc.disable()  # earlier garbage freed inside the step would lower its peak
     with memlean.memstats.track("cpu") as t:
         start = t.current
@@ -447,6 +448,36 @@ class FitTest(unittest.TestCase):
         plan.undo()
         with self.assertRaisesRegex(TypeError, "keep_grads must be a bool"):
             memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt, keep_grads=None)
+
+    def test_parameters_the_optimizer_trains_outside_the_model(self):
+        # A learnable parameter of the loss (1 MiB), trained by the same optimizer: the step's
+        # memory counts it (and its gradient and momentum), budgets are kept by the step
+        # measured here with it counted, and fit puts it back as it found it.
+        model, x, _, _ = self.conv_setup()
+        y = torch.randint(0, 10, (8,))
+        scale = nn.Parameter(torch.ones(256, 1024))
+
+        def loss_fn(out):
+            return F.cross_entropy(out * scale.mean(), y)
+
+        opt = torch.optim.SGD(list(model.parameters()) + [scale], lr=0.5, momentum=0.9)
+        step_peak(model, (x,), loss_fn, opt, extra=[scale])  # mid-training
+        before = scale.detach().clone()
+        plain = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt)
+        self.assertGreaterEqual(plain.fixed_bytes, 2 * scale.nbytes)  # it and its momentum
+        with self.assertRaises(memlean.FitError) as caught:
+            memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
+        least = caught.exception.least_peak_bytes
+        for budget in (least, (least + plain.eager_peak_bytes) // 2):
+            plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
+            self.assertTrue(torch.equal(scale, before))
+            self.assertIsNone(scale.grad)
+            measured = step_peak(model, (x,), loss_fn, opt, extra=[scale])
+            self.assertLessEqual(measured, budget, str(plan))
+            self.assertEqual(measured, plan.peak_bytes, str(plan))
+            plan.undo()
+            with torch.no_grad():
+                scale.copy_(before)
 
     def test_budget_is_a_promise_on_the_paths_users_take(self):
         # channels_last weights and batch; a bf16 autocast step (fit called inside an autocast
