@@ -567,7 +567,10 @@ class _Step:
         # The collector off, not run first (it would cost each of fit's steps a collection):
         # earlier garbage freed inside a measured step would lower its peak (a test's eager
         # peak moved by 118,200 bytes between two fit calls that way).
-        with memstats._collector_off(collect=False), memstats.track(self.device) as t:
+        # A training step records autograd whatever the caller's grad mode (fit called under
+        # torch.no_grad(), e.g. inside a validation loop, measures the training step too).
+        with torch.enable_grad(), memstats._collector_off(collect=False), memstats.track(
+                self.device) as t:
             start = t.current
             with recorder or contextlib.nullcontext(), mode or contextlib.nullcontext():
                 output = forward(*self.inputs)
@@ -893,6 +896,9 @@ def _paths(model):
 def _check(model, example_inputs, loss_fn, optimizer):
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{_NAME}: model must be a torch.nn.Module, got {type(model).__name__}")
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{_NAME}: called inside torch.inference_mode(), where no training "
+                           f"step can run (autograd records nothing there); call fit outside it")
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"{_NAME}: model has no parameters that require grad: there is no "
@@ -913,6 +919,10 @@ def _check(model, example_inputs, loss_fn, optimizer):
         if t.device != device:
             raise ValueError(f"{_NAME}: example_inputs holds a tensor on {t.device} but the "
                              f"model is on {device}; move the batch to the model's device")
+        if t.is_inference():
+            raise ValueError(f"{_NAME}: example_inputs holds a tensor made in "
+                             f"torch.inference_mode(), which autograd cannot use in a training "
+                             f"step; make the batch outside it (or pass a .clone() made there)")
     if loss_fn is None:
         loss_fn = _sum_floating_leaves
     elif not callable(loss_fn):

@@ -1098,6 +1098,21 @@ class FitTest(unittest.TestCase):
                 memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
         with self.assertRaisesRegex(ValueError, "model has no parameters"):
             memlean.fit(nn.Sequential(nn.ReLU()), x, "1GiB")
+        # Called inside torch.inference_mode() (no training step can run there), or with a
+        # batch made there: named. Under torch.no_grad() (inside a validation loop) fit
+        # measures the training step all the same.
+        with self.assertRaisesRegex(RuntimeError, "inference_mode"), torch.inference_mode():
+            memlean.fit(model, x, "1GiB", loss_fn=loss_fn, optimizer=opt)
+        with torch.inference_mode():
+            inference_batch = torch.randn_like(x)
+        with self.assertRaisesRegex(ValueError, "example_inputs holds a tensor made in"):
+            memlean.fit(model, inference_batch, "1GiB", loss_fn=loss_fn, optimizer=opt)
+        eager = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt).eager_peak_bytes
+        with torch.no_grad():
+            plan = memlean.fit(model, x, eager - 1, loss_fn=loss_fn, optimizer=opt)
+        self.assertEqual(plan.eager_peak_bytes, eager)
+        self.assertTrue(plan.actions)
+        plan.undo()
         with self.assertRaisesRegex(ValueError, "no floating-point tensor"):
             memlean.fit(_IntOutput(), torch.randn(2, 4), "1GiB")
         with self.assertRaisesRegex(ValueError, "example_inputs holds a tensor on meta"):
