@@ -5,6 +5,7 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/modules/activation.h>
@@ -553,6 +554,16 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   }
   if (!example_input.defined()) {
     throw std::invalid_argument("memlean::fit: example_input is an undefined tensor");
+  }
+  if (c10::InferenceMode::is_enabled()) {
+    throw std::invalid_argument(
+        "memlean::fit: called inside c10::InferenceMode, where no training step can run "
+        "(autograd records nothing there); call fit outside it");
+  }
+  if (example_input.is_inference()) {
+    throw std::invalid_argument(
+        "memlean::fit: example_input was made in c10::InferenceMode, which autograd cannot use "
+        "in a training step; make it outside");
   }
   const c10::Device device = params.front().device();
   if (example_input.device() != device) {

@@ -6,6 +6,7 @@
 // clear error.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
@@ -805,6 +806,19 @@ TEST(Fit, BadInputIsAnErrorNamingTheArgument) {
   FitOptions resolution = o;
   resolution.resolution = 0;
   expect_invalid([&] { fit(s.model, s.x, "1GiB", resolution); }, "options.resolution must be >= 1");
+  at::Tensor inference_input;
+  {
+    c10::InferenceMode inference;
+    expect_invalid([&] { fit(s.model, s.x, "1GiB", o); }, "called inside c10::InferenceMode");
+    inference_input = at::randn_like(s.x);
+  }
+  expect_invalid([&] { fit(s.model, inference_input, "1GiB", o); },
+                 "example_input was made in c10::InferenceMode");
+  const int64_t eager = fit(s.model, s.x, "1TiB", o).eager_peak_bytes;
+  {
+    at::NoGradGuard no_grad;  // fit measures the training step all the same
+    EXPECT_EQ(fit(s.model, s.x, "1TiB", o).eager_peak_bytes, eager);
+  }
   // None of these changed the model: the default loss (output.sum()) and no optimizer work.
   FitOptions plain;
   const FitPlan p = fit(s.model, s.x, "1TiB", plain);
