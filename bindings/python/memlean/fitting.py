@@ -293,6 +293,14 @@ def _sum_floating_leaves(output):
     return loss
 
 
+def _call(forward, inputs):
+    """forward on the example inputs: a tuple of positional arguments, or a dict of keyword
+    ones (_check)."""
+    if isinstance(inputs, dict):
+        return forward(**inputs)
+    return forward(*inputs)
+
+
 def _tensors(obj):
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
@@ -573,7 +581,7 @@ class _Step:
                 self.device) as t:
             start = t.current
             with recorder or contextlib.nullcontext(), mode or contextlib.nullcontext():
-                output = forward(*self.inputs)
+                output = _call(forward, self.inputs)
                 loss = self.loss_fn(output)
             if (not isinstance(loss, torch.Tensor) or loss.numel() != 1
                     or not loss.is_floating_point() or not loss.requires_grad):
@@ -912,9 +920,15 @@ def _check(model, example_inputs, loss_fn, optimizer):
         example_inputs = (example_inputs,)
     elif isinstance(example_inputs, list):
         example_inputs = tuple(example_inputs)
-    if not isinstance(example_inputs, tuple):
-        raise TypeError(f"{_NAME}: example_inputs must be a tensor or a tuple of the forward's "
-                        f"arguments, got {type(example_inputs).__name__}")
+    elif isinstance(example_inputs, dict):
+        if not all(isinstance(k, str) for k in example_inputs):
+            raise TypeError(f"{_NAME}: example_inputs as a dict holds the forward's keyword "
+                            f"arguments: its keys must be str")
+        example_inputs = dict(example_inputs)
+    if not isinstance(example_inputs, (tuple, dict)):
+        raise TypeError(f"{_NAME}: example_inputs must be a tensor, a tuple of the forward's "
+                        f"arguments or a dict of its keyword arguments, got "
+                        f"{type(example_inputs).__name__}")
     for t in _tensors(example_inputs):
         if t.device != device:
             raise ValueError(f"{_NAME}: example_inputs holds a tensor on {t.device} but the "
@@ -1261,8 +1275,9 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
 
     Args:
         model (nn.Module): the model, on its training device (all parameters on one device).
-        example_inputs (Tensor or tuple): the forward's arguments, a batch of the size you
-            will train with, on the model's device.
+        example_inputs (Tensor, tuple or dict): the forward's arguments (a dict: its keyword
+            arguments, e.g. ``{"input_ids": ids, "attention_mask": mask}``), a batch of the
+            size you will train with, on the model's device.
         budget_bytes (int or str): the peak of one whole training step, in bytes, or a
             string such as ``"6GiB"``, ``"512MiB"``, ``"2.5GB"``.
         loss_fn (callable, optional): ``loss_fn(output) -> scalar``. Default: the sum of the

@@ -209,12 +209,15 @@ def step_peak(model, inputs, loss_fn, opt, keep_grads=False, extra=()):
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in list(model.parameters()) + list(extra) if p.grad is not None]
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)] if opt else []
-    fixed = sum(storages(list(model.parameters()) + list(model.buffers()) + state + list(inputs)
+    batch = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+    fixed = sum(storages(list(model.parameters()) + list(model.buffers()) + state + batch
                          + grads + list(extra)).values())
     gc.disable()  # earlier garbage freed inside the step would lower its peak
     with memlean.memstats.track("cpu") as t:
         start = t.current
-        out = model(*inputs)  # the output and the loss live to the step's end, as in a loop
+        # (inputs: positional arguments, or a dict of keyword ones)
+        out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+        # the output and the loss live to the step's end, as in a loop
         loss = loss_fn(out)
         loss.backward()
         if opt is not None:
@@ -374,6 +377,34 @@ class FitTest(unittest.TestCase):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         least, eager, _ = self.check_budgets(model, (idx,), lm_loss_of(torch.roll(idx, -1, 1)), opt)
         self.assertLess(least, 0.8 * eager)
+
+    def test_budget_is_a_promise_with_keyword_inputs_and_a_dict_output(self):
+        # A model called as Hugging Face's are: keyword arguments only (example_inputs a dict)
+        # and a dict returned (loss_fn reads its "logits"): budgets kept in exact bytes, the
+        # batch's tensors (a mask among them) counted; the default loss sums the dict's
+        # floating-point values.
+        class KeywordGPT(GPT):
+            def forward(self, *, input_ids, attention_mask):
+                h = self.emb(input_ids) * attention_mask.unsqueeze(-1)
+                t = input_ids.shape[1]
+                causal = torch.ones(t, t, dtype=torch.bool).tril()
+                for b in self.blocks:
+                    h = b(h, attn_mask=causal)
+                return {"logits": self.head(self.ln(h)), "steps": 1}
+
+        torch.manual_seed(0)
+        model = KeywordGPT()
+        idx = torch.randint(0, 50, (4, 48))
+        batch = {"input_ids": idx, "attention_mask": torch.ones(4, 48)}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        lm = lm_loss_of(torch.roll(idx, -1, 1))
+        least, eager, _ = self.check_budgets(model, batch, lambda out: lm(out["logits"]), opt,
+                                             count=4)
+        self.assertLess(least, 0.8 * eager)
+        plan = memlean.fit(model, batch, 2**50, optimizer=opt)  # default loss
+        self.assertEqual(plan.actions, [])
+        with self.assertRaisesRegex(TypeError, "keys must be str"):
+            memlean.fit(model, {0: idx}, 2**50)
 
     def test_budget_is_a_promise_with_runs_of_sibling_modules(self):
         # fit(runs=True): budgets kept as without, plans that checkpoint runs, and a least
