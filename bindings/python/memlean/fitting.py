@@ -936,7 +936,7 @@ def _check(model, example_inputs, loss_fn, optimizer):
         if t.is_inference():
             raise ValueError(f"{_NAME}: example_inputs holds a tensor made in "
                              f"torch.inference_mode(), which autograd cannot use in a training "
-                             f"step; make the batch outside it (or pass a .clone() made there)")
+                             f"step; make the batch outside it (or clone it outside it)")
     if loss_fn is None:
         loss_fn = _sum_floating_leaves
     elif not callable(loss_fn):
