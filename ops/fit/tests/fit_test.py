@@ -1040,14 +1040,18 @@ class FitTest(unittest.TestCase):
         with torch.no_grad():
             for p in twin.parameters():
                 p.mul_(0.5)
-        for training in (False, True):
-            for m in (model, twin):
+
+        def outputs(a, b, training):
+            """a(x) and b(x), both in train or eval mode, each from the same RNG state."""
+            out = []
+            for m in (a, b):
                 m.train(training)
-            torch.manual_seed(3)
-            out = twin(x)
-            torch.manual_seed(3)
-            original_out = model(x)
-            self.assertFalse(torch.allclose(out, original_out))
+                torch.manual_seed(3)
+                out.append(m(x))
+            return out
+
+        for training in (False, True):
+            self.assertFalse(torch.allclose(*outputs(twin, model, training)))
         model.train()
         twin.train()
         twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
@@ -1060,13 +1064,8 @@ class FitTest(unittest.TestCase):
         reference = self.conv_setup()[0]
         reference.load_state_dict(twin.state_dict())
         for training in (False, True):
-            for m in (twin, reference):
-                m.train(training)
-            torch.manual_seed(4)
-            a = twin(x)
-            torch.manual_seed(4)
-            b = reference(x)
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(*outputs(twin, reference, training), rtol=1e-5,
+                                       atol=1e-6)
         plan.undo()
         self.assertEqual(wrapped_forwards(model), [])
         self.assertTrue(wrapped_forwards(twin))
