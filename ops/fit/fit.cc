@@ -141,6 +141,16 @@ class Snapshot {
   bool restored_ = false;
 };
 
+// Autocast's cache of lower-precision weight copies emptied while alive and when it ends: with
+// autocast on, the copies stay cached until clear_cache(), which a loop calls once per step, so
+// each measured step (and the layer walk) makes them afresh and leaves none behind.
+struct FreshAutocastCache {
+  FreshAutocastCache() { at::autocast::clear_cache(); }
+  ~FreshAutocastCache() { at::autocast::clear_cache(); }
+  FreshAutocastCache(const FreshAutocastCache&) = delete;
+  FreshAutocastCache& operator=(const FreshAutocastCache&) = delete;
+};
+
 // What a measured step needs.
 struct Step {
   torch::nn::Sequential model{nullptr};
@@ -229,7 +239,7 @@ struct Step {
     const auto n = static_cast<int64_t>(seq->size());
     std::vector<int64_t> levels(n, 0);
     const int64_t fixed = fixed_bytes();
-    at::autocast::clear_cache();  // as measure()
+    const FreshAutocastCache fresh;
     memstats::Tracker tracker(device);  // its peak restarts at each layer's backward
     const int64_t start = tracker.current();
     int64_t running = -1;               // the layer whose backward runs now
@@ -253,7 +263,6 @@ struct Step {
     synchronize(device);
     next_layer(-1);
     clear_grads();
-    at::autocast::clear_cache();
     return levels;
   }
 
@@ -262,10 +271,7 @@ struct Step {
     at::AutoGradMode grad_mode(true);
     clear_grads();
     synchronize(device);
-    // With autocast on, its lower-precision copies of the weights stay cached until
-    // clear_cache(): a loop clears them once per step, so each measured step makes them afresh
-    // (and leaves none behind).
-    at::autocast::clear_cache();
+    const FreshAutocastCache fresh;
     const int64_t fixed = fixed_bytes();
     memstats::Tracker tracker(device);
     const int64_t start = tracker.current();
@@ -276,7 +282,6 @@ struct Step {
     }
     if (optimizer != nullptr) optimizer->step();
     clear_grads();
-    at::autocast::clear_cache();
     synchronize(device);
     tracker.stop();
     return fixed + (tracker.peak() - start);
@@ -654,7 +659,7 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   std::vector<int64_t> kept(n, 0), freed(n + 1, 0), output_bytes(n, 0);
   {
     at::AutoGradMode grad_mode(true);
-    at::autocast::clear_cache();  // each layer makes its weight copies, as in a step
+    const FreshAutocastCache fresh;  // each layer makes its weight copies, as in a step
     at::Tensor h = example_input;
     for (int64_t i = 0; i < n; ++i) {
       if (device.is_cpu() && at::GradMode::is_enabled()) {
@@ -693,8 +698,6 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
       output_bytes[i] = storage_bytes(out);
       h = std::move(out);
     }
-    h = at::Tensor();
-    at::autocast::clear_cache();
   }
   torch::nn::Sequential work = model;
   std::vector<FitAction> swaps;

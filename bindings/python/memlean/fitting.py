@@ -1363,9 +1363,9 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
 
     try:
         model.train()
-        for p in _trained_parameters(model, optimizer):
-            p.grad = None  # the caller's stay in `saved`, untouched (keep_grads zeroes in place)
         step = _Step(model, inputs, loss_fn, optimizer, device, keep_grads)
+        for p in step.params:
+            p.grad = None  # the caller's stay in `saved`, untouched (keep_grads zeroes in place)
         # The optimizer's state, as every later step has it. On the CPU it comes from an
         # optimizer step on zero gradients (a whole training step less), unless the optimizer
         # refuses them or a parameter then gets no gradient or a sparse one (a real first step
