@@ -64,6 +64,7 @@ import copy
 import json
 import numbers
 import time
+import warnings
 import weakref
 from dataclasses import asdict, dataclass
 from typing import Callable, List, Optional
@@ -838,6 +839,12 @@ def _wrap_run(run: _Run):
         return forward
 
     parent_forward = parent.forward
+    compiled_note = (f"{_NAME}: torch.compile traced the forward of "
+                     f"{run.where or run.path(_paths(parent))}, a run of modules the plan "
+                     f"{run.ACTION} in eager steps only: "
+                     f"compiled, its modules run as they are and the step is not held to the "
+                     f"plan's budget (it may peak far above it). For a model that trains "
+                     f"compiled, fit with compile=True.")
 
     def enter():
         # Each call of the parent starts afresh (a forward that raised left its state).
@@ -856,6 +863,9 @@ def _wrap_run(run: _Run):
             # Compiled (torch.compile of the fitted model), the run is not checkpointed: it
             # would split the parent's graph, and inductor's graphs around it kept more than
             # the run saved (fit_test's ConvNet: above the model compiled without fit).
+            # Said once, with no graph break: _note_eager_only_compiled.
+            if _NOTE_IN_GRAPH:
+                _note_eager_only_compiled(compiled_note)
             return parent_forward(*args, **kwargs)
         enter_()
         out = parent_forward(*args, **kwargs)
@@ -864,6 +874,7 @@ def _wrap_run(run: _Run):
 
     import torch._dynamo  # (as in _wrap)
 
+    _note_in_graph()
     enter_, leave_ = torch._dynamo.disable(enter), torch._dynamo.disable(leave)
     forwards = [head] + [later(k) for k in range(1, len(modules))]
     undos = []
@@ -880,6 +891,31 @@ def _wrap_run(run: _Run):
             u()
 
     return undo
+
+
+_NOTED: set = set()  # the notes _note_eager_only_compiled gave
+_NOTE_IN_GRAPH = False  # whether dynamo defers it past the graph (set by _note_in_graph)
+
+
+def _note_eager_only_compiled(note: str) -> None:
+    """Warns (once per note) that torch.compile traced the parent of a run fit checkpoints or
+    slices in eager steps only. A logging function for dynamo (_note_in_graph): called in the
+    compiled forward, it runs after the graph, with no graph break."""
+    if note not in _NOTED:
+        _NOTED.add(note)
+        warnings.warn(note, UserWarning, stacklevel=2)
+
+
+def _note_in_graph() -> None:
+    """Lets dynamo trace _note_eager_only_compiled as a logging call it defers past the
+    graph (torch._dynamo.config.reorderable_logging_functions, as print and logging calls);
+    with a torch without that setting, no note (a call dynamo cannot trace would break the
+    graph)."""
+    global _NOTE_IN_GRAPH
+    functions = getattr(torch._dynamo.config, "reorderable_logging_functions", None)
+    if functions is not None:
+        functions.add(_note_eager_only_compiled)
+        _NOTE_IN_GRAPH = True
 
 
 class _RunState:
@@ -953,9 +989,12 @@ class _Run:
     block's middle without its 1x1 convolutions; two blocks of a stage): checkpointed as
     one, so the tensors passed inside it are not kept. A candidate finer than a module."""
 
+    ACTION = "checkpoints"  # what fit does with it (the note under torch.compile)
+
     def __init__(self, modules, parent):
         self.modules = tuple(modules)
         self.parent = parent  # the module whose forward calls them
+        self.where = ""  # its path in the model, path() (fit sets it; "": in its parent)
 
     def parameters(self):
         return list({id(p): p for m in self.modules for p in module_parameters(m)}.values())
@@ -983,6 +1022,8 @@ class _Slice(_Run):
     """A run fit recomputes channel slice by channel slice (memlean.sliced): an optional
     ungrouped convolution, then BatchNorms, elementwise activations and depthwise
     convolutions of one channel count."""
+
+    ACTION = "recomputes in channel slices"
 
     def __init__(self, modules, parent, channels):
         super().__init__(modules, parent)
@@ -1128,6 +1169,9 @@ def _slices(eager: _Recorder, current: _Recorder, root) -> List[_Slice]:
             taken |= set(run)
             chains.append((run[0], _Slice(modules, current.calls[run[0]].parent.module,
                                           channels)))
+    paths = _paths(root)
+    for _, c in chains:
+        c.where = c.path(paths)
     return [c for _, c in sorted(chains, key=lambda c: c[0])]
 
 
@@ -1192,10 +1236,12 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset()):
                        for k in range(len(atoms))]
     candidates, calls = [], []
     run_calls = []
+    paths = _paths(root) if runs else {}
     for run in runs:
         first, last = rec.calls[run[0]], rec.calls[run[-1]]
-        run_calls.append(_Call(_Run((rec.calls[k].module for k in run), first.parent.module),
-                               first.begin, last.end,
+        candidate = _Run((rec.calls[k].module for k in run), first.parent.module)
+        candidate.where = candidate.path(paths)
+        run_calls.append(_Call(candidate, first.begin, last.end,
                                seconds=sum(rec.calls[k].seconds for k in run),
                                inputs=first.inputs, outputs=last.outputs))
     for c in sorted(rec.calls + run_calls, key=lambda c: (c.begin, -c.end)):

@@ -7,6 +7,7 @@ import copy
 import json
 import gc
 import unittest
+import warnings
 from unittest import mock
 
 import torch
@@ -1182,6 +1183,57 @@ class FitTest(unittest.TestCase):
             self.assertLessEqual(measured, budget, f"compiled: {measured} > budget {budget}\n{plan}")
             plan.undo()
             torch._dynamo.reset()
+
+    def test_a_plan_for_eager_steps_says_so_when_compiled(self):
+        # Runs of sibling modules and sliced chains are eager-only: a model fitted with them
+        # and then compiled runs them as plain modules and is not held to the budget. When
+        # torch.compile traces the forward of such a run's parent, a UserWarning says so, once
+        # per run, naming it; the note adds no graph break; eager steps say nothing.
+        from torch._dynamo.utils import counters
+
+        from memlean import fitting
+
+        model, x, loss_fn, opt = self.conv_setup()
+        with self.assertRaises(memlean.FitError) as caught:
+            memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt, runs=True)
+        plan = memlean.fit(model, x, caught.exception.least_peak_bytes, loss_fn=loss_fn,
+                           optimizer=opt, runs=True)
+        eager_only = {a.path for a in plan.actions
+                      if "(" in a.path and a.action in ("checkpoint", "sliced recompute")}
+        self.assertTrue(eager_only, str(plan))
+
+        def notes(step):
+            with mock.patch.object(fitting, "_NOTED", set()), \
+                    warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                step()
+            return [str(w.message) for w in caught if "eager steps only" in str(w.message)]
+
+        def compiled_steps():
+            torch._dynamo.reset()
+            counters.clear()
+            compiled = torch.compile(model, backend="aot_eager")
+            for _ in range(2):
+                loss_fn(compiled(x)).backward()
+            opt.zero_grad()
+            return sum(counters["graph_break"].values())
+
+        self.assertEqual(notes(lambda: loss_fn(model(x)).backward()), [])
+        said = notes(compiled_steps)
+        self.assertTrue(said)
+        self.assertEqual(len(said), len(set(said)), said)  # once each, over two steps
+        for note in said:
+            self.assertIn("fit with compile=True", note)
+            named = note.split("the forward of ")[1].split(",")[0]
+            self.assertIn(named, eager_only, note)
+        breaks = {}
+        for on in (True, False):
+            with mock.patch.object(fitting, "_NOTE_IN_GRAPH", on), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                breaks[on] = compiled_steps()
+        self.assertEqual(breaks[True], breaks[False])
+        plan.undo()
+        torch._dynamo.reset()
 
 
 class _IntOutput(nn.Module):
