@@ -14,6 +14,8 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/instancenorm.h>
 
 #include <algorithm>
 #include <mutex>
@@ -22,6 +24,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include "ops/checkpoint/batchnorm.h"
 #include "ops/checkpoint/internal/checkpoint.h"
 #include "third_party/torch/compat.h"
 #include "third_party/torch/tensors.h"
@@ -272,6 +275,9 @@ struct SegmentState {
   std::optional<detail::RngState> rng;
   AutocastState autocast;
   bool backward_in_full = false;
+  // (buffer, its value at the forward's start) of each of segment.rewound that the forward
+  // changed: the recompute begins from these values.
+  std::vector<std::pair<at::Tensor, at::Tensor>> rewind;
 };
 
 // The node a checkpoint's outputs hang from. A plain autograd Node rather than a
@@ -298,6 +304,8 @@ class CheckpointBackward : public torch::autograd::Node {
     // The function (and whatever its closure holds) is not needed again.
     state_.segment.function = nullptr;
     state_.segment.buffers.clear();
+    state_.segment.rewound.clear();
+    state_.rewind.clear();
   }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grad_outputs) override;
@@ -349,6 +357,10 @@ variable_list CheckpointBackward::apply(variable_list&& grad_outputs) {
     RngFork rng(state.rng ? &*state.rng : nullptr);
     AutocastRestore autocast(state.autocast);
     detail::BufferRestore buffers(state.segment.buffers);
+    {
+      at::NoGradGuard no_grad;  // (no version bump, as BufferRestore puts values back)
+      for (const auto& [buffer, start] : state.rewind) buffer.variable_data().copy_(start);
+    }
     RecomputeGuard recomputing;
     at::AutoGradMode grad_mode(true);
     outputs = state.segment.function(inputs);
@@ -487,7 +499,8 @@ std::vector<c10::IValue> checkpoint_impl(detail::Segment segment, int64_t n_inpu
   state.autocast = AutocastState::capture();
   if (options.preserve_rng_state()) state.rng = detail::RngState::capture(detail::rng_devices(tensors));
 
-  // The forward, without recording a graph.
+  // The forward, without recording a graph. The buffers to rewind are copied first; the
+  // copies of those it leaves unchanged are dropped after it.
   std::vector<c10::IValue> outputs;
   {
     std::vector<c10::IValue> inputs = state.inputs;
@@ -498,6 +511,11 @@ std::vector<c10::IValue> checkpoint_impl(detail::Segment segment, int64_t n_inpu
       versions[i] = tensors[i]._version();
     }
     at::AutoGradMode no_grad(false);
+    std::vector<uint32_t> buffer_versions;
+    for (const auto& b : segment.rewound) {
+      state.rewind.emplace_back(b, b.clone());
+      buffer_versions.push_back(b._version());
+    }
     outputs = segment.function(inputs);
     for (size_t i = 0; i < n_in; ++i) {
       TORCH_CHECK(tensors[i]._version() == versions[i], name, ": the function modified its "
@@ -505,6 +523,13 @@ std::vector<c10::IValue> checkpoint_impl(detail::Segment segment, int64_t n_inpu
                   "must not modify its inputs (the recompute in backward would see the modified "
                   "values). Clone the input first, or start the segment after the in-place op.");
     }
+    size_t kept = 0;
+    for (size_t i = 0; i < state.rewind.size(); ++i) {
+      if (state.rewind[i].first._version() != buffer_versions[i]) {
+        state.rewind[kept++] = std::move(state.rewind[i]);
+      }
+    }
+    state.rewind.resize(kept);
   }
   state.n_outputs = outputs.size();
   state.output_tensor_slots = tensor_output_slots(outputs, name);
@@ -579,13 +604,37 @@ std::vector<at::Tensor> checkpoint(const torch::nn::Module& module, const Tensor
                                    const CheckpointOptions& options) {
   std::vector<c10::IValue> args(inputs.begin(), inputs.end());
   for (const auto& p : module.parameters()) args.emplace_back(p);
+  detail::Segment segment{to_ivalue_function(function)};
   // Each buffer once: a buffer two layers share is copied once.
-  std::vector<at::Tensor> buffers = unique_tensors(module.buffers());
-  return to_tensors(detail::checkpoint_impl({to_ivalue_function(function), std::move(buffers)},
-                                            static_cast<int64_t>(inputs.size()), args, options));
+  segment.buffers = unique_tensors(module.buffers());
+  segment.rewound = detail::rewound_buffers(module, segment.buffers);
+  return to_tensors(detail::checkpoint_impl(std::move(segment), static_cast<int64_t>(inputs.size()),
+                                            args, options));
 }
 
 namespace detail {
+
+std::vector<at::Tensor> rewound_buffers(const torch::nn::Module& module,
+                                        const std::vector<at::Tensor>& buffers) {
+  std::unordered_set<const c10::TensorImpl*> statistics;
+  for (const auto& m : module.modules()) {
+    const torch::nn::Module* p = m.get();
+    if (dynamic_cast<const torch::nn::BatchNorm1dImpl*>(p) != nullptr ||
+        dynamic_cast<const torch::nn::BatchNorm2dImpl*>(p) != nullptr ||
+        dynamic_cast<const torch::nn::BatchNorm3dImpl*>(p) != nullptr ||
+        dynamic_cast<const torch::nn::InstanceNorm1dImpl*>(p) != nullptr ||
+        dynamic_cast<const torch::nn::InstanceNorm2dImpl*>(p) != nullptr ||
+        dynamic_cast<const torch::nn::InstanceNorm3dImpl*>(p) != nullptr ||
+        dynamic_cast<const memlean::BatchNorm2dImpl*>(p) != nullptr) {
+      for (const auto& b : m->buffers(/*recurse=*/false)) statistics.insert(b.unsafeGetTensorImpl());
+    }
+  }
+  std::vector<at::Tensor> rewound;
+  for (const auto& b : buffers) {
+    if (statistics.count(b.unsafeGetTensorImpl()) == 0) rewound.push_back(b);
+  }
+  return rewound;
+}
 
 namespace {
 

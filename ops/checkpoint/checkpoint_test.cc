@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "ops/checkpoint/checkpoint.h"
+#include "ops/checkpoint/sequential.h"
 #include "runtime/memstats/live_bytes.h"
 #include "testing/expect_error.h"
 
@@ -397,6 +398,45 @@ TEST(CheckpointModule, TorchBatchNormInsideIsUpdatedOnce) {
   EXPECT_TRUE(at::equal(bc->running_mean, bp->running_mean));
   EXPECT_TRUE(at::equal(bc->running_var, bp->running_var));
   expect_same(take_grads(ckpt->parameters()), take_grads(plain->parameters()));
+}
+
+// A layer whose forward updates a buffer and reads it (as spectral norm's power iteration and
+// a QAT observer do): y = x * scale after scale *= 2. Its gradient is the scale the forward
+// used.
+struct DoublingImpl : torch::nn::Module {
+  DoublingImpl() { scale = register_buffer("scale", at::full({1}, 1.5, f64())); }
+  at::Tensor forward(const at::Tensor& x) {
+    {
+      at::NoGradGuard no_grad;
+      scale.mul_(2);
+    }
+    return x * scale;
+  }
+  at::Tensor scale;
+};
+TORCH_MODULE(Doubling);
+
+// The recompute begins from the buffers the forward began from where the forward changed
+// them: the module form and checkpoint_sequential give the plain gradients (3, not the 6 a
+// recompute from the updated scale gave), and the buffer is updated once.
+TEST(CheckpointModule, TheRecomputeBeginsFromTheBuffersTheForwardBeganFrom) {
+  for (const bool sequential : {false, true}) {
+    torch::nn::Sequential s(torch::nn::Linear(4, 4), Doubling(), torch::nn::Tanh());
+    s->to(at::kDouble);
+    const at::Tensor x = at::randn({3, 4}, f64()).requires_grad_();
+    const at::Tensor y = sequential ? checkpoint_sequential(s, {0, 2}, x) : checkpoint(s, x);
+    y.sum().backward();
+    const at::Tensor g = x.grad().clone();
+    auto scale = std::dynamic_pointer_cast<DoublingImpl>(s->ptr(1))->scale;
+    EXPECT_EQ(scale.item<double>(), 3.0) << "updated once";
+    x.mutable_grad().reset();
+    {
+      at::NoGradGuard no_grad;
+      scale.fill_(1.5);
+    }
+    s->forward(x).sum().backward();
+    EXPECT_TRUE(at::allclose(g, x.grad(), 1e-14, 0)) << (sequential ? "sequential" : "module");
+  }
 }
 
 // ---- other properties ----------------------------------------------------------------

@@ -236,10 +236,15 @@ at::Tensor checkpoint_chain(const std::shared_ptr<const Chain>& chain,
       params.insert(params.end(), chain->parameters[i].begin(), chain->parameters[i].end());
       segment.buffers.insert(segment.buffers.end(), chain->buffers[i].begin(),
                              chain->buffers[i].end());
+      if (!chain->rewound.empty()) {
+        segment.rewound.insert(segment.rewound.end(), chain->rewound[i].begin(),
+                               chain->rewound[i].end());
+      }
     }
     std::vector<c10::IValue> args = {h};
     for (const auto& p : unique_tensors(params)) args.emplace_back(p);
     segment.buffers = unique_tensors(segment.buffers);
+    segment.rewound = unique_tensors(segment.rewound);
     segment.function = [chain, s, e, run](const std::vector<c10::IValue>& in) {
       return std::vector<c10::IValue>{run(*chain, s, e, in[0].toTensor())};
     };
@@ -262,10 +267,12 @@ at::Tensor checkpoint_sequential(torch::nn::Sequential sequential,
   const auto n = static_cast<int64_t>(sequential->size());
   chain->parameters.reserve(n);
   chain->buffers.reserve(n);
+  chain->rewound.reserve(n);
   for (int64_t i = 0; i < n; ++i) {
     const auto module = sequential->ptr(i);
     chain->parameters.push_back(module->parameters());
     chain->buffers.push_back(module->buffers());
+    chain->rewound.push_back(detail::rewound_buffers(*module, chain->buffers.back()));
   }
   chain->layer = [sequential](int64_t i, const at::Tensor& h) mutable {
     return sequential->begin()[i].forward(h);

@@ -205,6 +205,21 @@ def _module_buffers(module):
     return [b for b in module.buffers() if b is not None]
 
 
+def rewound_buffers(modules, buffers) -> List[torch.Tensor]:
+    """Of `buffers` (those of the trees of `modules`), the ones a checkpoint rewinds for its
+    recompute where its forward changed them (memlean::detail::rewound_buffers): the recompute
+    begins from their values at the forward's start, as the forward did (a spectral norm's
+    power-iteration vectors, a QAT observer's statistics: read by the forward that updates
+    them). All but the statistics of torch's BatchNorm and InstanceNorm layers (_NormBase:
+    BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm1d/2d/3d, subclasses such as timm's
+    BatchNormAct2d and memlean.BatchNorm2d), which their training forward updates without
+    reading them."""
+    statistics = {id(b) for m in modules for sub in m.modules()
+                  if isinstance(sub, torch.nn.modules.batchnorm._NormBase)
+                  for b in sub._buffers.values() if b is not None}
+    return [b for b in buffers if id(b) not in statistics]
+
+
 # ---- checks ------------------------------------------------------------------------------
 
 
@@ -326,10 +341,13 @@ def _flatten(outputs):
     return tree_flatten(outputs)
 
 
-def _run(name, function, length, args, preserve_rng_state, buffers, watch_batchnorm):
+def _run(name, function, length, args, preserve_rng_state, buffers, watch_batchnorm,
+         rewound=()):
     """function(*args[:length]) checkpointed, args[length:] its parameters (checked), the
     buffers put back after the recompute; with watch_batchnorm, also those of every
-    BatchNorm the recompute calls (a function, whose modules are not known in advance)."""
+    BatchNorm the recompute calls (a function, whose modules are not known in advance).
+    rewound: those of the buffers the recompute begins from as the forward found them
+    (rewound_buffers)."""
     if not isinstance(preserve_rng_state, bool):
         raise TypeError(f"{name}: preserve_rng_state must be a bool, got {_describe(preserve_rng_state)}")
     inputs = args[:length]
@@ -339,7 +357,7 @@ def _run(name, function, length, args, preserve_rng_state, buffers, watch_batchn
         return function(*inputs)
     segment = _Segment(name, function, inputs, watch_batchnorm)
     tensors = _C.checkpoint(segment, inputs, args[length:], preserve_rng_state, buffers, name,
-                            _HOW_TO_LIST)
+                            _HOW_TO_LIST, list(rewound))
     if segment.spec is None:
         return tensors[0]
     tensors = iter(tensors)
@@ -399,8 +417,9 @@ def checkpoint(function: Callable, *args, params: Optional[Sequence[torch.Tensor
     if isinstance(function, torch.nn.Module):
         listed = module_parameters(function)
         buffers = _module_buffers(function)
+        rewound = rewound_buffers([function], buffers)
     else:
-        listed, buffers = [], []
+        listed, buffers, rewound = [], [], []
         if not callable(function):
             _check_arguments(name, function, len(args), args)  # raises
     if params is not None:
@@ -409,16 +428,18 @@ def checkpoint(function: Callable, *args, params: Optional[Sequence[torch.Tensor
         listed += [p for p in extra if id(p) not in ids]
         _check_arguments(name, function, len(args), args + tuple(listed))
     return _call(name, function, args, kwargs, listed, buffers, preserve_rng_state,
-                 watch_batchnorm=not isinstance(function, torch.nn.Module))
+                 watch_batchnorm=not isinstance(function, torch.nn.Module), rewound=rewound)
 
 
 _CONTAINERS = (list, tuple, dict)
 
 
-def _call(name, function, args, kwargs, listed, buffers, preserve_rng_state, watch_batchnorm):
+def _call(name, function, args, kwargs, listed, buffers, preserve_rng_state, watch_batchnorm,
+          rewound=()):
     """function(*args, **kwargs) checkpointed, `listed` its parameters, `buffers` put back
-    after the recompute: memlean.checkpoint's core, and memlean.fit's for a module whose
-    forward it wraps (function: the module's own forward, listed and buffers: its tree's)."""
+    after the recompute (`rewound` of them rewound for it: _run): memlean.checkpoint's core,
+    and memlean.fit's for a module whose forward it wraps (function: the module's own
+    forward, listed and buffers: its tree's)."""
     if kwargs or any(isinstance(a, _CONTAINERS) for a in args):
         # Keyword inputs, and tensors inside lists, tuples and dicts, travel as positional
         # inputs (the leaves of the arguments) and are handed back in their places: one path
@@ -432,7 +453,7 @@ def _call(name, function, args, kwargs, listed, buffers, preserve_rng_state, wat
 
         args = tuple(leaves)
     return _run(name, function, len(args), args + tuple(listed), preserve_rng_state, buffers,
-                watch_batchnorm)
+                watch_batchnorm, rewound)
 
 
 # What wrap_forward sets on a module (and its undo puts back as it was).
@@ -479,18 +500,20 @@ def checkpoint_module_forward(module: torch.nn.Module, forward: Callable, args, 
     recompute. ``forward`` is the module's own (unwrapped) forward: memlean.fit puts a
     function calling this in place of a module's forward, so the module keeps its hooks,
     its place in its parent and its state_dict keys."""
-    return checkpoint_run_forward(forward, module_parameters(module), _module_buffers(module),
-                                  args, kwargs)
+    buffers = _module_buffers(module)
+    return checkpoint_run_forward(forward, module_parameters(module), buffers,
+                                  rewound_buffers([module], buffers), args, kwargs)
 
 
 def checkpoint_run_forward(forward: Callable, params: List[torch.Tensor],
-                           buffers: List[torch.Tensor], args, kwargs):
+                           buffers: List[torch.Tensor], rewound: List[torch.Tensor], args,
+                           kwargs):
     """``forward(*args, **kwargs)`` checkpointed with ``params`` listed and ``buffers`` put
-    back after the recompute: memlean.fit's checkpointed module (its own forward) or run of
-    sibling modules (forward calls their own forwards in turn; params and buffers are all of
-    theirs, each once)."""
+    back after the recompute (``rewound`` of them rewound for it: rewound_buffers):
+    memlean.fit's checkpointed module (its own forward) or run of sibling modules (forward
+    calls their own forwards in turn; params and buffers are all of theirs, each once)."""
     return _call("memlean.fit", forward, tuple(args), kwargs, params, buffers, True,
-                 watch_batchnorm=False)
+                 watch_batchnorm=False, rewound=rewound)
 
 
 class CheckpointFunction:

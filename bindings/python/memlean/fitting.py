@@ -77,7 +77,8 @@ from torch.utils._pytree import tree_flatten
 from memlean import _C, memstats, sliced
 from memlean.lean import lean_forward
 from memlean.checkpoint import (_module_buffers, checkpoint_module_forward, put_back,
-                                checkpoint_run_forward, module_parameters, wrap_forward)
+                                checkpoint_run_forward, module_parameters, rewound_buffers,
+                                wrap_forward)
 from memlean.swish import Swish
 
 __all__ = ["FitAction", "FitError", "FitPlan", "fit", "parse_budget"]
@@ -1004,7 +1005,9 @@ class _Run:
         checkpointed; None where its modules run as they are."""
         if not (torch.is_grad_enabled() and self.modules[0].training):
             return None
-        return checkpoint_run_forward(chain, self.parameters(), self.buffers(), args, kwargs)
+        buffers = self.buffers()
+        return checkpoint_run_forward(chain, self.parameters(), buffers,
+                                      rewound_buffers(self.modules, buffers), args, kwargs)
 
     def buffers(self):
         return list({id(b): b for m in self.modules for b in _module_buffers(m)}.values())

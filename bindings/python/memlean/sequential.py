@@ -22,7 +22,7 @@ import torch
 
 from memlean import _C
 from memlean.checkpoint import (_BatchNormStatisticsKept, _describe, _fsdp_calls_noted,
-                                _module_buffers, module_parameters)
+                                _module_buffers, module_parameters, rewound_buffers)
 
 __all__ = [
     "LayerCost",
@@ -242,11 +242,12 @@ def checkpoint_sequential(functions, segments, input, *, preserve_rng_state: boo
     if not isinstance(preserve_rng_state, bool):
         raise TypeError(f"{name}: preserve_rng_state must be a bool, got {_describe(preserve_rng_state)}")
     modules = [m if isinstance(m, torch.nn.Module) else None for m in layers]
+    buffers = [_module_buffers(m) if m is not None else [] for m in modules]
     return _C.checkpoint_sequential(
         _Chain(name, layers),
-        [module_parameters(m) if m is not None else [] for m in modules],
-        [_module_buffers(m) if m is not None else [] for m in modules],
-        starts, input, preserve_rng_state, name, _HOW_TO_LIST)
+        [module_parameters(m) if m is not None else [] for m in modules], buffers,
+        starts, input, preserve_rng_state, name, _HOW_TO_LIST,
+        [rewound_buffers([m], b) if m is not None else [] for m, b in zip(modules, buffers)])
 
 
 # The remedy named when a recomputed segment reaches a tensor requiring grad that is not a

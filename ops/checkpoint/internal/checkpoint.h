@@ -87,6 +87,8 @@ struct Chain {
   // recompute (one entry per layer; a tensor shared by layers is listed once per segment).
   std::vector<std::vector<at::Tensor>> parameters;
   std::vector<std::vector<at::Tensor>> buffers;
+  // Per layer (or empty: none), those of its buffers a recompute rewinds (Segment::rewound).
+  std::vector<std::vector<at::Tensor>> rewound;
   // How errors name the call, and the remedy for a tensor requiring grad that a layer uses
   // but is not among the parameters.
   std::string name = "memlean::checkpoint_sequential";
@@ -114,6 +116,12 @@ struct Segment {
   IValueFunction function;
   // Copied before the recompute and put back after it (a module's buffers).
   std::vector<at::Tensor> buffers;
+  // Those of `buffers` whose values at the forward's start the recompute begins from where the
+  // forward changed them (a spectral norm's power-iteration vectors, a QAT observer's
+  // statistics: the forward reads what it updates, so a recompute from the updated values
+  // would compute another function, and gradients for it). Not BatchNorm statistics: a
+  // training forward updates them without reading them (nothing to keep).
+  std::vector<at::Tensor> rewound;
   // How errors name the checkpoint, and the remedy they give for a tensor requiring grad
   // that the function uses but the checkpoint was not given.
   std::string name = kCheckpointName;
@@ -126,6 +134,13 @@ struct Segment {
   // gradients only.
   std::function<bool()> backward_in_full;
 };
+
+// Of `buffers` (module's), those a checkpoint of `module` rewinds for the recompute
+// (Segment::rewound): all but the statistics of its torch::nn BatchNorm{1,2,3}d and
+// InstanceNorm{1,2,3}d and memlean::BatchNorm2d layers, which their training forward updates
+// without reading.
+std::vector<at::Tensor> rewound_buffers(const torch::nn::Module& module,
+                                        const std::vector<at::Tensor>& buffers);
 
 // The checkpoint every form runs: segment.function(inputs_and_params[0, n_inputs)),
 // recomputed in backward (see checkpoint.h).

@@ -126,7 +126,8 @@ void init_checkpoint(pybind11::module_& m) {
       torch::wrap_pybind_function([](py::object run, const py::sequence& inputs,
                                      const std::vector<at::Tensor>& params,
                                      bool preserve_rng_state, std::vector<at::Tensor> buffers,
-                                     std::string name, std::string how_to_list) {
+                                     std::string name, std::string how_to_list,
+                                     std::vector<at::Tensor> rewound) {
         std::vector<c10::IValue> args;
         args.reserve(inputs.size() + params.size());
         for (py::handle h : inputs) {
@@ -139,6 +140,7 @@ void init_checkpoint(pybind11::module_& m) {
         detail::Segment segment;
         segment.function = python_function(held);
         segment.buffers = std::move(buffers);
+        segment.rewound = std::move(rewound);
         segment.name = std::move(name);
         segment.how_to_list = std::move(how_to_list);
         segment.backward_in_full = [held] {
@@ -153,7 +155,7 @@ void init_checkpoint(pybind11::module_& m) {
         return tensors;
       }),
       py::arg("run"), py::arg("inputs"), py::arg("params"), py::arg("preserve_rng_state"),
-      py::arg("buffers"), py::arg("name"), py::arg("how_to_list"),
+      py::arg("buffers"), py::arg("name"), py::arg("how_to_list"), py::arg("rewound"),
       "memlean::checkpoint of a Python segment: memlean.checkpoint's core (private).");
   // memlean.measure_layer_costs's core: memlean::measure_layer_costs's measurement
   // (detail::measure_chain_costs) over a Python chain: run(i, h) runs layer i on h and
@@ -185,12 +187,17 @@ void init_checkpoint(pybind11::module_& m) {
                                      std::vector<std::vector<at::Tensor>> buffers,
                                      const std::vector<int64_t>& starts, const at::Tensor& input,
                                      bool preserve_rng_state, std::string name,
-                                     std::string how_to_list) {
+                                     std::string how_to_list,
+                                     std::vector<std::vector<at::Tensor>> rewound) {
         const std::shared_ptr<py::object> held = hold(std::move(run));
         auto chain = std::make_shared<detail::Chain>();
         chain->layer = python_layer(held, "memlean._C.checkpoint_sequential");
         chain->parameters = std::move(parameters);
         chain->buffers = std::move(buffers);
+        TORCH_CHECK(rewound.empty() || rewound.size() == chain->buffers.size(),
+                    "memlean._C.checkpoint_sequential: ", rewound.size(), " rewound lists for ",
+                    chain->buffers.size(), " layers");
+        chain->rewound = std::move(rewound);
         chain->name = std::move(name);
         chain->how_to_list = std::move(how_to_list);
         chain->backward_in_full = [held](int64_t begin, int64_t end) {
@@ -202,6 +209,7 @@ void init_checkpoint(pybind11::module_& m) {
       }),
       py::arg("run"), py::arg("parameters"), py::arg("buffers"), py::arg("starts"),
       py::arg("input"), py::arg("preserve_rng_state"), py::arg("name"), py::arg("how_to_list"),
+      py::arg("rewound"),
       "memlean::checkpoint_sequential's loop over Python layers: "
       "memlean.checkpoint_sequential's core (private).");
   m.def(
