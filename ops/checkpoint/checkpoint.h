@@ -78,7 +78,11 @@ std::vector<c10::IValue> checkpoint(const IValueFunction& function, int64_t n_in
 // module.parameters(), and the module's buffers are copied before the recompute and put
 // back after it, so that a module that updates a buffer in forward (e.g. the running stats
 // of torch::nn::BatchNorm2d) updates it exactly once per forward. (The copies live only
-// while the segment is recomputed.)
+// while the segment is recomputed.) The recompute begins from the buffers' values at the
+// forward's start where the forward changed them (but BatchNorm and InstanceNorm statistics,
+// which a training forward updates without reading), so that a forward that reads a buffer
+// it updates is recomputed as it ran: those copies are made before the forward and live
+// until the segment's backward (the others are dropped after the forward).
 std::vector<at::Tensor> checkpoint(const torch::nn::Module& module, const TensorFunction& function,
                                    const std::vector<at::Tensor>& inputs,
                                    const CheckpointOptions& options = {});

@@ -19,7 +19,10 @@ given is an error in backward (its gradient would otherwise be lost silently).
 The RNG state (CPU, and every CUDA device holding an input or a parameter) is saved before
 the forward and restored for the recompute (dropout drops the same units twice); the
 autocast state of the forward is restored for the recompute too. BatchNorm is updated once
-per training step. A segment that is an nn.Module (or a checkpoint_sequential segment of
+per training step. A module's buffers that its forward reads and updates (spectral norm's
+power-iteration vectors, a QAT observer's statistics; not BatchNorm statistics, which a
+training forward does not read) are copied before the forward, and the recompute begins
+from those copies, so it computes what the forward computed (rewound_buffers). A segment that is an nn.Module (or a checkpoint_sequential segment of
 modules) has all the buffers of its module tree put back after the recompute as the
 forward left them, the running statistics of its BatchNorms included, as the C++
 checkpoint does for a module. A segment that is a plain function (or has a callable that is
