@@ -22,7 +22,8 @@ autocast state of the forward is restored for the recompute too. BatchNorm is up
 per training step. A module's buffers that its forward reads and updates (spectral norm's
 power-iteration vectors, a QAT observer's statistics; not BatchNorm statistics, which a
 training forward does not read) are copied before the forward, and the recompute begins
-from those copies, so it computes what the forward computed (rewound_buffers). A segment that is an nn.Module (or a checkpoint_sequential segment of
+from those copies, so it computes what the forward computed (rewound_buffers; for a plain
+function, the buffers of the modules it calls: _BuffersSeen). A segment that is an nn.Module (or a checkpoint_sequential segment of
 modules) has all the buffers of its module tree put back after the recompute as the
 forward left them, the running statistics of its BatchNorms included, as the C++
 checkpoint does for a module. A segment that is a plain function (or has a callable that is
@@ -151,6 +152,40 @@ class _BatchNormStatisticsKept:
         return False
 
 
+class _BuffersSeen:
+    """`with _BuffersSeen() as seen:` copies the buffers of every module called on this thread
+    while the body runs (at its first call; not BatchNorm and InstanceNorm statistics, as
+    rewound_buffers), and seen.changed() gives (buffer, copy) for those the body changed (its
+    version counter moved): what a function's recompute begins from."""
+
+    __slots__ = ("copies", "calls")
+
+    def __init__(self):
+        self.copies = {}  # id(buffer) -> (buffer, copy, version)
+        self.calls = _ModuleCallsSeen(self._copy)
+
+    def _copy(self, module):
+        if isinstance(module, torch.nn.modules.batchnorm._NormBase):
+            return
+        for b in module._buffers.values():
+            if (isinstance(b, torch.Tensor) and id(b) not in self.copies
+                    and not torch.nn.parameter.is_lazy(b)):
+                self.copies[id(b)] = (b, b.detach().clone(), b._version)
+
+    def changed(self):
+        found = tuple((b, c) for b, c, v in self.copies.values() if b._version != v)
+        self.copies = {}
+        return found
+
+    def __enter__(self):
+        self.calls.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.calls.__exit__(*exc)
+        return False
+
+
 def put_back(pairs) -> None:
     """Copy each (buffer, copy) pair's copy into its buffer without bumping the buffer's
     version counter (.data: not recorded): what a recompute changed, as the forward left it."""
@@ -273,7 +308,7 @@ class _Segment:
     out, the common case, takes the shortest path."""
 
     __slots__ = ("name", "function", "watch_batchnorm", "template", "spec", "leaves",
-                 "is_tensor", "backward_in_full")
+                 "is_tensor", "backward_in_full", "rewind")
 
     def __init__(self, name, function, inputs, watch_batchnorm):
         self.name = name
@@ -288,6 +323,9 @@ class _Segment:
         self.leaves = None  # the forward's output leaves, until the caller took them
         self.is_tensor = None  # per leaf: a tensor? Set by the forward
         self.backward_in_full = False
+        # A function's (watch_batchnorm): (buffer, its value at the forward's start) of the
+        # buffers its forward changed, of the modules it called (_BuffersSeen).
+        self.rewind = ()
 
     def __call__(self, tensors):
         template = self.template
@@ -298,8 +336,15 @@ class _Segment:
         # The recompute (in backward; the C++ side has set the forward's RNG and autocast
         # state, grad mode and the recompute flag, and puts the buffers back after it).
         if self.watch_batchnorm:
-            with _BatchNormStatisticsKept():
-                outputs = self.function(*tensors)
+            # The buffers the forward changed begin as the forward found them (as a module's
+            # do: rewound_buffers), and are put back after.
+            after = [(b, b.detach().clone()) for b, _ in self.rewind]
+            put_back(self.rewind)
+            try:
+                with _BatchNormStatisticsKept():
+                    outputs = self.function(*tensors)
+            finally:
+                put_back(after)
         else:
             outputs = self.function(*tensors)
         if self.spec is None and isinstance(outputs, torch.Tensor):
@@ -322,8 +367,14 @@ class _Segment:
 
     def _forward(self, inputs):
         fsdp_modules = []
-        with _fsdp_calls_noted(fsdp_modules):
-            outputs = self.function(*inputs)
+        if self.watch_batchnorm:  # a function: its modules are known as it calls them
+            seen = _BuffersSeen()
+            with _fsdp_calls_noted(fsdp_modules), seen:
+                outputs = self.function(*inputs)
+            self.rewind = seen.changed()
+        else:
+            with _fsdp_calls_noted(fsdp_modules):
+                outputs = self.function(*inputs)
         self.backward_in_full = bool(fsdp_modules)
         if isinstance(outputs, torch.Tensor):
             self.is_tensor = _ONE_TENSOR

@@ -525,13 +525,13 @@ class _Doubling(nn.Module):
         return x * self.scale
 
 
-@pytest.mark.parametrize("form", ["module", "sequential", "fit"])
+@pytest.mark.parametrize("form", ["module", "function", "sequential", "fit"])
 def test_the_recompute_begins_from_the_buffers_the_forward_began_from(form):
     # A segment whose forward updates a buffer it reads is recomputed from the buffer's value
     # at the forward's start: gradients equal the plain ones in float64 (recomputed from the
     # updated values they did not: 8e-6 off with torch's spectral norm, which torch's own
     # non-reentrant checkpoint still is), and the buffers are updated once. Forms: a module,
-    # checkpoint_sequential, and a module memlean.fit checkpoints.
+    # a function calling it, checkpoint_sequential, and a module memlean.fit checkpoints.
     def model():
         torch.manual_seed(0)
         return nn.Sequential(torch.nn.utils.spectral_norm(nn.Linear(8, 16)), nn.Tanh(),
@@ -544,6 +544,8 @@ def test_the_recompute_begins_from_the_buffers_the_forward_began_from(form):
     plain(x).square().sum().backward()
     if form == "module":
         y = memlean.checkpoint(ckpt, x)
+    elif form == "function":
+        y = memlean.checkpoint(lambda h: ckpt[3:](ckpt[:3](h)), x, params=list(ckpt.parameters()))
     elif form == "sequential":
         y = memlean.checkpoint_sequential(ckpt, [0, 3], x)
     else:
