@@ -631,7 +631,10 @@ std::vector<at::Tensor> rewound_buffers(const torch::nn::Module& module,
   }
   std::vector<at::Tensor> rewound;
   for (const auto& b : buffers) {
-    if (statistics.count(b.unsafeGetTensorImpl()) == 0) rewound.push_back(b);
+    // (An inference tensor cannot change outside InferenceMode, and has no version counter.)
+    if (b.defined() && !b.is_inference() && statistics.count(b.unsafeGetTensorImpl()) == 0) {
+      rewound.push_back(b);
+    }
   }
   return rewound;
 }

@@ -169,7 +169,7 @@ class _BuffersSeen:
             return
         for b in module._buffers.values():
             if (isinstance(b, torch.Tensor) and id(b) not in self.copies
-                    and not torch.nn.parameter.is_lazy(b)):
+                    and not torch.nn.parameter.is_lazy(b) and not b.is_inference()):
                 self.copies[id(b)] = (b, b.detach().clone(), b._version)
 
     def changed(self):
@@ -255,7 +255,8 @@ def rewound_buffers(modules, buffers) -> List[torch.Tensor]:
     statistics = {id(b) for m in modules for sub in m.modules()
                   if isinstance(sub, torch.nn.modules.batchnorm._NormBase)
                   for b in sub._buffers.values() if b is not None}
-    return [b for b in buffers if id(b) not in statistics]
+    # (An inference tensor cannot change outside inference_mode, and has no version counter.)
+    return [b for b in buffers if id(b) not in statistics and not b.is_inference()]
 
 
 # ---- checks ------------------------------------------------------------------------------

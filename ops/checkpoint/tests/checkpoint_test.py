@@ -566,7 +566,8 @@ def test_a_buffer_the_forward_leaves_alone_keeps_no_copy():
     # The buffers to rewind are copied before the forward and the copies of those it did not
     # change dropped after it: a segment reading a 4 MiB constant buffer keeps its input and
     # output only (exact bytes), and one whose forward updates that buffer keeps one copy more
-    # until its backward.
+    # until its backward. A buffer made in inference_mode (no version counter; it cannot
+    # change outside it) is left alone, in the module and the function form.
     table = torch.ones(2 ** 20)
 
     class Reads(nn.Module):
@@ -581,6 +582,14 @@ def test_a_buffer_the_forward_leaves_alone_keeps_no_copy():
                     self.table.add_(1)
             return torch.tanh(x) * self.table[:4]
 
+    with torch.inference_mode():  # (no version counter; cannot change outside it)
+        constant = torch.ones(4)
+    probe = Reads(False)
+    probe.register_buffer("constant", constant)
+    probe.forward = lambda x: torch.tanh(x) * probe.table[:4] + probe.constant
+    x = torch.randn(4, requires_grad=True)
+    memlean.checkpoint(probe, x).sum().backward()
+    memlean.checkpoint(lambda h: probe(h), x, params=[]).sum().backward()
     for update, extra in ((False, 0), (True, table.nbytes)):
         layer = Reads(update)
         x = torch.randn(4, requires_grad=True)
