@@ -625,7 +625,8 @@ std::vector<at::Tensor> rewound_buffers(const torch::nn::Module& module,
         dynamic_cast<const torch::nn::InstanceNorm1dImpl*>(p) != nullptr ||
         dynamic_cast<const torch::nn::InstanceNorm2dImpl*>(p) != nullptr ||
         dynamic_cast<const torch::nn::InstanceNorm3dImpl*>(p) != nullptr ||
-        dynamic_cast<const memlean::BatchNorm2dImpl*>(p) != nullptr) {
+        dynamic_cast<const memlean::BatchNorm2dImpl*>(p) != nullptr ||
+        dynamic_cast<const NormStatisticsHolder*>(p) != nullptr) {
       for (const auto& b : m->buffers(/*recurse=*/false)) statistics.insert(b.unsafeGetTensorImpl());
     }
   }

@@ -87,6 +87,16 @@ std::vector<at::Tensor> checkpoint(const torch::nn::Module& module, const Tensor
                                    const std::vector<at::Tensor>& inputs,
                                    const CheckpointOptions& options = {});
 
+// A module whose buffers its training forward updates without reading them, as BatchNorm's
+// running statistics (e.g. a layer holding a BatchNorm's buffers under its own name): a
+// checkpoint of a module tree does not copy its buffers for the recompute (above). torch::nn's
+// BatchNorm{1,2,3}d and InstanceNorm{1,2,3}d and memlean::BatchNorm2d are treated so
+// without it.
+class NormStatisticsHolder {
+ public:
+  virtual ~NormStatisticsHolder() = default;
+};
+
 // Checkpointed module->forward(input) for a module whose forward takes and returns one
 // tensor, e.g. checkpoint(torch::nn::Sequential(...), x).
 template <typename ModuleType>

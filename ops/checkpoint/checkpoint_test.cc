@@ -439,6 +439,39 @@ TEST(CheckpointModule, TheRecomputeBeginsFromTheBuffersTheForwardBeganFrom) {
   }
 }
 
+// Which buffers a checkpoint copies until its backward, in exact bytes: a buffer the forward
+// updates (Doubling's 8 bytes), not one it only reads (the table of 64 KiB: its copy is dropped
+// after the forward), not a BatchNorm's statistics, nor those of a NormStatisticsHolder.
+struct TableImpl : torch::nn::Module {
+  TableImpl() { table = register_buffer("table", at::ones({8192}, f64())); }
+  at::Tensor forward(const at::Tensor& x) { return x * table.slice(0, 0, 4); }
+  at::Tensor table;
+};
+TORCH_MODULE(Table);
+struct HeldStatisticsImpl : torch::nn::Module, NormStatisticsHolder {
+  HeldStatisticsImpl() { count = register_buffer("count", at::zeros({1024}, f64())); }
+  at::Tensor forward(const at::Tensor& x) {
+    {
+      at::NoGradGuard no_grad;
+      count.add_(1);
+    }
+    return x.tanh();
+  }
+  at::Tensor count;
+};
+TORCH_MODULE(HeldStatistics);
+
+TEST(CheckpointMemory, OnlyTheBuffersTheForwardChangedAreCopiedUntilBackward) {
+  ASSERT_TRUE(LiveBytes::available());
+  torch::nn::Sequential s(Table(), torch::nn::BatchNorm1d(4), HeldStatistics(), Doubling());
+  s->to(at::kDouble);
+  const at::Tensor x = leaf({3, 4});
+  LiveBytes live;
+  const at::Tensor y = checkpoint(s, x);
+  EXPECT_EQ(live.live(), 3 * 4 * 8 + 8) << "the output and Doubling's scale at the start";
+  y.sum().backward();
+}
+
 // ---- other properties ----------------------------------------------------------------
 
 TEST(Checkpoint, IsRecomputingOnlyDuringTheRecompute) {

@@ -348,8 +348,10 @@ class LeanLayer : public torch::nn::Module {
 
 // A torch::nn::BatchNorm{1,2,3}d with memlean::lean_batch_norm's backward in training where it
 // applies (else, and in eval mode, the layer's own forward).
+// (Its running statistics are a BatchNorm's: a checkpointed run holding it does not copy them
+// for the recompute, NormStatisticsHolder.)
 template <typename BatchNorm>
-class LeanBatchNormImpl : public LeanLayer<BatchNorm> {
+class LeanBatchNormImpl : public LeanLayer<BatchNorm>, public NormStatisticsHolder {
  public:
   explicit LeanBatchNormImpl(std::shared_ptr<BatchNorm> bn)
       : LeanLayer<BatchNorm>(std::move(bn), "memlean::fit::LeanBatchNorm") {}

@@ -137,8 +137,8 @@ struct Segment {
 
 // Of `buffers` (module's), those a checkpoint of `module` rewinds for the recompute
 // (Segment::rewound): all but the statistics of its torch::nn BatchNorm{1,2,3}d and
-// InstanceNorm{1,2,3}d and memlean::BatchNorm2d layers, which their training forward updates
-// without reading.
+// InstanceNorm{1,2,3}d and memlean::BatchNorm2d layers and of NormStatisticsHolder modules,
+// which their training forward updates without reading.
 std::vector<at::Tensor> rewound_buffers(const torch::nn::Module& module,
                                         const std::vector<at::Tensor>& buffers);
 
