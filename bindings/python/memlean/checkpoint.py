@@ -165,11 +165,11 @@ class _BuffersSeen:
         self.calls = _ModuleCallsSeen(self._copy)
 
     def _copy(self, module):
-        if isinstance(module, torch.nn.modules.batchnorm._NormBase):
+        if _holds_statistics(module):
             return
         for b in module._buffers.values():
             if (isinstance(b, torch.Tensor) and id(b) not in self.copies
-                    and not torch.nn.parameter.is_lazy(b) and not b.is_inference()):
+                    and not torch.nn.parameter.is_lazy(b) and _can_change(b)):
                 self.copies[id(b)] = (b, b.detach().clone(), b._version)
 
     def changed(self):
@@ -252,11 +252,22 @@ def rewound_buffers(modules, buffers) -> List[torch.Tensor]:
     BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm1d/2d/3d, subclasses such as timm's
     BatchNormAct2d and memlean.BatchNorm2d), which their training forward updates without
     reading them."""
-    statistics = {id(b) for m in modules for sub in m.modules()
-                  if isinstance(sub, torch.nn.modules.batchnorm._NormBase)
+    statistics = {id(b) for m in modules for sub in m.modules() if _holds_statistics(sub)
                   for b in sub._buffers.values() if b is not None}
-    # (An inference tensor cannot change outside inference_mode, and has no version counter.)
-    return [b for b in buffers if id(b) not in statistics and not b.is_inference()]
+    return [b for b in buffers if id(b) not in statistics and _can_change(b)]
+
+
+def _holds_statistics(module) -> bool:
+    """Whether `module`'s buffers are statistics its training forward updates without
+    reading (torch's _NormBase: BatchNorm, SyncBatchNorm, InstanceNorm, their subclasses):
+    a checkpoint does not rewind them (rewound_buffers, _BuffersSeen)."""
+    return isinstance(module, torch.nn.modules.batchnorm._NormBase)
+
+
+def _can_change(buffer) -> bool:
+    """False for an inference tensor: it cannot change outside inference_mode, and has no
+    version counter to tell."""
+    return not buffer.is_inference()
 
 
 # ---- checks ------------------------------------------------------------------------------
