@@ -31,6 +31,7 @@ class Op(nn.Module):
         return torch.ops.memlean.swish(x, self.beta)
 
 BREAKS = ("before", "after", "none")
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 class Block(nn.Module):
@@ -76,48 +77,52 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("graph_break", BREAKS)
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("variant,path", [(v, "module") for v in memlean.VARIANTS] +
                          [("memory_efficient", "op"), ("inplace", "op")])
-def test_compiled_gradients_equal_eager(variant, path, backend, dynamic, graph_break):
+def test_compiled_gradients_equal_eager(variant, path, backend, dynamic, graph_break, device):
     torch.manual_seed(0)
     act = memlean.Swish(beta=1.3, variant=variant) if path == "module" else Op(1.3, variant)
-    model = Block(act, graph_break)
+    model = Block(act, graph_break).to(device)
     compiled = torch.compile(model, backend=backend, dynamic=dynamic)
     # Two batch sizes: the second reuses (dynamic) or recompiles (static) the graphs.
     for batch in (8, 5):
-        x = torch.randn(batch, 16)
+        x = torch.randn(batch, 16, device=device)
         assert_same_step(step(compiled, model, x), step(model, model, x))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("variant", memlean.VARIANTS)
-def test_compiled_function_on_non_leaf_graph_input(variant, backend):
+def test_compiled_function_on_non_leaf_graph_input(variant, backend, device):
     fn = torch.compile(lambda t: memlean.swish(t, 1.3, variant), backend=backend)
-    x0 = torch.randn(64, dtype=torch.float32) * 3
+    x0 = torch.randn(64, dtype=torch.float32, device=device) * 3
     grads = []
     for f in (lambda t: memlean.swish(t, 1.3, variant), fn):
         leaf = x0.clone().requires_grad_(True)
         y = f(leaf * 1)  # a non-leaf graph input, overwritten by the in-place variant
-        (y * torch.arange(64.0)).sum().backward()
+        (y * torch.arange(64.0, device=device)).sum().backward()
         grads.append(leaf.grad)
     x64 = x0.double().requires_grad_(True)
-    ((x64 * torch.sigmoid(1.3 * x64)) * torch.arange(64.0, dtype=torch.float64)).sum().backward()
+    ((x64 * torch.sigmoid(1.3 * x64))
+     * torch.arange(64.0, dtype=torch.float64, device=device)).sum().backward()
     torch.testing.assert_close(grads[1], grads[0])
     torch.testing.assert_close(grads[1].double(), x64.grad, rtol=1e-4, atol=1e-2)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_swish_op_on_graph_input_directly(backend):
+def test_compiled_swish_op_on_graph_input_directly(backend, device):
     """torch.ops.memlean.swish_ itself, not only through memlean.Swish."""
 
     def f(t):
         torch.ops.memlean.swish_(t, 0.8)
         return t * 2
 
-    x0 = torch.randn(32)
+    x0 = torch.randn(32, device=device)
     grads = []
     for g in (f, torch.compile(f, backend=backend)):
         leaf = x0.clone().requires_grad_(True)

@@ -733,11 +733,16 @@ class FitTest(unittest.TestCase):
         model.head.train()
         before = snapshot(model, opt)
         flags = [m.training for m in model.modules()]
+        momenta = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
         least, eager = self.least_and_eager(model, x, loss_fn, opt)
         plan = memlean.fit(model, x, (least + eager) // 2, loss_fn=loss_fn, optimizer=opt)
         self.assertTrue(any(a.action == "checkpoint" for a in plan.actions), str(plan))
         assert_same_state(self, before, snapshot(model, opt))
         self.assertEqual(flags, [m.training for m in model.modules()])
+        # The optimizer's own state tensors, put back in place: a reference the caller holds
+        # stays valid (and on CUDA, so do their allocator blocks, which the budget counts).
+        for p, m in zip(model.parameters(), momenta):
+            self.assertIs(opt.state[p]["momentum_buffer"], m)
 
     def test_a_fresh_optimizer_is_measured_with_the_state_a_real_first_step_gives(self):
         # fit gives a stateless optimizer its state by a step on zero gradients, except where
@@ -1234,6 +1239,134 @@ class FitTest(unittest.TestCase):
         self.assertEqual(breaks[True], breaks[False])
         plan.undo()
         torch._dynamo.reset()
+
+
+def cuda_step(model, x, loss_fn, opt, region=contextlib.nullcontext):
+    """One training step on CUDA, measured with torch's own counters (not memstats): (bytes
+    allocated when it starts, the most allocated during it). The whole step runs inside
+    region() (an autocast region), as fit measured it."""
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with region():
+        out = model(x)
+        loss = loss_fn(out)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del out, loss
+    torch.clear_autocast_cache()
+    torch.cuda.synchronize()
+    return before, torch.cuda.max_memory_allocated()
+
+
+def squared_mean(out):
+    return out.float().square().mean()
+
+
+@unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA GPU")
+class FitCudaTest(unittest.TestCase):
+    """On CUDA the budget counts what torch.cuda.max_memory_allocated counts, checked here with
+    torch's counters: the model's resident bytes as the allocator rounds them, and every
+    step's peak above what lived before the model (cuBLAS's workspaces) at or under the
+    budget. (The losses read no labels: nothing but the step lives on the device.)"""
+
+    def setUp(self):
+        torch.manual_seed(0)
+
+    def on_cuda(self, make, region):
+        """(bytes the process keeps on the device once steps of this kind have run: cuBLAS
+        workspaces, made by a throwaway twin's steps), then make()'s model, batch, loss and
+        optimizer. cuBLAS keeps a workspace per thread: the autograd engine's device thread
+        gets its own cuBLASLt one (1 MiB on an H100) the first time a checkpoint recomputes a
+        linear layer there, so the twin's second step recomputes the whole model."""
+        model, x, loss_fn, opt = make()
+        cuda_step(model, x, loss_fn, opt, region)
+        with region():
+            loss_fn(memlean.checkpoint(model, x)).backward()
+        del model, x, opt
+        gc.collect()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.manual_seed(0)
+        return (base,) + make()
+
+    def check_cuda_budgets(self, make, region=contextlib.nullcontext, count=5):
+        base, model, x, loss_fn, opt = self.on_cuda(make, region)
+        with self.assertRaises(memlean.FitError) as caught, region():
+            memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
+        least = caught.exception.least_peak_bytes
+        with region():
+            eager = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt).eager_peak_bytes
+        self.assertLess(least, eager)
+        previous = None
+        for i in range(count):
+            budget = eager - (eager - least) * i // (count - 1)
+            with region():
+                plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
+            self.assertEqual(plan.device, "cuda:0")
+            if not opt.state:
+                cuda_step(model, x, loss_fn, opt, region)
+            before, peak = cuda_step(model, x, loss_fn, opt, region)
+            # Parameters, buffers, momentum and batch, as the allocator counts them.
+            self.assertEqual(before - base, plan.fixed_bytes, str(plan))
+            self.assertLessEqual(peak - base, budget, f"budget {budget}: {plan}")
+            self.assertLessEqual(abs(peak - base - plan.peak_bytes),
+                                 max(plan.peak_bytes // 50, 1 << 20), str(plan))
+            if previous is not None:
+                self.assertLessEqual(plan.peak_bytes, previous, "the peak rose as the budget fell")
+            previous = plan.peak_bytes
+            print(f"cuda budget {budget}: fit measured {plan.peak_bytes}, torch "
+                  f"{peak - base} (+{peak - base - plan.peak_bytes}), predicted "
+                  f"{plan.predicted_peak_bytes}, {len(plan.actions)} actions", flush=True)
+            plan.undo()
+        return least, eager
+
+    @staticmethod
+    def conv():
+        model = ConvNet(w=32).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        return model, torch.randn(32, 3, 32, 32, device="cuda"), squared_mean, opt
+
+    @staticmethod
+    def gpt():
+        model = GPT(d=64).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return model, torch.randint(0, 50, (8, 128), device="cuda"), squared_mean, opt
+
+    def test_budget_is_a_promise_on_cuda_conv(self):
+        least, eager = self.check_cuda_budgets(self.conv)
+        self.assertLess(least, 0.75 * eager)
+
+    def test_budget_is_a_promise_on_cuda_conv_channels_last_bf16_autocast(self):
+        def make():
+            model, x, loss_fn, opt = self.conv()
+            return (model.to(memory_format=torch.channels_last),
+                    x.to(memory_format=torch.channels_last), loss_fn, opt)
+
+        self.check_cuda_budgets(make, lambda: torch.autocast("cuda", torch.bfloat16))
+
+    def test_budget_is_a_promise_on_cuda_transformer(self):
+        least, eager = self.check_cuda_budgets(self.gpt)
+        self.assertLess(least, 0.9 * eager)
+
+    def test_fitted_training_on_cuda_equals_eager_training(self):
+        # Dropout masks (the CUDA generator) and BatchNorm statistics included.
+        model, x, _, opt = self.conv()
+        y = torch.randint(0, 10, (32,), device="cuda")
+        loss_fn = cross_entropy_of(y)
+        twin = copy.deepcopy(model)
+        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+        with self.assertRaises(memlean.FitError) as caught:
+            memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
+        plan = memlean.fit(model, x, caught.exception.least_peak_bytes, loss_fn=loss_fn,
+                           optimizer=opt)
+        self.assertTrue(any(a.action == "checkpoint" for a in plan.actions), str(plan))
+        # (TF32 convolutions: both models run the same algorithms on the same shapes.)
+        train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol=1e-3, atol=1e-4)
 
 
 class _IntOutput(nn.Module):
