@@ -385,6 +385,9 @@ class _Call:
     parent: object = None  # the _Call it runs inside (None: the outermost)
     input_id: int = 0  # id() of its argument when that is one tensor, positional; else 0
     output_id: int = 0  # id() of its output when that is one tensor; else 0
+    # (id, nbytes) of the buffers of its tree that a checkpoint would rewind and that its
+    # forward changed: a checkpoint of it keeps a copy of each until its backward.
+    changed_buffers: tuple = ()
 
     @property
     def input_key(self):
@@ -473,7 +476,9 @@ class _Recorder:
                      inputs=tuple(map(self.identities.key, tensors)),
                      parent=self.stack[-1][0] if self.stack else None,
                      input_id=id(args[0]) if single else 0)
-        self.stack.append((call, [t._version for t in tensors]))
+        rewound = rewound_buffers([module], _module_buffers(module))
+        self.stack.append((call, [t._version for t in tensors],
+                           [(b, b._version) for b in rewound]))
         if self.cuda:
             torch.cuda.synchronize()
         call.seconds = time.perf_counter()
@@ -482,7 +487,9 @@ class _Recorder:
         if self.cuda:
             torch.cuda.synchronize()
         now = time.perf_counter()
-        call, versions = self.stack.pop()
+        call, versions, buffer_versions = self.stack.pop()
+        call.changed_buffers = tuple((id(b), b.numel() * b.element_size())
+                                     for b, v in buffer_versions if b._version != v)
         call.seconds = now - call.seconds
         call.end = self.atom + 1
         call.seq_end = self._seq() + 1
@@ -1328,9 +1335,13 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset()):
         first, last = rec.calls[run[0]], rec.calls[run[-1]]
         candidate = _Run((rec.calls[k].module for k in run), first.parent.module)
         candidate.where = candidate.path(paths)
+        changed = {}
+        for k in run:
+            changed.update(rec.calls[k].changed_buffers)
         run_calls.append(_Call(candidate, first.begin, last.end,
                                seconds=sum(rec.calls[k].seconds for k in run),
-                               inputs=first.inputs, outputs=last.outputs))
+                               inputs=first.inputs, outputs=last.outputs,
+                               changed_buffers=tuple(changed.items())))
     for c in sorted(rec.calls + run_calls, key=lambda c: (c.begin, -c.end)):
         if (c.module is root or counts.get(id(c.module), 1) != 1 or c.mutates_input
                 or not c.outputs or id(c.module) in exclude):
@@ -1364,6 +1375,13 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset()):
         extra = sum(n for key, n in dict(c.outputs).items()
                     if key is not None and not c.begin <= rec.saved.get(key, -1) < c.end)
         extra += sum(b.numel() * b.element_size() for b in _buffers_of(c.module))
+        # The copies of the buffers its forward changed (a spectral norm's vectors, an
+        # observer's statistics), kept from its forward to the end of its backward so that
+        # the recompute begins where the forward did: kept, and held as its unsaved inputs
+        # are, through the recompute and the backward through it.
+        rewind = sum(dict(c.changed_buffers).values())
+        kept += rewind
+        held += rewind
         candidates.append((c.begin, c.end, max(0, span - kept), extra, held))
         calls.append(c)
     candidates = [(b, e, freed, s, extra, held)

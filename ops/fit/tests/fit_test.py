@@ -103,6 +103,21 @@ class GPT(nn.Module):
         return self.head(self.ln(h))
 
 
+class Observed(nn.Module):
+    """A layer whose forward reads a buffer it updates (a QAT observer's running scale): a
+    checkpoint of it keeps the buffer's value from the forward's start until its backward."""
+
+    def __init__(self, d, n):
+        super().__init__()
+        self.lin, self.act = nn.Linear(d, d), nn.SiLU()
+        self.register_buffer("scale", torch.ones(n))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.scale.mul_(1.001)
+        return self.act(self.lin(x)) * self.scale[0]
+
+
 class MBConv(nn.Module):
     """An inverted residual block (EfficientNet's): its wide middle makes backward's own
     working memory (activation gradients, temporaries) a large part of a checkpointed step's
@@ -614,6 +629,41 @@ class FitTest(unittest.TestCase):
             self.assertLessEqual(prediction, measured + measured // 50, chosen)
             random_runs += sum(is_run[i] for i in chosen)
         self.assertGreater(random_runs, 0)
+        saved.restore()
+
+    def test_the_buffer_copies_checkpoints_keep_are_predicted(self):
+        # A checkpointed module whose forward changes a buffer it reads keeps a copy of it
+        # until its backward (its recompute begins from it): the planner counts the copy as
+        # kept, and held through the recompute and the backward, so the first blocks'
+        # checkpoints are predicted to within a few bytes (without it, each measured the
+        # copy, 256 KiB, above its prediction). The last two blocks' are predicted about
+        # 0.5 MiB low, with or without the buffer update: a gap of the planner's model on this
+        # toy (within the issue's max(2 %, 1 MiB)), not of the copies.
+        from memlean import _C, fitting
+
+        model = nn.Sequential(*[Observed(256, 1 << 16) for _ in range(4)], nn.Linear(256, 10))
+        x = torch.randn(512, 256)
+        loss_fn = cross_entropy_of(torch.randint(0, 10, (512,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        inputs, loss_fn, device = fitting._check(model, x, loss_fn, opt)
+        saved = fitting._Saved(model, opt, device)
+        step = fitting._Step(model, inputs, loss_fn, opt, device)
+        step.run()
+        current = step.run(record=True, dataflow=True)
+        problem = fitting._problem(current, model)
+        blocks = [i for i, c in enumerate(problem.calls) if isinstance(c.module, Observed)]
+        self.assertEqual(len(blocks), 4)
+        for i in blocks:
+            self.assertEqual(list(dict(problem.calls[i].changed_buffers).values()), [1 << 18])
+        self.assertEqual([c.changed_buffers for c in problem.calls
+                          if not isinstance(c.module, Observed)], [()] * (len(problem.calls) - 4))
+        for chosen in [blocks[:1], blocks[1:2], blocks[:2], blocks[2:3], blocks[3:], blocks]:
+            measured = fitting._measure_plan(step, problem.calls, tuple(chosen))
+            predicted = _C.fit.predicted_peak(problem.base, problem.atoms, problem.candidates,
+                                              list(chosen),
+                                              atom_backward_extra_bytes=problem.backward_extras)
+            bound = 64 if chosen[-1] in blocks[:2] else max(measured // 50, 1 << 20)
+            self.assertLessEqual(abs(predicted - measured), bound, (chosen, predicted, measured))
         saved.restore()
 
     def test_runs_of_sibling_modules(self):
