@@ -857,6 +857,15 @@ def _wrap(module, traced=False):
     return wrap_forward(module, forward, lambda twin, memo: _wrap(twin, traced))
 
 
+def _traced(call: _Call, traced: bool) -> bool:
+    """Whether a plan for compiled steps (traced) traces this checkpoint into the graph: not
+    where the module's forward changed a buffer a checkpoint rewinds (one it reads: a spectral
+    norm's vectors, an observer's statistics). Traced, torch's checkpoint recomputes from the
+    updated buffer (gradients silently off; pytorch's compiled checkpoint as its eager one):
+    such a module runs under memlean.checkpoint between graphs instead, which rewinds."""
+    return traced and not call.changed_buffers
+
+
 def _traced_checkpoint(module, original, args, kwargs):
     """`original(*args, **kwargs)` checkpointed while dynamo traces it: torch's non-reentrant
     checkpoint, which dynamo makes one region of the compiled graph that the compiler
@@ -864,17 +873,28 @@ def _traced_checkpoint(module, original, args, kwargs):
     updated once: the graph's buffer mutations run once, in the forward). Where dynamo cannot
     trace the region (a graph break inside the module), torch's checkpoint runs eagerly
     instead, and its recompute would update a BatchNorm a second time (pytorch#96136): there
-    the module's buffers are put back after the recompute, as memlean.checkpoint does."""
+    the module's buffers are put back after the recompute, as memlean.checkpoint does, and
+    the recompute begins from the buffers the forward began from (those it changed and
+    reads: rewound_buffers, copied before the eager forward)."""
     buffers = _module_buffers(module)
+    starts = []  # (buffer, its value before the eager forward) of those that forward changed
 
     def region(*inputs):
         # is_compiling() first: while dynamo traces, the rest is not evaluated.
-        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
-            kept = [(b, b.detach().clone()) for b in buffers]  # eager, recomputing
-            try:
-                return original(*inputs, **kwargs)
-            finally:
-                put_back(kept)
+        if not torch.compiler.is_compiling():
+            if torch._C._current_graph_task_id() != -1:  # eager, recomputing
+                kept = [(b, b.detach().clone()) for b in buffers]
+                put_back(starts)  # (no version bump, as put_back puts the values back after)
+                try:
+                    return original(*inputs, **kwargs)
+                finally:
+                    put_back(kept)
+            # eager, the forward
+            copies = [(b, b.detach().clone(), b._version)
+                      for b in rewound_buffers([module], buffers)]
+            out = original(*inputs, **kwargs)
+            starts[:] = [(b, start) for b, start, v in copies if b._version != v]
+            return out
         return original(*inputs, **kwargs)
 
     return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False)
@@ -1665,7 +1685,8 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 return None, least
             actions.extend(taken)
             traced = compiled and tuple(chosen) not in untraced
-            undo_steps.extend(_wrap(problem.calls[i].module, traced=traced) for i in chosen)
+            undo_steps.extend(_wrap(problem.calls[i].module,
+                                    traced=_traced(problem.calls[i], traced)) for i in chosen)
             actions.extend(_checkpoint_actions(problem.calls, problem.candidates, chosen,
                                                paths))
             return done(peak, max(predicted, current.optimizer_peak), eager_only + sum(
@@ -1922,7 +1943,7 @@ def _measure_plan(step: _Step, calls, chosen, compile_options=None, untraced=Non
     graph, measured again with them run eagerly between graphs, and the plan (tuple(chosen))
     added to the set `untraced`."""
     traced = compile_options is not None and tuple(chosen) not in (untraced or ())
-    wraps = [_wrap(calls[i].module, traced=traced) for i in chosen]
+    wraps = [_wrap(calls[i].module, traced=_traced(calls[i], traced)) for i in chosen]
     try:
         if compile_options is None:
             return step.run().peak

@@ -210,6 +210,59 @@ class FitForCompileTest(unittest.TestCase):
                 undo()
         torch._dynamo.reset()
 
+    def test_the_recompute_begins_from_the_buffers_the_forward_began_from(self):
+        # A module that reads a buffer it updates (a spectral norm's, an observer's): traced
+        # into the graph, torch's checkpoint would recompute from the updated buffer, so a
+        # plan for compiled steps runs its checkpoint between graphs (memlean.checkpoint,
+        # which rewinds: fit's recorded step says the forward changed the buffer); where it
+        # is traced anyway and dynamo falls back to running torch's checkpoint eagerly (a
+        # graph break inside), the fallback rewinds. Either way the gradients equal the
+        # unfitted model's and the buffer is updated once.
+        class Doubling(nn.Module):
+            def __init__(self, graph_break):
+                super().__init__()
+                self.lin = nn.Linear(8, 8)
+                self.register_buffer("scale", torch.ones(()))
+                self.graph_break = graph_break
+
+            def forward(self, x):
+                y = self.lin(x) * self.scale.clone()
+                if self.graph_break:
+                    torch._dynamo.graph_break()
+                with torch.no_grad():
+                    self.scale.mul_(2)
+                return torch.tanh(y)
+
+        for backend in ("aot_eager", "inductor"):
+            for graph_break in (False, True):
+                torch._dynamo.reset()
+                counters.clear()
+                torch.manual_seed(0)
+                model = nn.Sequential(Doubling(graph_break), nn.Linear(8, 2)).double()
+                plain = copy.deepcopy(model)
+                x = torch.randn(16, 8, dtype=torch.double)
+                if graph_break:
+                    traced = True  # (the eager fallback)
+                else:
+                    step = fitting._Step(model, (x,), lambda out: out.sum(), None,
+                                         torch.device("cpu"))
+                    calls = step.run(record=True).recorder.calls
+                    model[0].scale.fill_(1)
+                    call = next(c for c in calls if c.module is model[0])
+                    self.assertEqual(len(call.changed_buffers), 1)
+                    traced = fitting._traced(call, True)
+                    self.assertFalse(traced)
+                undo = fitting._wrap(model[0], traced=traced)
+                torch.compile(model, backend=backend)(x).sum().backward()
+                plain(x).sum().backward()
+                what = f"{backend}, graph break {graph_break}"
+                self.assertGreater(sum(counters["graph_break"].values()), 0, what)
+                self.assertEqual(model[0].scale.item(), 2.0, what)
+                _same(self, [p.grad for p in model.parameters()],
+                      [p.grad for p in plain.parameters()], what, 1e-10, 1e-12)
+                undo()
+        torch._dynamo.reset()
+
     def test_dropout_in_a_traced_checkpoint_drops_the_same_units_in_backward(self):
         # out = dropout(lin(x)) * 1: the bias's gradient of out.sum() counts, per unit, the
         # rows the forward kept (times 2): the recompute's mask is the forward's.
