@@ -719,7 +719,6 @@ class _Saved:
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
 
-
     def _restore_optimizer(self):
         """The optimizer's state put back into its own tensors where fit's steps left the same
         tensors (as every step after the first does): the caller's references to them stay
@@ -734,7 +733,7 @@ class _Saved:
         params = {i: p for i, p in order.values()}
 
         def same(i, entries):
-            live = opt.state.get(params.get(i)) if i in params else None
+            live = opt.state.get(params[i]) if i in params else None
             return live is not None and live.keys() == entries.keys() and all(
                 not isinstance(v, torch.Tensor) or (isinstance(live[k], torch.Tensor)
                                                     and live[k].shape == v.shape
