@@ -1,6 +1,7 @@
 // memlean::fit budgets: parsing and printing byte counts.
 #include "ops/fit/budget.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -70,6 +71,10 @@ int64_t check_budget(int64_t bytes, const std::string& argument) {
     throw std::invalid_argument(argument + " must be > 0 bytes, got " + std::to_string(bytes));
   }
   return bytes;
+}
+
+int64_t cuda_margin(int64_t budget_bytes) {
+  return std::max<int64_t>(int64_t{2} << 20, budget_bytes / 400);
 }
 
 std::string describe_bytes(int64_t bytes) {

@@ -62,6 +62,32 @@ int64_t storage_bytes(const at::Tensor& t) {
   return static_cast<int64_t>(t.nbytes());
 }
 
+// The tensors whose storages hold t: a sparse tensor's indices and values (it has no storage
+// of its own; e.g. SGD's momentum for a sparse gradient), else t.
+void add_storage_parts(std::vector<at::Tensor>& parts, const at::Tensor& t) {
+  if (!t.defined()) return;
+  switch (t.layout()) {
+    case c10::kSparse:
+      parts.push_back(t._indices());
+      parts.push_back(t._values());
+      return;
+    case c10::kSparseCsr:
+    case c10::kSparseBsr:
+      parts.push_back(t.crow_indices());
+      parts.push_back(t.col_indices());
+      parts.push_back(t.values());
+      return;
+    case c10::kSparseCsc:
+    case c10::kSparseBsc:
+      parts.push_back(t.ccol_indices());
+      parts.push_back(t.row_indices());
+      parts.push_back(t.values());
+      return;
+    default:
+      parts.push_back(t);
+  }
+}
+
 // The default generators of the CPU and of `device`, saved and put back.
 class RngSnapshot {
  public:
@@ -188,24 +214,19 @@ struct Step {
     return memstats::optimizer_state_tensors(*optimizer);
   }
 
-  // The unique storages on the device of the parameters, buffers, optimizer state and input.
+  // The unique storages on the device of the parameters, buffers, optimizer state and input,
+  // as memstats counts them (on CUDA, the allocator's blocks).
   int64_t fixed_bytes() const {
-    std::unordered_set<const void*> seen;
-    int64_t total = 0;
-    auto add = [&](const at::Tensor& t) {
-      if (!t.defined() || t.device() != device) return;
-      const void* key = t.has_storage() ? static_cast<const void*>(t.storage().unsafeGetStorageImpl())
-                                        : static_cast<const void*>(t.unsafeGetTensorImpl());
-      if (seen.insert(key).second) total += storage_bytes(t);
-    };
-    for (const auto& p : params) add(p);
+    std::vector<at::Tensor> resident;
+    for (const auto& p : params) add_storage_parts(resident, p);
     if (keep_grads) {
-      for (const auto& p : params) add(p.grad());
+      for (const auto& p : params) add_storage_parts(resident, p.grad());
     }
-    for (const auto& b : buffers) add(b);
-    for (const auto& s : state_tensors()) add(s);
-    add(input);
-    return total + std::max<int64_t>(unknown_state_bytes, 0);
+    for (const auto& b : buffers) add_storage_parts(resident, b);
+    for (const auto& s : state_tensors()) add_storage_parts(resident, s);
+    add_storage_parts(resident, input);
+    return memstats::allocated_bytes_of(resident, device) +
+           std::max<int64_t>(unknown_state_bytes, 0);
   }
 
   at::Tensor loss_of(const at::Tensor& output) const {
@@ -507,7 +528,12 @@ std::string FitPlan::str() const {
       out << line;
     }
   }
-  out << "  budget     " << describe_bytes(budget_bytes) << "\n"
+  out << "  budget     " << describe_bytes(budget_bytes);
+  if (margin_bytes > 0) {
+    out << "  planned " << describe_bytes(margin_bytes)
+        << " below it (CUDA: the allocator's blocks vary from step to step)";
+  }
+  out << "\n"
       << "  peak       " << describe_bytes(peak_bytes) << "  measured, one step under the plan\n"
       << "  predicted  " << describe_bytes(predicted_peak_bytes) << "\n"
       << "  eager      " << describe_bytes(eager_peak_bytes) << "  measured, before any change\n"
@@ -529,6 +555,7 @@ std::string FitPlan::to_json() const {
   out << "{\"budget_bytes\": " << budget_bytes << ", \"peak_bytes\": " << peak_bytes
       << ", \"predicted_peak_bytes\": " << predicted_peak_bytes << ", \"fixed_bytes\": "
       << fixed_bytes << ", \"eager_peak_bytes\": " << eager_peak_bytes
+      << ", \"margin_bytes\": " << margin_bytes
       << ", \"recompute_seconds\": " << memstats::json_number(seconds) << ", \"checkpointed\": [";
   for (size_t i = 0; i < checkpointed.size(); ++i) {
     out << (i ? ", " : "") << "[" << checkpointed[i].first << ", " << checkpointed[i].second << "]";
@@ -623,11 +650,16 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     }
   }
 
+  // On CUDA every decision is made against the budget less a margin (cuda_margin): fit's
+  // measured step is one history of the caching allocator, the caller's steps are others.
+  const int64_t margin = device.is_cpu() ? 0 : cuda_margin(budget_bytes);
+  const int64_t planned = budget_bytes - margin;
   FitPlan result;
   result.budget_bytes = budget_bytes;
+  result.margin_bytes = margin;
   result.eager_peak_bytes = step.measure(eager);
   result.fixed_bytes = step.fixed_bytes();
-  if (result.eager_peak_bytes <= budget_bytes) {
+  if (result.eager_peak_bytes <= planned) {
     result.peak_bytes = result.predicted_peak_bytes = result.eager_peak_bytes;
     FitPlanAccess::set_runner(result, model);
     snapshot.restore();
@@ -718,7 +750,7 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
       swaps.push_back({path_of(i, i + 1, names), swapped[i],
                        total > 0 ? saving * input_bytes[i] / total : 0, 0.0});
     }
-    if (empty_peak <= budget_bytes) {
+    if (empty_peak <= planned) {
       result.actions = swaps;
       result.peak_bytes = result.predicted_peak_bytes = empty_peak;
       FitPlanAccess::set_runner(result, work);
@@ -790,6 +822,7 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   auto make = [&](const Plan& p) {
     FitPlan f;
     f.budget_bytes = budget_bytes;
+    f.margin_bytes = margin;
     f.eager_peak_bytes = result.eager_peak_bytes;
     f.fixed_bytes = result.fixed_bytes;
     f.predicted_peak_bytes = p.predicted_peak_bytes;
@@ -808,7 +841,7 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   SearchOptions search_options;
   search_options.resolution = options.resolution;
   const SearchResult found = search(
-      problem, budget_bytes, /*floor_bytes=*/0, empty_peak,
+      problem, planned, /*floor_bytes=*/0, empty_peak,
       [&](const Plan& p) {
         const FitPlan f = make(p);
         return step.measure([&f](const at::Tensor& x) { return f.forward(x); });
@@ -821,13 +854,17 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     return f;
   }
 
-  const int64_t best = found.least_measured_peak_bytes;
+  const int64_t measured = found.least_measured_peak_bytes;
+  const int64_t best = measured + (device.is_cpu() ? 0 : 2 * cuda_margin(measured));
   const Plan& least = found.least;
   snapshot.restore();
   std::ostringstream msg;
   msg << "memlean::fit: no choice of checkpoints fits budget_bytes = " << describe_bytes(budget_bytes)
-      << ": the least peak reached is " << describe_bytes(best)
-      << " (measured; the planner's least predicted peak is "
+      << ": the least peak reached is " << describe_bytes(best) << " (measured";
+  if (!device.is_cpu()) {
+    msg << ": " << describe_bytes(measured) << ", plus twice the margin fit keeps on CUDA";
+  }
+  msg << "; the planner's least predicted peak is "
       << describe_bytes(least.predicted_peak_bytes) << ", with " << least.chosen.size()
       << (least.chosen.size() == 1 ? " checkpointed run" : " checkpointed runs") << " of the "
       << n << " layers";

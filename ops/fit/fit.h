@@ -10,7 +10,12 @@
 // gradients set to none) on the model's device, counted as: the bytes of the unique storages
 // of the parameters, buffers, optimizer state and the example input at the start of the step
 // (its gradients undefined), plus the most that memstats sees allocated above its value at the
-// start (exact on the CPU; CUDA: the caching allocator's allocated bytes).
+// start (exact on the CPU; CUDA: the caching allocator's allocated bytes, and the storages are
+// counted as its blocks, memstats::allocated_bytes_of, so the budget is what
+// torch.cuda.max_memory_allocated counts above what else the process holds). On CUDA fit
+// plans against the budget less a margin (cuda_margin, budget.h: which blocks the allocator
+// hands out depends on its history, so a later step may peak a little above fit's own
+// measurement), and a FitError's least peak includes twice that margin.
 //
 // What fit() does: measures the eager step; if it fits, returns the empty plan. Otherwise,
 // cheapest first, the Swish layers, no recompute: each torch::nn::SiLU or memlean::Swish whose
@@ -105,6 +110,8 @@ class FitPlan {
   int64_t fixed_bytes = 0;           // parameters, buffers, optimizer state, example input
                                      // (and gradients, with FitOptions::keep_grads)
   int64_t eager_peak_bytes = 0;      // measured: one step before any change
+  int64_t margin_bytes = 0;          // how far below budget_bytes fit planned: on CUDA
+                                     // cuda_margin(budget_bytes) (budget.h), on the CPU 0
   std::vector<FitAction> actions;    // the swaps, then the checkpoints, each in forward order
   std::vector<std::pair<int64_t, int64_t>> checkpointed;  // [begin, end) runs, in order
 
@@ -113,10 +120,10 @@ class FitPlan {
   // the other layers as usual.
   at::Tensor forward(const at::Tensor& x) const;
   // A table for people: one row per action (what it saves; a checkpoint's recompute time),
-  // then the budget, peak, predicted, eager and fixed lines.
+  // then the budget (with the margin on CUDA), peak, predicted, eager and fixed lines.
   std::string str() const;
   // {"budget_bytes": ..., "peak_bytes": ..., "predicted_peak_bytes": ..., "fixed_bytes": ...,
-  //  "eager_peak_bytes": ..., "recompute_seconds": ..., "checkpointed": [[b, e], ...],
+  //  "eager_peak_bytes": ..., "margin_bytes": ..., "recompute_seconds": ..., "checkpointed": [[b, e], ...],
   //  "actions": [{"path": ..., "action": ..., "bytes_saved": ..., "recompute_seconds": ...}]}
   std::string to_json() const;
 

@@ -6,6 +6,7 @@
 // clear error.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/activation.h>
@@ -20,6 +21,7 @@
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstdio>
 #include <stdexcept>
@@ -28,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "ops/checkpoint/checkpoint.h"
 #include "ops/checkpoint/lean_batchnorm.h"
 #include "ops/checkpoint/lean_conv.h"
 #include "ops/fit/budget.h"
@@ -35,6 +38,7 @@
 #include "ops/swish/module.h"
 #include "runtime/memstats/memstats.h"
 #include "runtime/memstats/nn.h"
+#include "third_party/torch/devices.h"
 
 namespace memlean::fit {
 namespace {
@@ -848,6 +852,123 @@ TEST(Fit, TheTableAndTheJson) {
   const auto [b, e] = plan.checkpointed.front();
   EXPECT_NE(j.find("\"checkpointed\": [[" + std::to_string(b) + ", " + std::to_string(e) + "]"),
             std::string::npos);
+}
+
+// ---- On CUDA: the budget as torch's own counters count it --------------------------------
+
+// torch.cuda.memory_allocated and max_memory_allocated for cuda:0, read from the caching
+// allocator (not memstats), and torch.cuda.reset_peak_memory_stats.
+constexpr size_t kAggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+c10::DeviceAllocator* cuda_allocator() { return c10::getDeviceAllocator(c10::DeviceType::CUDA); }
+int64_t torch_allocated() { return cuda_allocator()->getDeviceStats(0).allocated_bytes[kAggregate].current; }
+int64_t torch_peak() { return cuda_allocator()->getDeviceStats(0).allocated_bytes[kAggregate].peak; }
+
+// Convolutions, BatchNorm and SiLU, then a Linear (cuBLAS), on cuda:0.
+torch::nn::Sequential make_cuda_model() {
+  at::manual_seed(0);
+  namespace nn = torch::nn;
+  nn::Sequential m;
+  int64_t c = 3;
+  for (int64_t w : {32, 32, 64, 64, 64}) {
+    m->push_back(nn::Conv2d(nn::Conv2dOptions(c, w, 3).padding(1).bias(false)));
+    m->push_back(nn::BatchNorm2d(w));
+    m->push_back(nn::SiLU());
+    c = w;
+  }
+  m->push_back(nn::Flatten());
+  m->push_back(nn::Linear(c * 32 * 32, 10));
+  m->to(c10::Device(c10::DeviceType::CUDA, 0));
+  m->train();
+  return m;
+}
+
+struct CudaBench {
+  torch::nn::Sequential model = make_cuda_model();
+  at::Tensor x = at::randn({32, 3, 32, 32}, at::TensorOptions().device(at::kCUDA));
+  torch::optim::SGD sgd{model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9)};
+
+  static at::Tensor loss(const at::Tensor& out) { return out.square().mean(); }
+  FitOptions options() {
+    FitOptions o;
+    o.loss_fn = &CudaBench::loss;
+    o.optimizer = &sgd;
+    return o;
+  }
+  // One training step through `forward`, measured with torch's counters: (bytes allocated when
+  // it starts, the most allocated during it).
+  template <typename Forward>
+  std::pair<int64_t, int64_t> step(Forward&& forward) {
+    sgd.zero_grad();
+    synchronize(c10::Device(c10::DeviceType::CUDA, 0));
+    const int64_t before = torch_allocated();
+    cuda_allocator()->resetPeakStats(0);
+    loss(forward(x)).backward();
+    sgd.step();
+    sgd.zero_grad();
+    synchronize(c10::Device(c10::DeviceType::CUDA, 0));
+    return {before, torch_peak()};
+  }
+};
+
+// Every budget from the least fit reaches to the eager peak is met as
+// torch.cuda.max_memory_allocated counts the caller's later step: the model's resident bytes as
+// the allocator's blocks (fixed_bytes), the peak above what the process held before the model
+// at or under the budget and within max(2 %, 1 MiB) of fit's measurement, fit planning
+// cuda_margin below the budget; the peak never rises as the budget falls.
+TEST(FitCuda, EveryBudgetIsMetAsTorchCountsTheStep) {
+  if (!have_cuda_device()) GTEST_SKIP() << "no GPU";
+  const c10::Device cuda(c10::DeviceType::CUDA, 0);
+  int64_t base = 0;
+  {
+    // What the process keeps once such steps have run (cuBLAS's workspaces, the autograd
+    // device thread's included: a throwaway twin's checkpointed step recomputes the Linear
+    // there).
+    CudaBench twin;
+    twin.step([&](const at::Tensor& x) { return twin.model->forward(x); });
+    CudaBench::loss(memlean::checkpoint(twin.model, twin.x)).backward();
+  }
+  synchronize(cuda);
+  base = torch_allocated();
+  CudaBench s;
+  s.step([&](const at::Tensor& x) { return s.model->forward(x); });  // the optimizer's state
+  int64_t least = 0;
+  try {
+    fit(s.model, s.x, 1, s.options());
+    ADD_FAILURE() << "a budget of 1 byte fitted";
+  } catch (const FitError& e) {
+    least = e.least_peak_bytes;
+    EXPECT_NE(std::string(e.what()).find("margin fit keeps on CUDA"), std::string::npos) << e.what();
+  }
+  const int64_t eager = fit(s.model, s.x, int64_t{1} << 50, s.options()).eager_peak_bytes;
+  ASSERT_LT(least, eager);
+  EXPECT_LT(least, eager * 3 / 4);
+  int64_t previous = -1;
+  constexpr int kCount = 5;
+  for (int i = 0; i < kCount; ++i) {
+    const int64_t budget = eager - (eager - least) * i / (kCount - 1);
+    const FitPlan plan = fit(s.model, s.x, budget, s.options());
+    EXPECT_EQ(plan.margin_bytes, cuda_margin(budget));
+    EXPECT_LE(plan.peak_bytes, budget - plan.margin_bytes) << plan.str();
+    const auto [before, peak] = s.step([&](const at::Tensor& x) { return plan.forward(x); });
+    // Parameters, buffers, momentum and batch, as the allocator counts them.
+    EXPECT_EQ(before - base, plan.fixed_bytes) << plan.str();
+    EXPECT_LE(peak - base, budget) << "budget " << budget << "\n" << plan.str();
+    EXPECT_LE(std::abs(peak - base - plan.peak_bytes), std::max(plan.peak_bytes / 50, kMiB))
+        << plan.str();
+    if (previous >= 0) {
+      EXPECT_LE(plan.peak_bytes, previous) << "the peak rose as the budget fell";
+    }
+    previous = plan.peak_bytes;
+    std::printf("cuda budget %lld: fit measured %lld, torch %lld, predicted %lld, %zu actions\n",
+                static_cast<long long>(budget), static_cast<long long>(plan.peak_bytes),
+                static_cast<long long>(peak - base),
+                static_cast<long long>(plan.predicted_peak_bytes), plan.actions.size());
+    if (i == kCount - 1) {
+      EXPECT_NE(plan.str().find("below it (CUDA"), std::string::npos) << plan.str();
+      EXPECT_NE(plan.to_json().find("\"margin_bytes\": " + std::to_string(plan.margin_bytes)),
+                std::string::npos);
+    }
+  }
 }
 
 }  // namespace

@@ -253,6 +253,27 @@ int64_t memory_reserved(c10::Device device) {
   return device_reserved(device);
 }
 
+int64_t allocated_bytes_of(const std::vector<at::Tensor>& tensors, c10::Device device) {
+  check_device(device);
+  device = canonical(device);
+  std::unordered_set<const void*> seen;
+  std::vector<std::pair<uintptr_t, int64_t>> storages;
+  int64_t total = 0;
+  for (const auto& t : tensors) {
+    if (!t.defined() || !t.has_storage() || canonical(t.device()) != device) continue;
+    const c10::Storage& storage = t.storage();
+    const auto nbytes = static_cast<int64_t>(storage.nbytes());
+    if (nbytes == 0 || !seen.insert(storage.unsafeGetStorageImpl()).second) continue;
+    if (device.is_cpu()) {
+      total += nbytes;
+    } else {
+      storages.emplace_back(reinterpret_cast<uintptr_t>(storage.data()), nbytes);
+    }
+  }
+  if (!storages.empty()) total += detail::cuda_peaks().block_bytes(device.index(), storages);
+  return total;
+}
+
 Tracker::Tracker(const std::string& device) : Tracker(parse_device(device)) {}
 
 Tracker::Tracker(c10::Device device) : impl_(std::make_unique<detail::TrackerState>()) {

@@ -45,6 +45,16 @@ int64_t max_memory_allocated(c10::Device device = c10::kCPU);
 // CPU: the same as memory_allocated (no cache); CUDA: bytes reserved by the caching allocator.
 int64_t memory_reserved(c10::Device device = c10::kCPU);
 
+// What memory_allocated(device) counts for the storages of `tensors` that lie on `device`, each
+// storage once (views and tensors sharing a storage count it once): on the CPU the storages'
+// bytes; on CUDA the caching allocator's block of each (its request rounded up to 512 bytes, or
+// more where a cached block was not split), read from the allocator's snapshot, and a storage
+// the allocator did not make (from_blob) its own bytes. Undefined tensors, tensors on other
+// devices and tensors without a storage (sparse, nested: pass their parts) count nothing.
+// For budgets that hold what stays resident (parameters, optimizer state) to the same count as
+// a step's peak above it.
+int64_t allocated_bytes_of(const std::vector<at::Tensor>& tensors, c10::Device device);
+
 // What one mark() recorded.
 struct Mark {
   std::string name;

@@ -4,6 +4,9 @@
 #include <ATen/Context.h>
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <vector>
+
 #ifdef MEMLEAN_TEST_WITH_TORCH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
 #endif
@@ -76,6 +79,38 @@ TEST(MemstatsCuda, AllocatedBytesPeaksAndCategories) {
   EXPECT_EQ(c.parameters + c.buffers + c.gradients + c.optimizer_state + c.activations + c.other +
                 c.allocator_rounding,
             c.total);
+}
+
+// allocated_bytes_of counts the caching allocator's blocks: what memory_allocated grew by
+// when the tensors were made (their requests rounded up to 512 bytes, and larger where a
+// cached block was not split), each storage once.
+TEST(MemstatsCuda, AllocatedBytesOfCountsTheAllocatorsBlocks) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  const c10::Device dev(c10::DeviceType::CUDA, 0);
+  const auto bytes = at::TensorOptions().device(dev).dtype(at::kByte);
+  // A free cached 3 MiB block between allocated ones: the 2.5 MiB request below may get it
+  // whole (the rest of a large block is not split off when under 1 MiB), a block larger than
+  // the request rounded.
+  at::Tensor first = at::empty({3 << 20}, bytes);
+  at::Tensor fence = at::empty({3 << 19}, bytes);
+  first.reset();
+  const int64_t before = memory_allocated(dev);
+  std::vector<at::Tensor> made = {at::empty({1}, bytes), at::empty({513}, bytes),
+                                  at::empty({(5 << 19) + 1}, bytes), at::empty({4096}, bytes)};
+  const int64_t grown = memory_allocated(dev) - before;
+  EXPECT_GT(grown, 1 + 513 + (5 << 19) + 1 + 4096);
+  std::vector<at::Tensor> with_views = made;
+  with_views.push_back(made[3].view({64, 64}).t());
+  with_views.push_back(made[2].narrow(0, 7, 100));
+  with_views.push_back(at::empty({1000}, at::kFloat));  // on the CPU: not counted here
+  EXPECT_EQ(allocated_bytes_of(with_views, dev), grown);
+  EXPECT_EQ(allocated_bytes_of({made[0]}, dev), 512);
+  EXPECT_EQ(allocated_bytes_of({made[1]}, dev), 1024);
+  EXPECT_GE(allocated_bytes_of({made[2]}, dev), (5 << 19) + 512);
+  std::printf("a request of %d bytes holds a block of %lld\n", (5 << 19) + 1,
+              static_cast<long long>(allocated_bytes_of({made[2]}, dev)));
+  EXPECT_EQ(allocated_bytes_of({made[0]}, c10::Device(c10::DeviceType::CUDA)), 512);
+  EXPECT_EQ(allocated_bytes_of({made[0]}, c10::kCPU), 0);
 }
 
 // torch.cuda.max_memory_allocated() is the allocator's own peak: users read it, so starting,

@@ -66,6 +66,22 @@ TEST(Memstats, ZeroSizeAndViewsAllocateNothing) {
   EXPECT_EQ(t.current() - base, 400);
 }
 
+// What memory_allocated counts for given tensors: each storage once, whatever views of it are
+// passed; nothing for undefined tensors, empty storages or another device's tensors.
+TEST(Memstats, AllocatedBytesOfCountsEachStorageOnce) {
+  Tracker t;
+  const int64_t base = t.current();
+  at::Tensor x = floats(100);
+  at::Tensor y = at::empty({3, 7}, at::kDouble);
+  const std::vector<at::Tensor> tensors = {x, x.view({10, 10}).t(), x.narrow(0, 5, 2), y,
+                                           at::Tensor(), floats(0), y[1]};
+  EXPECT_EQ(allocated_bytes_of(tensors, c10::kCPU), t.current() - base);
+  EXPECT_EQ(allocated_bytes_of(tensors, c10::kCPU), 400 + 168);
+  EXPECT_EQ(allocated_bytes_of({}, c10::kCPU), 0);
+  EXPECT_EQ(allocated_bytes_of({at::Tensor()}, c10::kCPU), 0);
+  EXPECT_EQ(allocated_bytes_of({x.to(at::kMeta)}, c10::kCPU), 0);
+}
+
 TEST(Memstats, FreesOfEarlierStoragesAreNotCounted) {
   enable();
   Tracker t;

@@ -335,35 +335,16 @@ def _key(t: torch.Tensor):
 
 
 def _cuda_allocated_bytes(tensors, device: torch.device) -> int:
-    """What torch.cuda.memory_allocated counts for the storages of `tensors` on `device`: the
-    caching allocator's block of each (its request rounded up to 512 bytes, or more where a
-    cached block was not split), read from the allocator's snapshot. A storage the allocator
-    did not make (from_blob, another allocator) counts its own bytes. On CUDA the step's
-    figures above its start come from the same counter (memstats' CUDA tracker), so the
-    resident bytes must be counted as it counts them, or the budget would be short of what
-    torch.cuda.max_memory_allocated reports by the rounding of every parameter, gradient and
-    optimizer state tensor."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    wanted = {}
-    for t in tensors:
-        if t.device.type != "cuda" or t.device.index not in (None, index):
-            continue
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # no storage (nested, fake)
-            continue
-        if storage.nbytes():
-            wanted[storage.data_ptr()] = storage.nbytes()
-    blocks = {}
-    for segment in torch.cuda.memory_snapshot():
-        if segment.get("device") != index:
-            continue
-        address = segment["address"]
-        for block in segment["blocks"]:
-            if block["state"] == "active_allocated":
-                blocks[block.get("address", address)] = block["size"]
-            address += block["size"]
-    return sum(blocks.get(ptr, nbytes) for ptr, nbytes in wanted.items())
+    """What torch.cuda.memory_allocated counts for the storages of `tensors` on `device`, each
+    once: the caching allocator's block of each (its request rounded up to 512 bytes, or more
+    where a cached block was not split; memstats.allocated_bytes_of, which memlean::fit uses
+    too). On CUDA the step's figures above its start come from the same counter (memstats' CUDA
+    tracker), so the resident bytes must be counted as it counts them, or the budget would be
+    short of what torch.cuda.max_memory_allocated reports by the rounding of every parameter,
+    gradient and optimizer state tensor."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _C.memstats.allocated_bytes_of(list(tensors), str(device))
 
 
 # ---- one measured step ---------------------------------------------------------------------
@@ -1796,14 +1777,9 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
 
 
 def _cuda_margin(budget: int) -> int:
-    """How far below the budget fit keeps a CUDA step: max(2 MiB, 0.25 %). The caching
-    allocator counts each allocation as the block it hands out, and which block that is
-    depends on what its cache holds, i.e. on every step before: the same step of the same
-    plan peaks a little differently in fit's measurement and in the caller's loop. Measured
-    on an H100 (torch 2.11, bf16 autocast, batch 128): a later step peaked up to 2.8 MB
-    (0.09 %) above fit's own measurement of the plan (ResNet-50, 3.2 GB), and the least peak
-    moved by 0.3 MB between two fit calls."""
-    return max(2 << 20, budget // 400)
+    """How far below the budget fit keeps a CUDA step: max(2 MiB, 0.25 %), memlean::fit's
+    (ops/fit/budget.h says why: the caching allocator's blocks depend on its history)."""
+    return _C.fit.cuda_margin(budget)
 
 
 def _floor(problem, measured: _Measured) -> int:

@@ -113,6 +113,8 @@ void init_fit(py::module_& m) {
         "memlean::fit::parse_budget: '6GiB' -> bytes (ValueError naming `argument`).");
   s.def("describe_bytes", &fit::describe_bytes, py::arg("bytes"),
         "'2,885,716,560 bytes (2.69 GiB)'.");
+  s.def("cuda_margin", &fit::cuda_margin, py::arg("budget_bytes"),
+        "memlean::fit::cuda_margin: how far below the budget fit plans a step on CUDA.");
 }
 
 }  // namespace memlean::python

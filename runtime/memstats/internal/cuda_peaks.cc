@@ -18,6 +18,7 @@
 #include <array>
 #include <atomic>
 #include <mutex>
+#include <unordered_map>
 
 namespace memlean::memstats::detail {
 
@@ -142,7 +143,29 @@ int64_t new_epoch(c10::DeviceIndex device) {
   return peak;
 }
 
-const bool registered = register_cuda_peaks({&epoch_peak, &new_epoch});
+int64_t block_bytes(c10::DeviceIndex device,
+                    const std::vector<std::pair<uintptr_t, int64_t>>& storages) {
+  if (storages.empty()) return 0;
+  // Each segment's blocks lie end to end from its address (as torch.cuda.memory_snapshot()
+  // gives them addresses).
+  std::unordered_map<uintptr_t, int64_t> blocks;
+  for (const auto& segment : cca::snapshot({0, 0}, /*include_traces=*/false).segments) {
+    if (segment.device != device) continue;
+    auto address = static_cast<uintptr_t>(segment.address);
+    for (const auto& block : segment.blocks) {
+      if (block.allocated) blocks[address] = static_cast<int64_t>(block.size);
+      address += block.size;
+    }
+  }
+  int64_t total = 0;
+  for (const auto& [ptr, nbytes] : storages) {
+    const auto found = blocks.find(ptr);
+    total += found != blocks.end() ? found->second : nbytes;
+  }
+  return total;
+}
+
+const bool registered = register_cuda_peaks({&epoch_peak, &new_epoch, &block_bytes});
 
 }  // namespace
 

@@ -10,6 +10,8 @@
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace memlean::memstats::detail {
 
@@ -19,9 +21,14 @@ namespace memlean::memstats::detail {
 // device starts). new_epoch: returns the ending epoch's peak and starts the next epoch at
 // the bytes allocated now. The first call for any device attaches the observer, and fails
 // with a clear error under an allocator that cannot be observed (cudaMallocAsync).
+// block_bytes: for (data pointer, bytes) pairs of distinct storages on the device, the sum of
+// the allocator's allocated block at each pointer, or of the bytes given where no block starts
+// there.
 struct CudaPeaks {
   int64_t (*epoch_peak)(c10::DeviceIndex device);
   int64_t (*new_epoch)(c10::DeviceIndex device);
+  int64_t (*block_bytes)(c10::DeviceIndex device,
+                         const std::vector<std::pair<uintptr_t, int64_t>>& storages);
 };
 
 // cuda_peaks.cc registers itself when it is linked in (memlean built against a torch with

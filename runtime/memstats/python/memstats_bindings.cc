@@ -38,6 +38,12 @@ void init_memstats(pybind11::module_& m) {
           return ms::memory_reserved(ms::parse_device(d));
         }),
         py::arg("device") = "cpu");
+  s.def("allocated_bytes_of", wrap_pybind_function([](const Tensors& tensors, const std::string& d) {
+          return ms::allocated_bytes_of(tensors, ms::parse_device(d));
+        }),
+        py::arg("tensors"), py::arg("device"),
+        "What memory_allocated(device) counts for the storages of `tensors` on `device`, each "
+        "once: on CUDA the caching allocator's blocks.");
   s.def("mark", wrap_pybind_function([](const std::string& name) { return ms::mark(name); }),
         py::arg("name"));
 
