@@ -16,9 +16,14 @@
 
 #include <ostream>
 
+#include "ops/checkpoint/checkpoint.h"
+
 namespace memlean {
 
-class BatchNorm2dImpl : public torch::nn::BatchNormImplBase<2, BatchNorm2dImpl> {
+// (Its running statistics are updated by a training forward that does not read them: a
+// checkpoint does not copy them for the recompute, NormStatisticsHolder.)
+class BatchNorm2dImpl : public torch::nn::BatchNormImplBase<2, BatchNorm2dImpl>,
+                        public NormStatisticsHolder {
  public:
   using torch::nn::BatchNormImplBase<2, BatchNorm2dImpl>::BatchNormImplBase;
 

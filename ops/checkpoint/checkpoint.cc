@@ -24,7 +24,6 @@
 #include <unordered_set>
 #include <utility>
 
-#include "ops/checkpoint/batchnorm.h"
 #include "ops/checkpoint/internal/checkpoint.h"
 #include "third_party/torch/compat.h"
 #include "third_party/torch/tensors.h"
@@ -625,7 +624,6 @@ std::vector<at::Tensor> rewound_buffers(const torch::nn::Module& module,
         dynamic_cast<const torch::nn::InstanceNorm1dImpl*>(p) != nullptr ||
         dynamic_cast<const torch::nn::InstanceNorm2dImpl*>(p) != nullptr ||
         dynamic_cast<const torch::nn::InstanceNorm3dImpl*>(p) != nullptr ||
-        dynamic_cast<const memlean::BatchNorm2dImpl*>(p) != nullptr ||
         dynamic_cast<const NormStatisticsHolder*>(p) != nullptr) {
       for (const auto& b : m->buffers(/*recurse=*/false)) statistics.insert(b.unsafeGetTensorImpl());
     }

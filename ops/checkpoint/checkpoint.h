@@ -89,9 +89,9 @@ std::vector<at::Tensor> checkpoint(const torch::nn::Module& module, const Tensor
 
 // A module whose buffers its training forward updates without reading them, as BatchNorm's
 // running statistics (e.g. a layer holding a BatchNorm's buffers under its own name): a
-// checkpoint of a module tree does not copy its buffers for the recompute (above). torch::nn's
-// BatchNorm{1,2,3}d and InstanceNorm{1,2,3}d and memlean::BatchNorm2d are treated so
-// without it.
+// checkpoint of a module tree does not copy its buffers for the recompute (above).
+// memlean::BatchNorm2d derives from it; torch::nn's BatchNorm{1,2,3}d and InstanceNorm{1,2,3}d
+// are treated so without it.
 class NormStatisticsHolder {
  public:
   virtual ~NormStatisticsHolder() = default;

@@ -167,13 +167,14 @@ class _BuffersSeen:
     def _copy(self, module):
         if _holds_statistics(module):
             return
-        for b in module._buffers.values():
-            if (isinstance(b, torch.Tensor) and id(b) not in self.copies
-                    and not torch.nn.parameter.is_lazy(b) and _can_change(b)):
-                self.copies[id(b)] = (b, b.detach().clone(), b._version)
+        fresh = [b for b in module._buffers.values()
+                 if (isinstance(b, torch.Tensor) and id(b) not in self.copies
+                     and not torch.nn.parameter.is_lazy(b) and _can_change(b))]
+        for triple in buffer_copies(fresh):
+            self.copies[id(triple[0])] = triple
 
     def changed(self):
-        found = tuple((b, c) for b, c, v in self.copies.values() if b._version != v)
+        found = changed_since(self.copies.values())
         self.copies = {}
         return found
 
@@ -184,6 +185,19 @@ class _BuffersSeen:
     def __exit__(self, *exc):
         self.calls.__exit__(*exc)
         return False
+
+
+def buffer_copies(buffers):
+    """(buffer, a copy of it, its version counter) for each buffer: what a forward about to
+    run begins from (with changed_since, how every form of checkpoint rewinds in Python; the
+    C++ checkpoint does the same in detail::checkpoint_impl)."""
+    return [(b, b.detach().clone(), b._version) for b in buffers]
+
+
+def changed_since(copies):
+    """(buffer, copy) of the buffer_copies whose buffer the forward changed (its version
+    counter moved): what its recompute must begin from."""
+    return tuple((b, c) for b, c, v in copies if b._version != v)
 
 
 def put_back(pairs) -> None:

@@ -76,9 +76,9 @@ from torch.utils._pytree import tree_flatten
 
 from memlean import _C, memstats, sliced
 from memlean.lean import lean_forward
-from memlean.checkpoint import (_module_buffers, checkpoint_module_forward, put_back,
-                                checkpoint_run_forward, module_parameters, rewound_buffers,
-                                wrap_forward)
+from memlean.checkpoint import (_module_buffers, buffer_copies, changed_since,
+                                checkpoint_module_forward, checkpoint_run_forward,
+                                module_parameters, put_back, rewound_buffers, wrap_forward)
 from memlean.swish import Swish
 
 __all__ = ["FitAction", "FitError", "FitPlan", "fit", "parse_budget"]
@@ -870,10 +870,9 @@ def _traced_checkpoint(module, original, args, kwargs):
                 finally:
                     put_back(kept)
             # eager, the forward
-            copies = [(b, b.detach().clone(), b._version)
-                      for b in rewound_buffers([module], buffers)]
+            copies = buffer_copies(rewound_buffers([module], buffers))
             out = original(*inputs, **kwargs)
-            starts[:] = [(b, start) for b, start, v in copies if b._version != v]
+            starts[:] = changed_since(copies)
             return out
         return original(*inputs, **kwargs)
 
