@@ -249,16 +249,22 @@ struct Step {
     return loss;
   }
 
-  // One step's forward and backward, layer by layer, with a hook on each layer's output: the
-  // step's highest bytes (as measure() counts them) while backward runs each layer (from the
-  // gradient of its output to that of its input). 0 for a layer whose output needs no gradient.
-  std::vector<int64_t> backward_levels() const {
+  // What backward holds at each layer (the step's bytes, as measure() counts them; -1 for a
+  // layer whose output needs no gradient).
+  struct BackwardLevels {
+    std::vector<int64_t> highest;  // the most while backward runs the layer (from the gradient
+                                   // of its output to that of its input)
+    std::vector<int64_t> entry;    // when backward reaches it (its output's gradient made)
+  };
+
+  // One step's forward and backward, layer by layer, with a hook on each layer's output.
+  BackwardLevels backward_levels() const {
     at::AutoGradMode grad_mode(true);
     clear_grads();
     synchronize(device);
     const auto seq = model.ptr();
     const auto n = static_cast<int64_t>(seq->size());
-    std::vector<int64_t> levels(n, 0);
+    BackwardLevels levels{std::vector<int64_t>(n, -1), std::vector<int64_t>(n, -1)};
     const int64_t fixed = fixed_bytes();
     const FreshAutocastCache fresh;
     memstats::Tracker tracker(device);  // its peak restarts at each layer's backward
@@ -266,8 +272,10 @@ struct Step {
     int64_t running = -1;               // the layer whose backward runs now
     auto next_layer = [&](int64_t layer) {
       if (running >= 0) {
-        levels[running] = std::max(levels[running], fixed + tracker.peak() - start);
+        levels.highest[running] =
+            std::max(levels.highest[running], fixed + tracker.peak() - start);
       }
+      if (layer >= 0 && levels.entry[layer] < 0) levels.entry[layer] = fixed + tracker.current() - start;
       tracker.reset_peak();
       running = layer;
     };
@@ -278,8 +286,7 @@ struct Step {
         if (h.requires_grad()) h.register_hook([&next_layer, i](const at::TensorBase&) { next_layer(i); });
       }
       at::Tensor loss = loss_of(h);
-      h = at::Tensor();
-      loss.backward();
+      loss.backward();  // (the output alive through it, as in measure())
     }
     synchronize(device);
     next_layer(-1);
@@ -691,6 +698,8 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   std::vector<bool> writes_input(n, false), passes_input(n, false);
   std::vector<double> seconds(n, 0.0);
   std::vector<int64_t> kept(n, 0), freed(n + 1, 0), output_bytes(n, 0);
+  // Bytes alive when layer i began (its input held) and the most while it ran.
+  std::vector<int64_t> forward_start(n, 0), forward_peak(n, 0);
   {
     at::AutoGradMode grad_mode(true);
     const FreshAutocastCache fresh;  // each layer makes its weight copies, as in a step
@@ -715,10 +724,14 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
       synchronize(device);
       const int64_t before = memstats::memory_allocated(device);
       const int64_t version = h._version();
+      memstats::Tracker layer_tracker(device);
+      forward_start[i] = layer_tracker.current();
       const auto t0 = Clock::now();
       at::Tensor out = layers[i].forward(h);
       synchronize(device);
       seconds[i] = std::chrono::duration<double>(Clock::now() - t0).count();
+      forward_peak[i] = layer_tracker.peak();
+      layer_tracker.stop();
       const int64_t after = memstats::memory_allocated(device);
       // A layer that writes its input (swapped here, or in place already) cannot begin a
       // checkpointed run (nor follow layers that hand their input on): memlean::checkpoint
@@ -768,13 +781,17 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   // Backward's own bytes at each layer above base and what layers 0..i saved (activation
   // gradients, temporaries, the parameter gradients made by then): where checkpointed steps
   // peak, in the backward of early, wide layers.
+  // And what backward brings to each layer (its output's gradient, the parameter gradients
+  // made by then): the bytes above base and what layers 0..i saved when it reaches layer i.
+  std::vector<int64_t> brought(n, 0);
   {
-    const std::vector<int64_t> levels = step.backward_levels();
+    const Step::BackwardLevels levels = step.backward_levels();
     int64_t through = 0;
     for (int64_t i = 0; i < n; ++i) {
       through += problem.atom_saved_bytes[i];
       problem.atom_backward_extra_bytes.push_back(
-          std::max<int64_t>(0, levels[i] - problem.base_bytes - through));
+          std::max<int64_t>(0, levels.highest[i] - problem.base_bytes - through));
+      if (levels.entry[i] >= 0) brought[i] = levels.entry[i] - problem.base_bytes - through;
     }
   }
   // Candidates: every run [b, e) of layers. Checkpointed, it keeps its input (which layer b
@@ -785,9 +802,12 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   // is recomputed and backward runs through it, besides base, the kept bytes before it and its
   // layers' saved bytes: its input where layer b did not save it (input_bytes); then first its
   // recomputed output where no layer saved it (freed_e: one that layer e - 1 or e saved is
-  // among the saved bytes already) and the copy of its layers' buffers that memlean::checkpoint
-  // puts back after the recompute (BufferRestore): recompute_extra_bytes; later backward's own
-  // bytes there (the per-layer extras). A run that ends at the last layer saves nothing at the
+  // among the saved bytes already), what its forward held above what it left at its highest
+  // (an intermediate alive while a layer makes its output), what backward brings to it (the
+  // gradient of its output and the parameter gradients made by then; above base, which may
+  // count more than was alive there) and the copy of its layers' buffers that
+  // memlean::checkpoint puts back after the recompute (BufferRestore): recompute_extra_bytes;
+  // later backward's own bytes there (the per-layer extras). A run that ends at the last layer saves nothing at the
   // peak (its backward comes first, right after it is recomputed): not a candidate.
   std::vector<int64_t> output_kept(n, 0);
   for (int64_t i = 0; i < n; ++i) {
@@ -815,7 +835,12 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     if (c.end == n || writes_run_input(c.begin, c.end)) continue;
     c.freed_bytes = std::max<int64_t>(0, c.freed_bytes - freed[c.begin]);
     c.input_bytes = freed[c.begin];
-    c.recompute_extra_bytes = freed[c.end] + buffer_copy_bytes(c.begin, c.end);
+    int64_t recompute = freed[c.end];
+    const int64_t highest =
+        *std::max_element(forward_peak.begin() + c.begin, forward_peak.begin() + c.end);
+    recompute += std::max<int64_t>(0, highest - forward_start[c.end]);
+    c.recompute_extra_bytes =
+        std::max<int64_t>(0, recompute + brought[c.end - 1]) + buffer_copy_bytes(c.begin, c.end);
     problem.candidates.push_back(c);
   }
 

@@ -438,13 +438,34 @@ class _Recorder:
         self.stack: List[tuple] = []
         self.handles = []
         self.backward_levels = {}  # atom -> the step's highest bytes while backward runs it
+        # atom -> the step's bytes when backward first reaches it (the gradients it brings)
+        self.backward_entries = {}
         self._tracker = None  # a nested memstats tracker during backward
         self._offset = 0  # step bytes = resident + tracker figure - the step's start
         self._backward_atom = None
+        # In the forward (between forward_begin() and forward_end()), per atom: the bytes
+        # alive when it began and the most alive while it ran, as a nested tracker counts
+        # them (differences only): a recompute of the atoms [b, e) holds at its highest
+        # max(forward_peaks[b:e]) - forward_starts[b] above its start.
+        self.forward_starts, self.forward_peaks = [], []
+        self._forward = None
+
+    def forward_begin(self, device):
+        self._forward = memstats.track(device)
+        self.forward_starts.append(self._forward.current)
+
+    def forward_end(self):
+        self.forward_peaks.append(self._forward.peak)
+        self._forward.stop()
+        self._forward = None
 
     def _next_atom(self):
         self.atom += 1
         self.atom_bytes.append(0)
+        if self._forward is not None:
+            self.forward_peaks.append(self._forward.peak)
+            self._forward.reset_peak()
+            self.forward_starts.append(self._forward.current)
 
     def _seq(self):
         return self.dataflow.seq if self.dataflow is not None else 0
@@ -493,6 +514,7 @@ class _Recorder:
         if self._tracker is not None and atom != self._backward_atom:
             # Backward moves on to the tensors one atom saved: what it held since the last
             # move belongs to the atom before.
+            self.backward_entries.setdefault(atom, self._offset + self._tracker.current)
             self._close_level()
             self._backward_atom = atom
         return t
@@ -608,9 +630,13 @@ class _Step:
         with torch.enable_grad(), memstats._collector_off(collect=False), memstats.track(
                 self.device) as t:
             start = t.current
+            if recorder is not None:
+                recorder.forward_begin(self.device)
             with recorder or contextlib.nullcontext(), mode or contextlib.nullcontext():
                 output = _call(forward, self.inputs)
                 loss = self.loss_fn(output)
+            if recorder is not None:
+                recorder.forward_end()
             if (not isinstance(loss, torch.Tensor) or loss.numel() != 1
                     or not loss.is_floating_point() or not loss.requires_grad):
                 what = (type(loss).__name__ if not isinstance(loss, torch.Tensor) else
@@ -1367,12 +1393,26 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset()):
             atom = rec.saved.get(key)
             if atom is not None and c.begin <= atom < c.end:
                 kept += nbytes
-        # Its recompute holds its recomputed output (memlean.checkpoint frees it once its
-        # nodes hold what they need; one that its own atoms saved is in span already) and a
-        # copy of its buffers (put back after it); the backward through it then holds what
-        # backward held there without checkpoints (the planner's per-atom backward extras).
+        # What its recompute holds besides base, the kept bytes before it, its atoms' saved
+        # bytes and its held inputs: its recomputed output (memlean.checkpoint frees it once
+        # its nodes hold what they need; one that its own atoms saved is in span already);
+        # at the recompute's highest, what its forward held above what it left (an
+        # intermediate alive while the next op makes the output, e.g. a SiLU's output while a
+        # scaling makes the block's; measured against all it left, bytes autograd keeps
+        # outside saved tensors included, so never more than it holds); a copy of its buffers
+        # (put back after it); and from its start, what backward brings to it: the gradient
+        # of its output and the parameter gradients made by then (the bytes above base and
+        # the saved bytes when backward first reached its atoms in the measured step). The
+        # backward through it then holds what backward held there without checkpoints (the
+        # planner's per-atom backward extras).
         extra = sum(n for key, n in dict(c.outputs).items()
                     if key is not None and not c.begin <= rec.saved.get(key, -1) < c.end)
+        if c.end < len(rec.forward_starts):
+            extra += max(0, max(rec.forward_peaks[c.begin:c.end]) - rec.forward_starts[c.end])
+        reached = [a for a in range(c.begin, c.end) if a in rec.backward_entries]
+        if reached:
+            a = max(reached)
+            extra = max(0, extra + rec.backward_entries[a] - base - prefix[a + 1])
         extra += sum(b.numel() * b.element_size() for b in _buffers_of(c.module))
         # The copies of the buffers its forward changed (a spectral norm's vectors, an
         # observer's statistics), kept from its forward to the end of its backward so that
