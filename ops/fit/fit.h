@@ -36,7 +36,8 @@
 // with the planner of planner.h (every run of layers but those ending at the last, and those
 // whose input a layer of theirs overwrites, which memlean::checkpoint refuses, is a candidate,
 // with what its recompute adds: its input where the first layer does not save it, its
-// recomputed output) inside the search of search.h, the loop memlean.fit runs too: it
+// recomputed output, what its layers' forward held above what they left, the gradients
+// backward brings to it) inside the search of search.h, the loop memlean.fit runs too: it
 // measures one step under each plan; while the measured step exceeds the budget it plans again
 // with the planner's budget lowered by the excess (then the least-peak plan); once a plan fits
 // it bisects back up for a faster one, and returns the
