@@ -1170,7 +1170,8 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 _LONGEST_RUN = 32  # module calls
 
 
-def _runs(eager: _Recorder, current: _Recorder, root, whole=False) -> List[List[int]]:
+def _runs(eager: _Recorder, current: _Recorder, root, whole=False,
+          exclude=frozenset()) -> List[List[int]]:
     """The runs of 2 or more sibling calls that can be checkpointed as one, as indices into
     current.calls (the step planned on), checked on eager's dataflow (its op numbers and
     reads; current is the same forward after the Swish swap). A run's calls each take one
@@ -1178,7 +1179,8 @@ def _runs(eager: _Recorder, current: _Recorder, root, whole=False) -> List[List[
     return one tensor, are the only calls of their modules and have no hooks; the tensors
     passed inside it are read by no op after it nor handed to any call outside it; its
     first call does not write its input, nor does a later one write that input's storage;
-    and it is not all of a parent whose forward does nothing else (whole: it may be)."""
+    and it is not all of a parent whose forward does nothing else (whole: it may be); none of
+    its modules is in exclude (id()s)."""
     calls, found = current.calls, []
     flow = eager.dataflow
     if flow is None or len(eager.calls) != len(calls):
@@ -1201,7 +1203,7 @@ def _runs(eager: _Recorder, current: _Recorder, root, whole=False) -> List[List[
 
     def member(k):
         c, m = eager.calls[k], calls[k].module
-        return (c.input_id and c.output_id and c.module is not root
+        return (c.input_id and c.output_id and c.module is not root and id(m) not in exclude
                 and counts[id(m)] == 1 and not any(getattr(m, h, None) for h in _HOOKS))
 
     def linked(k, n):
@@ -1257,6 +1259,33 @@ def _call_counts(calls):
     return counts
 
 
+def _with_unversioned_writers(model, run):
+    """run() (a measured step) and the id() of every module whose tree holds a buffer that a
+    checkpoint would rewind (rewound_buffers) and that the step changed without moving its
+    version counter: through `.data` (`b.data.mul_(...)`, `b.data = ...`). memlean.checkpoint
+    sees a buffer's change by its version counter only, so a checkpoint of such a module would
+    recompute from the changed value (gradients silently off); fit checkpoints none of them,
+    nor a run or sliced chain holding one. (Found by comparing values: the copies are made
+    before the step, outside its counted bytes; a NaN equals a NaN.)"""
+    buffers = rewound_buffers([model], [b for b in model.buffers() if b is not None])
+    before = buffer_copies(buffers)
+    result = run()
+    changed = set()
+    for b, start, version in before:
+        if b._version != version:
+            continue
+        now = b.detach()
+        same = now.shape == start.shape and now.dtype == start.dtype and bool(
+            torch.where(now.isnan(), start.isnan(), now == start).all()
+            if now.is_floating_point() else torch.equal(now, start))
+        if not same:
+            changed.add(id(b))
+    if not changed:
+        return result, frozenset()
+    return result, frozenset(id(m) for m in model.modules()
+                             if any(id(b) in changed for b in m.buffers()))
+
+
 def _buffers_of(module):
     return module.buffers() if isinstance(module, _Run) else _module_buffers(module)
 
@@ -1264,15 +1293,15 @@ def _buffers_of(module):
 _SLICE_MIN_BYTES = 1 << 20  # a chain narrower than this is not sliced (tests lower it)
 
 
-def _slices(eager: _Recorder, current: _Recorder, root) -> List[_Slice]:
+def _slices(eager: _Recorder, current: _Recorder, root, exclude=frozenset()) -> List[_Slice]:
     """The chains memlean.sliced can recompute slice by slice, among the runs of sibling
     calls (_runs, a parent's whole forward included) that pay for their recompute: the
     widest output 1 MiB or more (not, e.g., a squeeze-excitation's), and a head convolution
     only where its output is at least twice its input (an inverted residual block's
     expansion; not its projection, whose slices would each make a gradient of the whole wide
-    input): the longest first, none overlapping another."""
+    input): the longest first, none overlapping another; none holding a module in exclude."""
     found = []
-    for run in _runs(eager, current, root, whole=True):
+    for run in _runs(eager, current, root, whole=True, exclude=exclude):
         modules = [current.calls[k].module for k in run]
         channels = sliced.chain_channels(modules)
         first = current.calls[run[0]]
@@ -1573,11 +1602,16 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             saved.restore()  # a partial step on zero gradients
         if (fresh and not warmed) or step.cuda:
             step.run()
-        eager = step.run(record=True, dataflow=True)
+
+        def recorded():
+            return step.run(record=True, dataflow=True)
+
+        # (unversioned: modules fit must not checkpoint, _with_unversioned_writers)
+        eager, unversioned = _with_unversioned_writers(model, recorded)
         if warmed and not step.all_dense_grads:
             saved.restore()
             step.run()
-            eager = step.run(record=True, dataflow=True)
+            eager, unversioned = _with_unversioned_writers(model, recorded)
         fixed = eager.resident
         actions: List[FitAction] = []
 
@@ -1631,9 +1665,9 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
 
         # 2. Checkpoints, planned; 3. verified and tightened.
         # Runs of sibling modules are eager-only (not checkpointed under torch.compile).
-        runs_found = (_runs(eager.recorder, current.recorder, model)
+        runs_found = (_runs(eager.recorder, current.recorder, model, exclude=unversioned)
                       if runs and not compiled else [])
-        problem = _problem(current, model, runs_found)
+        problem = _problem(current, model, runs_found, exclude=unversioned)
         paths = _paths(model)
 
         def search(problem, empty_peak):
@@ -1713,7 +1747,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
 
         # 4. Below what checkpoints reach: chains of channelwise modules recomputed slice by
         # slice of channels (memlean.sliced; CPU eager steps), then checkpoints again.
-        chains = _slices(eager.recorder, current.recorder, model) if lean else []
+        chains = _slices(eager.recorder, current.recorder, model, unversioned) if lean else []
         # A budget well below the least peak the planner predicts for checkpoints alone (its
         # predictions are exact in most steps: docs/fit.md) skips their search, which would
         # only measure plans that do not fit; it runs after all if slicing goes no lower.
@@ -1733,7 +1767,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 actions.extend(slice_actions)
                 return done(thin.peak, thin.peak, len(chains))
             problem2 = _problem(thin, model, _runs_beside(runs_found, current, thin, chains),
-                                exclude=_inside(chains))
+                                exclude=_inside(chains) | unversioned)
             current = thin  # (the step the search measures against)
             finer_possible = any(c.finer for c in chains)
             floor2 = _floor(problem2, thin)
@@ -1756,7 +1790,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                     return done(finer.peak, finer.peak, len(chains))
                 problem3 = _problem(finer, model,
                                     _runs_beside(runs_found, lean_step, finer, chains),
-                                    exclude=_inside(chains))
+                                    exclude=_inside(chains) | unversioned)
                 current = finer
                 least2 = min(least2, finer.peak)
                 if _floor(problem3, finer) < floor2 or not skipped:

@@ -118,6 +118,21 @@ class Observed(nn.Module):
         return self.act(self.lin(x)) * self.scale[0]
 
 
+class DataScaled(nn.Module):
+    """Observed, its buffer updated through .data (as older code does): the buffer's version
+    counter does not move, so a checkpoint cannot see the change."""
+
+    def __init__(self, d, n):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d), nn.GELU())
+        self.register_buffer("scale", torch.ones(n))
+
+    def forward(self, x):
+        self.scale.data.mul_(1.5)
+        return (self.body(x) * self.scale[0]).square()  # (square saves its input: a block
+        # checkpoint frees more than its body's)
+
+
 class MBConv(nn.Module):
     """An inverted residual block (EfficientNet's): its wide middle makes backward's own
     working memory (activation gradients, temporaries) a large part of a checkpointed step's
@@ -663,6 +678,38 @@ class FitTest(unittest.TestCase):
                                               atom_backward_extra_bytes=problem.backward_extras)
             self.assertLessEqual(abs(predicted - measured), 64, (chosen, predicted, measured))
         saved.restore()
+
+    def test_a_module_changing_a_buffer_through_data_is_never_checkpointed(self):
+        # Its recompute would read the changed value (the version counter never moved, so no
+        # checkpoint rewinds it): gradients silently off. fit finds such modules by value in
+        # its recorded step and checkpoints what lies inside them instead (each block's body);
+        # training equals the unfitted twin's in float64.
+        def make():
+            torch.manual_seed(0)
+            return nn.Sequential(*[DataScaled(64, 4) for _ in range(4)],
+                                 nn.Linear(64, 10)).double()
+
+        model, twin = make(), make()
+        x = torch.randn(256, 64, dtype=torch.double)
+        loss_fn = cross_entropy_of(torch.randint(0, 10, (256,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        least, eager = self.least_and_eager(model, x, loss_fn, opt)
+        self.assertLess(least, eager)
+        plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
+        checkpointed = [a.path for a in plan.actions if a.action == "checkpoint"]
+        self.assertTrue(checkpointed, str(plan))
+        inside = tuple(f"{i}." for i in range(4))
+        self.assertTrue(all(p.startswith(inside) for p in checkpointed), str(plan))
+        for b, b2 in zip(model.buffers(), twin.buffers()):
+            self.assertTrue(torch.equal(b, b2))  # fit's steps put the buffers back
+        for _ in range(2):
+            loss_fn(model(x)).backward()
+            loss_fn(twin(x)).backward()
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+        for b, b2 in zip(model.buffers(), twin.buffers()):
+            self.assertTrue(torch.equal(b, b2))  # changed once per forward, not again
+        plan.undo()
 
     def test_runs_of_sibling_modules(self):
         # fit's finer candidates: consecutive sibling calls that hand one tensor along. Only
