@@ -445,8 +445,8 @@ class _Recorder:
         self._backward_atom = None
         # In the forward (between forward_begin() and forward_end()), per atom: the bytes
         # alive when it began and the most alive while it ran, as a nested tracker counts
-        # them (differences only): a recompute of the atoms [b, e) holds at its highest
-        # max(forward_peaks[b:e]) - forward_starts[b] above its start.
+        # them (differences only): the atoms [b, e) held at their highest
+        # max(forward_peaks[b:e]) - forward_starts[e] more than they left.
         self.forward_starts, self.forward_peaks = [], []
         self._forward = None
 
@@ -1431,9 +1431,10 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset()):
         # outside saved tensors included, so never more than it holds); a copy of its buffers
         # (put back after it); and from its start, what backward brings to it: the gradient
         # of its output and the parameter gradients made by then (the bytes above base and
-        # the saved bytes when backward first reached its atoms in the measured step). The
-        # backward through it then holds what backward held there without checkpoints (the
-        # planner's per-atom backward extras).
+        # the saved bytes when backward first reached its atoms in the measured step;
+        # negative where base, the eager peak's catch-all, counts more than was alive then:
+        # the sum is kept >= 0). The backward through it then holds what backward held there
+        # without checkpoints (the planner's per-atom backward extras).
         extra = sum(n for key, n in dict(c.outputs).items()
                     if key is not None and not c.begin <= rec.saved.get(key, -1) < c.end)
         if c.end < len(rec.forward_starts):
