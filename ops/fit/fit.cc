@@ -275,7 +275,9 @@ struct Step {
         levels.highest[running] =
             std::max(levels.highest[running], fixed + tracker.peak() - start);
       }
-      if (layer >= 0 && levels.entry[layer] < 0) levels.entry[layer] = fixed + tracker.current() - start;
+      if (layer >= 0 && levels.entry[layer] < 0) {
+        levels.entry[layer] = fixed + tracker.current() - start;
+      }
       tracker.reset_peak();
       running = layer;
     };
@@ -807,8 +809,9 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   // gradient of its output and the parameter gradients made by then; above base, which may
   // count more than was alive there) and the copy of its layers' buffers that
   // memlean::checkpoint puts back after the recompute (BufferRestore): recompute_extra_bytes;
-  // later backward's own bytes there (the per-layer extras). A run that ends at the last layer saves nothing at the
-  // peak (its backward comes first, right after it is recomputed): not a candidate.
+  // later backward's own bytes there (the per-layer extras). A run that ends at the last
+  // layer saves nothing at the peak (its backward comes first, right after it is
+  // recomputed): not a candidate.
   std::vector<int64_t> output_kept(n, 0);
   for (int64_t i = 0; i < n; ++i) {
     output_kept[i] = std::max<int64_t>(0, output_bytes[i] - freed[i + 1]);
