@@ -62,32 +62,6 @@ int64_t storage_bytes(const at::Tensor& t) {
   return static_cast<int64_t>(t.nbytes());
 }
 
-// The tensors whose storages hold t: a sparse tensor's indices and values (it has no storage
-// of its own; e.g. SGD's momentum for a sparse gradient), else t.
-void add_storage_parts(std::vector<at::Tensor>& parts, const at::Tensor& t) {
-  if (!t.defined()) return;
-  switch (t.layout()) {
-    case c10::kSparse:
-      parts.push_back(t._indices());
-      parts.push_back(t._values());
-      return;
-    case c10::kSparseCsr:
-    case c10::kSparseBsr:
-      parts.push_back(t.crow_indices());
-      parts.push_back(t.col_indices());
-      parts.push_back(t.values());
-      return;
-    case c10::kSparseCsc:
-    case c10::kSparseBsc:
-      parts.push_back(t.ccol_indices());
-      parts.push_back(t.row_indices());
-      parts.push_back(t.values());
-      return;
-    default:
-      parts.push_back(t);
-  }
-}
-
 // The default generators of the CPU and of `device`, saved and put back.
 class RngSnapshot {
  public:
@@ -217,14 +191,13 @@ struct Step {
   // The unique storages on the device of the parameters, buffers, optimizer state and input,
   // as memstats counts them (on CUDA, the allocator's blocks).
   int64_t fixed_bytes() const {
-    std::vector<at::Tensor> resident;
-    for (const auto& p : params) add_storage_parts(resident, p);
+    std::vector<at::Tensor> resident = params;
     if (keep_grads) {
-      for (const auto& p : params) add_storage_parts(resident, p.grad());
+      for (const auto& p : params) resident.push_back(p.grad());
     }
-    for (const auto& b : buffers) add_storage_parts(resident, b);
-    for (const auto& s : state_tensors()) add_storage_parts(resident, s);
-    add_storage_parts(resident, input);
+    resident.insert(resident.end(), buffers.begin(), buffers.end());
+    for (const auto& s : state_tensors()) resident.push_back(s);
+    resident.push_back(input);
     return memstats::allocated_bytes_of(resident, device) +
            std::max<int64_t>(unknown_state_bytes, 0);
   }

@@ -253,14 +253,47 @@ int64_t memory_reserved(c10::Device device) {
   return device_reserved(device);
 }
 
+namespace {
+
+// The tensors whose storages hold t: a sparse tensor's indices and values (it has no storage
+// of its own; e.g. SGD's momentum for a sparse gradient), else t.
+void add_storage_parts(std::vector<at::Tensor>& parts, const at::Tensor& t) {
+  switch (t.layout()) {
+    case c10::kSparse:
+      parts.push_back(t._indices());
+      parts.push_back(t._values());
+      return;
+    case c10::kSparseCsr:
+    case c10::kSparseBsr:
+      parts.push_back(t.crow_indices());
+      parts.push_back(t.col_indices());
+      parts.push_back(t.values());
+      return;
+    case c10::kSparseCsc:
+    case c10::kSparseBsc:
+      parts.push_back(t.ccol_indices());
+      parts.push_back(t.row_indices());
+      parts.push_back(t.values());
+      return;
+    default:
+      parts.push_back(t);
+  }
+}
+
+}  // namespace
+
 int64_t allocated_bytes_of(const std::vector<at::Tensor>& tensors, c10::Device device) {
   check_device(device);
   device = canonical(device);
+  std::vector<at::Tensor> parts;
+  for (const auto& t : tensors) {
+    if (t.defined()) add_storage_parts(parts, t);
+  }
   std::unordered_set<const void*> seen;
   std::vector<std::pair<uintptr_t, int64_t>> storages;
   int64_t total = 0;
-  for (const auto& t : tensors) {
-    if (!t.defined() || !t.has_storage() || canonical(t.device()) != device) continue;
+  for (const auto& t : parts) {
+    if (!t.has_storage() || canonical(t.device()) != device) continue;
     const c10::Storage& storage = t.storage();
     const auto nbytes = static_cast<int64_t>(storage.nbytes());
     if (nbytes == 0 || !seen.insert(storage.unsafeGetStorageImpl()).second) continue;

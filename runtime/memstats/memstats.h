@@ -49,8 +49,9 @@ int64_t memory_reserved(c10::Device device = c10::kCPU);
 // storage once (views and tensors sharing a storage count it once): on the CPU the storages'
 // bytes; on CUDA the caching allocator's block of each (its request rounded up to 512 bytes, or
 // more where a cached block was not split), read from the allocator's snapshot, and a storage
-// the allocator did not make (from_blob) its own bytes. Undefined tensors, tensors on other
-// devices and tensors without a storage (sparse, nested: pass their parts) count nothing.
+// the allocator did not make (from_blob) its own bytes. A sparse tensor (COO, CSR, CSC, BSR,
+// BSC) counts its indices and values. Undefined tensors, tensors on other devices and other
+// tensors without a storage (nested: pass their parts) count nothing.
 // For budgets that hold what stays resident (parameters, optimizer state) to the same count as
 // a step's peak above it.
 int64_t allocated_bytes_of(const std::vector<at::Tensor>& tensors, c10::Device device);

@@ -80,6 +80,18 @@ TEST(Memstats, AllocatedBytesOfCountsEachStorageOnce) {
   EXPECT_EQ(allocated_bytes_of({}, c10::kCPU), 0);
   EXPECT_EQ(allocated_bytes_of({at::Tensor()}, c10::kCPU), 0);
   EXPECT_EQ(allocated_bytes_of({x.to(at::kMeta)}, c10::kCPU), 0);
+  // A sparse tensor has no storage of its own: its indices and values count.
+  const at::Tensor dense = at::eye(4, at::kFloat);
+  const at::Tensor coo = dense.to_sparse();
+  const at::Tensor csr = dense.to_sparse_csr();
+  EXPECT_EQ(allocated_bytes_of({coo}, c10::kCPU),
+            allocated_bytes_of({coo._indices(), coo._values()}, c10::kCPU));
+  EXPECT_EQ(allocated_bytes_of({coo}, c10::kCPU), 2 * 4 * 8 + 4 * 4);
+  // (Their storages, which torch's conversion may make larger than the parts.)
+  EXPECT_EQ(allocated_bytes_of({csr}, c10::kCPU),
+            allocated_bytes_of({csr.crow_indices(), csr.col_indices(), csr.values()},
+                               c10::kCPU));
+  EXPECT_GE(allocated_bytes_of({csr}, c10::kCPU), 5 * 8 + 4 * 8 + 4 * 4);
 }
 
 TEST(Memstats, FreesOfEarlierStoragesAreNotCounted) {
