@@ -699,8 +699,8 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
       synchronize(device);
       const int64_t before = memstats::memory_allocated(device);
       const int64_t version = h._version();
-      memstats::Tracker layer_tracker(device);
-      forward_start[i] = layer_tracker.current();
+      forward_start[i] = before;
+      memstats::Tracker layer_tracker(device);  // (its figures are memory_allocated's)
       const auto t0 = Clock::now();
       at::Tensor out = layers[i].forward(h);
       synchronize(device);
