@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -25,6 +26,7 @@
 #include <variant>
 
 #include "ops/checkpoint/checkpoint.h"
+#include "ops/checkpoint/internal/checkpoint.h"
 #include "ops/checkpoint/lean_batchnorm.h"
 #include "ops/checkpoint/lean_conv.h"
 #include "ops/fit/budget.h"
@@ -55,6 +57,44 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using Runner = std::function<at::Tensor(const at::Tensor&)>;
+
+// Of the buffers a checkpoint of `model`'s layers would rewind (detail::rewound_buffers),
+// those that `run` changes without moving their version counter: through `.data()` or
+// `variable_data()` (`b.data().mul_(1.5)`), which share the storage under a version counter of
+// their own. memlean::checkpoint sees a buffer's change by its version counter only, so a
+// checkpoint of a layer holding one would recompute from the changed value (its gradients
+// silently off): fit checkpoints no run holding one. Found by value: copies made before
+// `run`, compared after (a NaN equals a NaN).
+std::unordered_set<const c10::TensorImpl*> unversioned_changes(const torch::nn::Module& model,
+                                                                const std::function<void()>& run) {
+  struct Before {
+    at::Tensor buffer, value;
+    int64_t version;
+  };
+  std::vector<Before> before;
+  for (const auto& b : detail::rewound_buffers(model, unique_tensors(model.buffers()))) {
+    before.push_back({b, b.detach().clone(), b._version()});
+  }
+  run();
+  std::unordered_set<const c10::TensorImpl*> changed;
+  for (const auto& [b, start, version] : before) {
+    if (b._version() != version) continue;  // seen by the checkpoint
+    at::Tensor now = b.detach(), then = start;
+    bool same = now.sizes() == then.sizes() && now.scalar_type() == then.scalar_type() &&
+                now.layout() == then.layout();
+    if (same && now.layout() != at::kStrided) {
+      now = now.to_dense();
+      then = then.to_dense();
+    }
+    if (same) {
+      same = now.is_floating_point() || now.is_complex()
+                 ? at::where(now.isnan(), then.isnan(), now == then).all().item<bool>()
+                 : at::equal(now, then);
+    }
+    if (!same) changed.insert(b.unsafeGetTensorImpl());
+  }
+  return changed;
+}
 
 int64_t storage_bytes(const at::Tensor& t) {
   if (!t.defined()) return 0;
@@ -617,10 +657,12 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
 
   // Warm-up: the optimizer makes its state (of the same sizes as the one moved out), and
   // lazily allocated workspaces (cuBLAS's) are made before anything is measured.
+  // (unversioned: the buffers that step changed unseen by a checkpoint, unversioned_changes)
+  std::unordered_set<const c10::TensorImpl*> unversioned;
   {
     step.clear_grads();
     const int64_t before = memstats::memory_allocated(device);
-    (void)step.measure(eager);
+    unversioned = unversioned_changes(*model, [&] { (void)step.measure(eager); });
     if (options.optimizer != nullptr) {
       try {
         memstats::optimizer_state_tensors(*options.optimizer);
@@ -800,6 +842,13 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     for (const auto& t : unique_tensors(run)) total += static_cast<int64_t>(t.nbytes());
     return total;
   };
+  // A layer holding a buffer changed unseen (unversioned) is in no checkpointed run.
+  std::vector<bool> holds_unversioned(n, false);
+  for (int64_t i = 0; i < n && !unversioned.empty(); ++i) {
+    for (const auto& b : layer_buffers[i]) {
+      if (unversioned.count(b.unsafeGetTensorImpl()) > 0) holds_unversioned[i] = true;
+    }
+  }
   auto writes_run_input = [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       if (writes_input[i]) return true;
@@ -808,7 +857,11 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     return false;
   };
   for (Candidate c : chain_candidates(problem.atom_saved_bytes, output_kept, seconds)) {
-    if (c.end == n || writes_run_input(c.begin, c.end)) continue;
+    if (c.end == n || writes_run_input(c.begin, c.end) ||
+        std::any_of(holds_unversioned.begin() + c.begin, holds_unversioned.begin() + c.end,
+                    [](bool held) { return held; })) {
+      continue;
+    }
     c.freed_bytes = std::max<int64_t>(0, c.freed_bytes - freed[c.begin]);
     c.input_bytes = freed[c.begin];
     int64_t recompute = freed[c.end];

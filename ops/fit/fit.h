@@ -34,7 +34,9 @@
 // it allocates, less its input when it does not save it) and its forward time, and one step
 // with a hook on each layer's output to measure what backward holds at each layer; it plans
 // with the planner of planner.h (every run of layers but those ending at the last, and those
-// whose input a layer of theirs overwrites, which memlean::checkpoint refuses, is a candidate,
+// whose input a layer of theirs overwrites, which memlean::checkpoint refuses, or which hold a
+// layer that changes a buffer through .data() unseen by a checkpoint's version check, found
+// by value around the warm-up step, is a candidate,
 // with what its recompute adds: its input where the first layer does not save it, its
 // recomputed output, what its layers' forward held above what they left, the gradients
 // backward brings to it) inside the search of search.h, the loop memlean.fit runs too: it

@@ -613,6 +613,72 @@ TEST(Fit, NoCheckpointedRunBeginsAtALayerThatWritesItsInput) {
   EXPECT_GE(runs, kBudgets);
 }
 
+// A layer that changes its buffer through .data() (as older code does): the buffer's version
+// counter does not move, so no checkpoint rewinds it. (Its tanh saves its output, made from
+// the scale.)
+struct DataScaledImpl : torch::nn::Module {
+  DataScaledImpl() { scale = register_buffer("scale", at::ones({4}, at::kDouble)); }
+  at::Tensor forward(const at::Tensor& x) {
+    scale.data().mul_(1.5);
+    return at::tanh(x * scale[0]);
+  }
+  at::Tensor scale;
+};
+TORCH_MODULE(DataScaled);
+
+// A checkpointed run holding a DataScaled layer would recompute from the changed scale: the
+// gradients through its tanh silently off (memlean::checkpoint puts the buffer back after the
+// recompute, but the tanh's saved output was made from the twice-changed scale). fit finds such layers by value in its
+// measured step and checkpoints runs beside them only; training through the plan equals the
+// unfitted twin's in float64, buffers included (changed once per forward, not again).
+TEST(Fit, NoCheckpointedRunHoldsALayerChangingABufferThroughData) {
+  at::set_num_threads(1);
+  namespace nn = torch::nn;
+  auto make = [] {
+    at::manual_seed(0);
+    nn::Sequential m(nn::Linear(kIn, kHidden));
+    for (int i = 0; i < 3; ++i) {
+      m->push_back(nn::Tanh());
+      m->push_back(nn::Linear(kHidden, kHidden));
+      m->push_back(nn::Tanh());
+      m->push_back(DataScaled());  // layers 4, 8, 12
+    }
+    m->push_back(nn::Linear(kHidden, kOut));
+    m->to(at::kDouble);
+    return m;
+  };
+  Bench s(make());
+  nn::Sequential twin = make();
+  const auto buffers = s.model->buffers();
+  const auto [least, eager] = least_and_eager(s.model, s.x, s.options());
+  ASSERT_LT(least, eager);
+  FitPlan at_least;
+  constexpr int kBudgets = 4;
+  for (int k = 0; k < kBudgets; ++k) {
+    const int64_t budget = least + (eager - 1 - least) * k / kBudgets;
+    FitPlan plan = fit(s.model, s.x, budget, s.options());
+    EXPECT_LE(plan.peak_bytes, budget);
+    for (const auto& [b, e] : plan.checkpointed) {
+      for (int64_t held = 4; held <= 12; held += 4) {
+        EXPECT_FALSE(b <= held && held < e) << "a run holds layer " << held << "\n" << plan.str();
+      }
+    }
+    if (k == 0) at_least = std::move(plan);
+  }
+  ASSERT_FALSE(at_least.checkpointed.empty()) << at_least.str();
+  expect_bitwise(buffers, twin->buffers(), "buffer after fit");  // fit put them back
+  for (int step = 0; step < 2; ++step) {
+    at::mse_loss(at_least.forward(s.x), s.y).backward();
+    at::mse_loss(twin->forward(s.x), s.y).backward();
+  }
+  const auto params = s.model->parameters(), twin_params = twin->parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(at::allclose(params[i].grad(), twin_params[i].grad(), 1e-10, 1e-12))
+        << "parameter " << i;
+  }
+  expect_bitwise(buffers, twin->buffers(), "buffer after 2 steps");
+}
+
 // A loop zeroing with zero_grad(false) (or accumulating gradients) begins each step with every
 // gradient alive: fit with keep_grads measures that step. Its eager peak is higher and its
 // fixed bytes count the gradients; at 3 budgets that loop's step, measured here, peaks at or
