@@ -554,10 +554,13 @@ Categories Tracker::categories(const Tensors& tensors, const std::string& forwar
   std::function<void(const at::Tensor&, int64_t&)> add_tensor = [&](const at::Tensor& x,
                                                                      int64_t& bucket) {
     if (!x.defined()) return;
-    if (x.is_sparse()) {
-      add_tensor(x._indices(), bucket);
-      add_tensor(x._values(), bucket);
-      return;
+    if (x.layout() != c10::kStrided) {  // a sparse tensor: its parts (add_storage_parts)
+      std::vector<at::Tensor> parts;
+      add_storage_parts(parts, x);
+      if (parts.size() > 1) {
+        for (const auto& part : parts) add_tensor(part, bucket);
+        return;
+      }
     }
     if (!x.has_storage() || canonical(x.device()) != d) return;
     const c10::StorageImpl* s = x.storage().unsafeGetStorageImpl();

@@ -146,7 +146,8 @@ class Tracker {
 
   // Splits the live bytes of this tracker's device into categories. Each storage is counted
   // once (the first list that holds it wins: parameters, buffers, gradients, optimizer state);
-  // undefined tensors and tensors on other devices are skipped. Activations come from the
+  // undefined tensors and tensors on other devices are skipped; a sparse tensor counts as its
+  // indices and values (as allocated_bytes_of). Activations come from the
   // latest mark named `forward_mark` ("" = the latest "forward" or "forw" mark; none: 0).
   struct Tensors {
     std::vector<at::Tensor> parameters, buffers, gradients, optimizer_state;

@@ -471,6 +471,24 @@ TEST(Memstats, CategoriesSumToTheTotal) {
   expect_error([&] { t.categories(tensors, "nope"); }, "no mark with that name");
 }
 
+// A sparse tensor (COO, CSR: an optimizer's state for a sparse gradient) has no storage of its
+// own: categories count its indices and values, as allocated_bytes_of does.
+TEST(Memstats, CategoriesCountASparseTensorByItsParts) {
+  enable();
+  Tracker t;
+  const at::Tensor coo = at::eye(8, at::kFloat).to_sparse();
+  const at::Tensor csr = at::eye(8, at::kDouble).to_sparse_csr();
+  Tracker::Tensors tensors;
+  tensors.gradients = {coo};
+  tensors.optimizer_state = {csr};
+  const Categories c = t.categories(tensors);
+  EXPECT_EQ(c.gradients, 2 * 8 * 8 + 8 * 4);
+  EXPECT_EQ(c.gradients, allocated_bytes_of({coo}, c10::kCPU));
+  EXPECT_EQ(c.optimizer_state, allocated_bytes_of({csr}, c10::kCPU));
+  EXPECT_GE(c.optimizer_state, 9 * 8 + 8 * 8 + 8 * 8);
+  EXPECT_EQ(c.untracked, 0);
+}
+
 TEST(Memstats, Errors) {
   expect_error([] { mark("forward"); }, "mark(\"forward\") with no tracker running");
   expect_error([] { Tracker t("meta"); }, "device must be 'cpu' or 'cuda[:index]', got 'meta'");
