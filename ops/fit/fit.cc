@@ -709,18 +709,36 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   std::vector<std::string> names;
   for (const auto& item : model->named_children()) names.push_back(item.key());
   names.resize(n);
-  std::vector<torch::nn::AnyModule> layers(model->begin(), model->end());
-  std::vector<std::string> swapped(n);  // the action, for a swapped layer
-  std::vector<int64_t> input_bytes(n, 0);
-  std::vector<bool> writes_input(n, false), passes_input(n, false);
-  std::vector<double> seconds(n, 0.0);
-  std::vector<int64_t> kept(n, 0), freed(n + 1, 0), output_bytes(n, 0);
+  std::vector<torch::nn::AnyModule> layers;
+  std::vector<std::string> swapped;  // the action, for a swapped layer
+  std::vector<int64_t> input_bytes;
+  std::vector<bool> writes_input, passes_input;
+  std::vector<double> seconds;
+  std::vector<int64_t> kept, freed, output_bytes;
   // Bytes alive when layer i began (its input held) and the most while it ran.
-  std::vector<int64_t> forward_start(n, 0), forward_peak(n, 0);
-  {
+  std::vector<int64_t> forward_start, forward_peak;
+  // memlean's in-place Swish saves its output (its input's storage): a later layer that
+  // writes that storage in place (a ReLU(inplace), directly or through layers that hand on
+  // a view of it) would make autograd's version check fire in backward. Such a Swish is not
+  // made in place, and the walk runs again (rare: once per such layer).
+  std::vector<bool> not_in_place(n, false);
+  for (bool walk = true; walk;) {
+    walk = false;
+    layers.assign(model->begin(), model->end());
+    swapped.assign(n, "");
+    input_bytes.assign(n, 0);
+    writes_input.assign(n, false);
+    passes_input.assign(n, false);
+    seconds.assign(n, 0.0);
+    kept.assign(n, 0);
+    freed.assign(n + 1, 0);
+    output_bytes.assign(n, 0);
+    forward_start.assign(n, 0);
+    forward_peak.assign(n, 0);
     at::AutoGradMode grad_mode(true);
     const FreshAutocastCache fresh;  // each layer makes its weight copies, as in a step
     at::Tensor h = example_input;
+    int64_t in_place_owner = -1;  // the in-place Swish whose output h's storage is, if any
     for (int64_t i = 0; i < n; ++i) {
       if (device.is_cpu() && at::GradMode::is_enabled()) {
         if (auto lean = lean_layer(layers[i], h)) {
@@ -730,7 +748,7 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
         }
       }
       if (const auto beta = swish_beta(layers[i])) {
-        const bool in_place = only_holder(h);
+        const bool in_place = only_holder(h) && !not_in_place[i];
         if (in_place || is_naive_swish(layers[i])) {
           const auto variant = in_place ? SwishVariant::kInplace : SwishVariant::kMemoryEfficient;
           layers[i] = torch::nn::AnyModule(memlean::Swish(SwishOptions(*beta).variant(variant)));
@@ -756,6 +774,13 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
       writes_input[i] = h._version() != version;
       passes_input[i] = out.defined() && h.defined() && out.has_storage() && h.has_storage() &&
                         out.storage().is_alias_of(h.storage());
+      if (writes_input[i] && in_place_owner >= 0) {
+        not_in_place[in_place_owner] = true;
+        walk = true;
+        break;
+      }
+      const bool in_place_swish = swapped[i] == to_string(SwishVariant::kInplace) + " swish";
+      in_place_owner = in_place_swish ? i : passes_input[i] ? in_place_owner : -1;
       h = at::Tensor();
       freed[i] = after - memstats::memory_allocated(device);
       kept[i] = after - before;

@@ -20,8 +20,9 @@
 // What fit() does: measures the eager step; if it fits, returns the empty plan. Otherwise,
 // cheapest first, the Swish layers, no recompute: each torch::nn::SiLU or memlean::Swish whose
 // input it alone holds (no earlier op saved it, no view or other tensor shares its storage,
-// it is not the example input; checked on the forward, so autograd's version counter cannot
-// fire) becomes memlean's in-place Swish (one bit per element kept instead of its input), and
+// it is not the example input; and no later layer writes its output in place, which the
+// in-place Swish saves; checked on the forward, so autograd's version counter cannot fire)
+// becomes memlean's in-place Swish (one bit per element kept instead of its input), and
 // a naive memlean::Swish that cannot be in place the memory-efficient one; on the CPU, each
 // torch::nn::BatchNorm{1,2,3}d in training mode gets memlean::lean_batch_norm's backward and
 // each depthwise torch::nn::Conv2d with zero padding memlean::lean_conv2d's (up to two, and

@@ -400,21 +400,33 @@ class _Identities:
 
 
 class _Dataflow(TorchDispatchMode):
-    """Numbers the ops of the forward and notes which storages each reads."""
+    """Numbers the ops of the forward and notes which storages each reads (every tensor
+    argument) and writes (the arguments its schema marks as written: an in-place op's self,
+    an out= argument)."""
 
     def __init__(self, identities: _Identities):
         super().__init__()
         self.identities = identities
         self.seq = 0
         self.reads = {}  # storage identity -> op numbers that read it
+        self.writes = {}  # storage identity -> op numbers that write it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         self.seq += 1
-        for t in _tensors((args, kwargs or {})):
+        for t in _tensors((args, kwargs)):
             identity, _ = self.identities.key(t)
             if identity is not None:
                 self.reads.setdefault(identity, []).append(self.seq)
-        return func(*args, **(kwargs or {}))
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            for t in _tensors(value):
+                identity, _ = self.identities.key(t)
+                if identity is not None:
+                    self.writes.setdefault(identity, []).append(self.seq)
+        return func(*args, **kwargs)
 
 
 class _Recorder:
@@ -507,10 +519,13 @@ class _Recorder:
         if key is not None and key not in self.preexisting and key not in self.saved:
             self.saved[key] = self.atom
             self.atom_bytes[self.atom] += nbytes
-        return t.detach(), self.atom  # (not t: memstats.saved_storages says why)
+        # (not t: memstats.saved_storages says why; the detached tensor shares t's version
+        # counter)
+        return t.detach(), self.atom, t._version
 
     def _unpack(self, packed):
-        t, atom = packed
+        t, atom, version = packed
+        memstats._check_saved_version(t, version)
         if self._tracker is not None and atom != self._backward_atom:
             # Backward moves on to the tensors one atom saved: what it held since the last
             # move belongs to the atom before.
@@ -797,11 +812,18 @@ def _naive(module) -> bool:
 
 def _safe_in_place(call: _Call, recorder: _Recorder) -> bool:
     """Overwriting this call's input is invisible to autograd and to the rest of the
-    forward: the input is a tensor made in this forward, and either the call overwrote it
+    forward: the input is a tensor made in this forward, no op after the call writes its
+    output (memlean's in-place Swish saves its output, which is its input's storage: an
+    in-place op on it after, e.g. a residual's `out += x` or a ReLU(inplace=True), would make
+    autograd's version check fire in backward), and either the call overwrote its input
     already, or no op saved its storage before the call and no op reads it after."""
     key = call.input_key
     if key is None or key in recorder.preexisting:
         return False
+    written = recorder.dataflow.writes
+    for storage in {key} | {k for k, _ in call.outputs[:1] if k is not None}:
+        if any(s >= call.seq_end for s in written.get(storage, ())):
+            return False
     if call.mutates_input:
         # It overwrites its input already (nn.SiLU(inplace=True), timm's act layers) and
         # autograd accepted that: memlean's in-place Swish overwrites the same storage, and

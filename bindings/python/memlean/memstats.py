@@ -461,8 +461,27 @@ def saved_storages():
         saved.add(t)
         # Detached: a saved output returned as itself would make a cycle through its grad_fn
         # that Python's collector cannot see (pytorch#115255): a graph never run backward
-        # would then keep its tensors, and the model's parameters, alive for good.
-        return t.detach()
+        # would then keep its tensors, and the model's parameters, alive for good. (It shares
+        # t's version counter.)
+        return t.detach(), t._version
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def unpack(packed):
+        t, version = packed
+        _check_saved_version(t, version)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield saved
+
+
+def _check_saved_version(t, version):
+    """Autograd's check that a saved tensor was not modified in place before its backward,
+    which autograd skips for a tensor saved through saved_tensors_hooks (it cannot see
+    through them): the hooks of memlean's measurements (saved_storages, memlean.fit's
+    recorded steps) call it at unpack, so a step with an in-place error fails under them as
+    it does without (the same message)."""
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
+            f"expected version {version} instead (checked by memlean's saved-tensor hooks)")

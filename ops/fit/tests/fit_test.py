@@ -59,6 +59,38 @@ class ConvNet(nn.Module):
         return self.head(h)
 
 
+class FusedResidual(nn.Module):
+    """torchvision's FusedMBConv with expand ratio 1 (EfficientNetV2): convolution, BatchNorm,
+    SiLU(inplace=True), and the residual added in place onto the SiLU's output."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.conv = nn.Conv2d(w, w, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(w)
+        self.act = nn.SiLU(inplace=True)
+
+    def forward(self, x):
+        out = self.act(self.bn(self.conv(x)))
+        out += x
+        return out
+
+
+class LaterWrites(nn.Module):
+    """SiLUs whose output a later op writes in place (fused.act: the residual's `out += x`;
+    mid.1: a ReLU(inplace=True)) beside SiLUs whose output nothing writes (stem.2, last.1)."""
+
+    def __init__(self, w=8):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, w, 3, padding=1), nn.BatchNorm2d(w), nn.SiLU())
+        self.fused = FusedResidual(w)
+        self.mid = nn.Sequential(nn.Conv2d(w, w, 3, padding=1), nn.SiLU(), nn.ReLU(inplace=True))
+        self.last = nn.Sequential(nn.Conv2d(w, w, 3, padding=1), nn.SiLU())
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(w, 10))
+
+    def forward(self, x):
+        return self.head(self.last(self.mid(self.fused(self.stem(x)))))
+
+
 class SwiGLU(nn.Module):
     def __init__(self, d):
         super().__init__()
@@ -1059,6 +1091,54 @@ class FitTest(unittest.TestCase):
             loss_fn(twin(x)).backward()
         for (name, p), q in zip(model.named_parameters(), twin.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-9, msg=name)
+
+    def swish_swaps_and_two_steps(self, model, x, loss_fn):
+        """The Swish swaps of a plan below the eager peak, after two training steps of the
+        model beside an unfitted twin (autograd's version check must not fire) with gradients
+        as the twin's, within the in-place backward's float64 bound (docs/swish.md)."""
+        twin = copy.deepcopy(model)
+        eager = memlean.fit(model, x, 2**50, loss_fn=loss_fn).eager_peak_bytes
+        plan = memlean.fit(model, x, eager - 1, loss_fn=loss_fn)
+        self.assertLess(plan.peak_bytes, eager)
+        for _ in range(2):
+            loss_fn(model(x)).backward()
+            loss_fn(twin(x)).backward()
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-9, msg=name)
+        plan.undo()
+        return {a.path: a.action for a in plan.actions if a.action.endswith("swish")}
+
+    def test_no_in_place_swish_where_a_later_op_writes_its_output(self):
+        # memlean's in-place Swish saves its output (and one bit per element): an op that
+        # writes that output in place later (a residual's `out += x` after SiLU(inplace=True),
+        # as torchvision's EfficientNetV2 does; a ReLU(inplace=True)) would make autograd's
+        # version check fire in the user's backward. Until 2026-11-27 fit swapped them (the
+        # user's first step failed: "modified by an inplace operation"); now only the others.
+        torch.manual_seed(0)
+        model = LaterWrites().double()
+        x = torch.randn(4, 3, 16, 16, dtype=torch.double)
+        swaps = self.swish_swaps_and_two_steps(model, x, cross_entropy_of(torch.randint(0, 10, (4,))))
+        self.assertEqual(swaps.get("stem.2"), "inplace swish", swaps)
+        self.assertEqual(swaps.get("last.1"), "inplace swish", swaps)
+        self.assertNotEqual(swaps.get("fused.act"), "inplace swish", swaps)
+        self.assertNotEqual(swaps.get("mid.1"), "inplace swish", swaps)
+
+    def test_a_missed_in_place_write_falls_back_to_no_in_place_swish(self):
+        # The safety net behind the dataflow check: fit measures the step with the swaps and,
+        # if autograd's version check fires, swaps none in place. Its recorded steps save
+        # tensors through saved_tensors_hooks, for which autograd skips that check, so the
+        # recorder checks versions itself (before 2026-11-27 the check could not fire there:
+        # with the dataflow check made blind here, fit kept in-place swaps that failed in the
+        # user's step).
+        from memlean import fitting
+
+        torch.manual_seed(0)
+        model = LaterWrites().double()
+        x = torch.randn(4, 3, 16, 16, dtype=torch.double)
+        with mock.patch.object(fitting, "_safe_in_place", lambda call, recorder: True):
+            swaps = self.swish_swaps_and_two_steps(model, x,
+                                                   cross_entropy_of(torch.randint(0, 10, (4,))))
+        self.assertNotIn("inplace swish", swaps.values(), swaps)
 
     def test_undo_and_state_dict(self):
         model, x, loss_fn, opt = self.conv_setup()

@@ -1,6 +1,7 @@
 """memlean.memstats: exact bytes, nesting peaks, the Swish post's phase table
 (docs/sources.md), categories, the cross-check against torch's MemTracker, torch.profiler,
 reports and errors (CPU)."""
+import contextlib
 import csv
 import gc
 import io
@@ -442,6 +443,19 @@ def test_saved_storages_counts_each_storage_once():
             x * torch.sigmoid(x)
     assert none == {} and none.nbytes == 0
     y.sum().backward()
+
+
+def test_saved_storages_keeps_autograds_in_place_check():
+    # Autograd skips its version check for tensors saved through saved_tensors_hooks; a step
+    # measured under saved_storages still fails where the same step fails without it (a saved
+    # output changed in place before backward), rather than computing wrong gradients.
+    x = torch.randn(100, requires_grad=True)
+    for measured in (False, True):
+        with memlean.memstats.saved_storages() if measured else contextlib.nullcontext():
+            y = torch.sigmoid(x)  # saves its output
+        y.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
 
 
 def test_saved_storages_keeps_nothing_alive_past_the_graph():
