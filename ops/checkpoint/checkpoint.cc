@@ -611,6 +611,10 @@ std::vector<at::Tensor> checkpoint(const torch::nn::Module& module, const Tensor
                                             args, options));
 }
 
+std::vector<at::Tensor> rewound_buffers(const torch::nn::Module& module) {
+  return detail::rewound_buffers(module, unique_tensors(module.buffers()));
+}
+
 namespace detail {
 
 std::vector<at::Tensor> rewound_buffers(const torch::nn::Module& module,

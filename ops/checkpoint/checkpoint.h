@@ -97,6 +97,13 @@ class NormStatisticsHolder {
   virtual ~NormStatisticsHolder() = default;
 };
 
+// The buffers of `module`'s tree (each once) that a checkpoint of it begins its recompute from
+// where its forward changed them: all but the statistics of torch::nn BatchNorm{1,2,3}d and
+// InstanceNorm{1,2,3}d layers and of NormStatisticsHolder modules. A change is seen by the
+// buffer's version counter only: one made through `.data()` or `variable_data()` is not
+// (memlean::fit checks these buffers' values around its measured step instead).
+std::vector<at::Tensor> rewound_buffers(const torch::nn::Module& module);
+
 // Checkpointed module->forward(input) for a module whose forward takes and returns one
 // tensor, e.g. checkpoint(torch::nn::Sequential(...), x).
 template <typename ModuleType>

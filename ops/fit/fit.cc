@@ -26,7 +26,6 @@
 #include <variant>
 
 #include "ops/checkpoint/checkpoint.h"
-#include "ops/checkpoint/internal/checkpoint.h"
 #include "ops/checkpoint/lean_batchnorm.h"
 #include "ops/checkpoint/lean_conv.h"
 #include "ops/fit/budget.h"
@@ -58,7 +57,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Runner = std::function<at::Tensor(const at::Tensor&)>;
 
-// Of the buffers a checkpoint of `model`'s layers would rewind (detail::rewound_buffers),
+// Of the buffers a checkpoint of `model`'s layers would rewind (rewound_buffers, checkpoint.h),
 // those that `run` changes without moving their version counter: through `.data()` or
 // `variable_data()` (`b.data().mul_(1.5)`), which share the storage under a version counter of
 // their own. memlean::checkpoint sees a buffer's change by its version counter only, so a
@@ -72,7 +71,7 @@ std::unordered_set<const c10::TensorImpl*> unversioned_changes(const torch::nn::
     int64_t version;
   };
   std::vector<Before> before;
-  for (const auto& b : detail::rewound_buffers(model, unique_tensors(model.buffers()))) {
+  for (const auto& b : rewound_buffers(model)) {
     before.push_back({b, b.detach().clone(), b._version()});
   }
   run();

@@ -1,0 +1,158 @@
+"""memlean.fit on torchvision's architectures, as users train them: the code paths fit_test's
+own nets do not take. Residual adds written in place onto an activation's output
+(EfficientNetV2's FusedMBConv: `result += input` after SiLU(inplace=True)), ReLU6(inplace=True)
+(MobileNetV2), channel shuffle through views and torch.chunk (ShuffleNetV2), a dense block's
+list of feature maps concatenated by every layer (DenseNet), parallel inception branches
+(GoogLeNet). For each, float64 on the CPU: at the least peak fit names and at a budget between
+it and the eager peak, the step measured here (not with fit's code) peaks at or under the
+budget and equals fit's figure, and three training steps through the plan equal the unfitted
+twin's (gradients, parameters, BatchNorm statistics).
+
+Running fit on 18 torchvision models (2026-11-27) found that fit made EfficientNetV2's
+SiLU(inplace=True) in place although the residual then wrote its output: the user's first
+step failed with autograd's "modified by an inplace operation" (docs/fit.md, step 2).
+
+`python fit_zoo_test.py --models resnet18,vit_b_16 --size 224` runs the same checks on any
+torchvision classification models (a probe, not a test).
+"""
+import argparse
+import copy
+import sys
+import unittest
+
+import torch
+
+import memlean
+import optional_deps
+from fit_test import cross_entropy_of, step_peak
+
+
+def make(name):
+    """A torchvision model, small where the architecture allows, float64, training mode."""
+    # torchvision comes with timm (a dependency of it), and is left out with it
+    # (MEMLEAN_WITHOUT=timm: torch 2.13's CPU wheel has no matching torchvision here).
+    optional_deps.require("timm")
+    import torchvision
+
+    models = torchvision.models
+    if name == "densenet_small":  # DenseNet-BC's layers at a test's size
+        return models.DenseNet(growth_rate=12, block_config=(3, 3, 3), num_init_features=24,
+                               bn_size=4, num_classes=10).double()
+    kwargs = {"num_classes": 10}
+    if name in ("googlenet", "inception_v3"):
+        kwargs.update(aux_logits=False, init_weights=False)
+    return getattr(models, name)(**kwargs).double()
+
+
+class FitZooTest(unittest.TestCase):
+    SIZE = 64
+    BATCH = 2
+
+    def check(self, name, size=None, batch=None):
+        size, batch = size or self.SIZE, batch or self.BATCH
+        torch.manual_seed(0)
+        model = make(name).train()
+        twin = copy.deepcopy(model)
+        x = torch.randn(batch, 3, size, size, dtype=torch.double)
+        loss_fn = cross_entropy_of(torch.randint(0, 10, (batch,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.01, momentum=0.9)
+        with self.assertRaises(memlean.FitError) as caught:
+            memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
+        least = caught.exception.least_peak_bytes
+        eager = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt).eager_peak_bytes
+        self.assertLess(least, eager, name)
+        rows = []
+        for budget in (least, (least + eager) // 2):
+            plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
+            if not opt.state:
+                step_peak(model, (x,), loss_fn, opt)  # the optimizer's state, as fit had it
+            measured = step_peak(model, (x,), loss_fn, opt)
+            self.assertLessEqual(measured, budget, f"{name}, budget {budget}: {plan}")
+            self.assertEqual(measured, plan.peak_bytes, f"{name}: {plan}")
+            rows.append((budget, plan.peak_bytes, plan.predicted_peak_bytes, len(plan.actions)))
+            plan.undo()
+        # Training through the plan at the least peak equals the twin's: three steps, each
+        # forward from the same RNG state, the last without its optimizer step. Each tensor
+        # within a fraction of its own largest element: memlean's in-place Swish within its
+        # float64 bound (docs/swish.md), everything else to float64 rounding, which these
+        # small nets' BatchNorms (few elements per channel) amplify about 100-fold per step.
+        torch.manual_seed(0)
+        model = make(name).train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
+        swish = any(a.action == "inplace swish" for a in plan.actions)
+        for step in range(3):
+            for m, o in ((model, opt), (twin, opt_twin)):
+                torch.manual_seed(100 + step)
+                loss_fn(m(x)).backward()
+                if step < 2:
+                    o.step()
+                    o.zero_grad()
+        # (A gradient that is zero but for rounding, e.g. of a BatchNorm's bias where another
+        # BatchNorm follows, is held to a thousandth of the largest gradient instead.)
+        tolerance = 1e-6 if swish else 1e-8
+        named = list(zip(model.named_parameters(), twin.parameters()))
+        kinds = {"gradient": [(n, p.grad, q.grad) for (n, p), q in named],
+                 "parameter": [(n, p, q) for (n, p), q in named],
+                 "buffer": [(n, b, c) for (n, b), c in zip(model.named_buffers(), twin.buffers())
+                            if b.numel()]}
+        for kind, pairs in kinds.items():
+            largest = max(b.double().abs().max().item() for _, _, b in pairs)
+            for what, a, b in pairs:
+                scale = max(b.double().abs().max().item(), largest / 1000)
+                self.assertLessEqual((a.double() - b.double()).abs().max().item(),
+                                     tolerance * scale, f"{name}: {kind} {what}")
+        plan.undo()
+        return least, eager, rows
+
+    def test_efficientnet_v2_s(self):
+        # (its early FusedMBConv blocks add the residual in place onto SiLU(inplace=True)'s
+        # output: those SiLUs stay, the others become in-place Swishes)
+        torch.manual_seed(0)
+        self.check("efficientnet_v2_s", size=32)
+        model = make("efficientnet_v2_s").train()
+        x = torch.randn(2, 3, 32, 32, dtype=torch.double)
+        eager = memlean.fit(model, x, 2**50).eager_peak_bytes
+        plan = memlean.fit(model, x, eager - 1)
+        in_place = {a.path for a in plan.actions if a.action == "inplace swish"}
+        self.assertFalse("features.1.0.block.0.2" in in_place,
+                         "features.1.0's SiLU, whose output the residual writes, made in place")
+        self.assertTrue("features.1.1.block.0.2" in in_place, "features.1.1's SiLU not in place")
+        plan.undo()
+
+    def test_mobilenet_v2(self):
+        self.check("mobilenet_v2")
+
+    def test_shufflenet_v2(self):
+        self.check("shufflenet_v2_x0_5")
+
+    def test_densenet(self):
+        self.check("densenet_small")
+
+    def test_googlenet(self):
+        self.check("googlenet")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", help="comma-separated torchvision model names")
+    parser.add_argument("--size", type=int, default=96)
+    parser.add_argument("--batch", type=int, default=4)
+    args, rest = parser.parse_known_args()
+    if not args.models:
+        unittest.main(argv=[sys.argv[0]] + rest)
+        return
+    torch.set_num_threads(2)
+    case = FitZooTest()
+    for name in args.models.split(","):
+        least, eager, rows = case.check(name, args.size, args.batch)
+        print(f"{name}: eager {eager:,} bytes, least {least:,} ({least / eager:.3f}); "
+              "kept, measured = fit's, training equal", flush=True)
+        for budget, peak, predicted, actions in rows:
+            print(f"  budget {budget:,}: peak {peak:,}, predicted {predicted:,} "
+                  f"({predicted / peak - 1:+.2%}), {actions} actions", flush=True)
+
+
+if __name__ == "__main__":
+    main()
