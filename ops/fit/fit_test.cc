@@ -173,6 +173,21 @@ void expect_bitwise(const std::vector<at::Tensor>& a, const std::vector<at::Tens
   }
 }
 
+// Two backward passes through the plan and through the unfitted twin (gradients accumulated,
+// no optimizer step): every parameter's gradient equal within rtol and atol.
+void expect_trained_alike(const FitPlan& plan, Bench& s, torch::nn::Sequential& twin,
+                          double rtol, double atol) {
+  for (int step = 0; step < 2; ++step) {
+    at::mse_loss(plan.forward(s.x), s.y).backward();
+    at::mse_loss(twin->forward(s.x), s.y).backward();
+  }
+  const auto params = s.model->parameters(), twin_params = twin->parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(at::allclose(params[i].grad(), twin_params[i].grad(), rtol, atol))
+        << "parameter " << i;
+  }
+}
+
 TEST(Fit, EveryBudgetFromTheLeastToTheEagerPeakIsMet) {
   Bench s;
   s.train_step();
@@ -428,16 +443,8 @@ TEST(Fit, NoInPlaceSwishWhereALaterLayerWritesItsOutput) {
     if (a.action.find("swish") != std::string::npos) swaps.push_back(a.path + ": " + a.action);
   }
   EXPECT_EQ(swaps, std::vector<std::string>{"layer 4: inplace swish"}) << plan.str();
-  for (int step = 0; step < 2; ++step) {
-    at::mse_loss(plan.forward(s.x), s.y).backward();
-    at::mse_loss(twin->forward(s.x), s.y).backward();
-  }
-  const auto params = s.model->parameters(), twin_params = twin->parameters();
-  for (size_t i = 0; i < params.size(); ++i) {
-    // (within the in-place backward's float64 bound, docs/swish.md)
-    EXPECT_TRUE(at::allclose(params[i].grad(), twin_params[i].grad(), 1e-6, 1e-9))
-        << "parameter " << i;
-  }
+  // (within the in-place backward's float64 bound, docs/swish.md)
+  expect_trained_alike(plan, s, twin, 1e-6, 1e-9);
 }
 
 // A small CNN, float64 on the CPU:
@@ -707,15 +714,7 @@ TEST(Fit, NoCheckpointedRunHoldsALayerChangingABufferThroughData) {
   }
   ASSERT_FALSE(at_least.checkpointed.empty()) << at_least.str();
   expect_bitwise(buffers, twin->buffers(), "buffer after fit");  // fit put them back
-  for (int step = 0; step < 2; ++step) {
-    at::mse_loss(at_least.forward(s.x), s.y).backward();
-    at::mse_loss(twin->forward(s.x), s.y).backward();
-  }
-  const auto params = s.model->parameters(), twin_params = twin->parameters();
-  for (size_t i = 0; i < params.size(); ++i) {
-    EXPECT_TRUE(at::allclose(params[i].grad(), twin_params[i].grad(), 1e-10, 1e-12))
-        << "parameter " << i;
-  }
+  expect_trained_alike(at_least, s, twin, 1e-10, 1e-12);
   expect_bitwise(buffers, twin->buffers(), "buffer after 2 steps");
 }
 

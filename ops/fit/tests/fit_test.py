@@ -342,11 +342,9 @@ def wrapped_forwards(model):
     return [n for n, m in model.named_modules() if "forward" in m.__dict__]
 
 
-def train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol, atol):
+def train_side_by_side(model, opt, twin, opt_twin, x, loss_fn):
     """Three training steps of model and twin side by side, each step's forward from the same
-    RNG state (dropout masks), the last without its optimizer step; then their gradients,
-    parameters and buffers (BatchNorm statistics, num_batches_tracked) equal within rtol and
-    atol."""
+    RNG state (dropout masks), the last without its optimizer step (its gradients kept)."""
     for step in range(3):
         for m, o in ((model, opt), (twin, opt_twin)):
             torch.manual_seed(100 + step)
@@ -354,6 +352,12 @@ def train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol, atol):
             if step < 2:
                 o.step()
                 o.zero_grad()
+
+
+def train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol, atol):
+    """train_side_by_side; then their gradients, parameters and buffers (BatchNorm
+    statistics, num_batches_tracked) equal within rtol and atol."""
+    train_side_by_side(model, opt, twin, opt_twin, x, loss_fn)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=name)
         torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=name)

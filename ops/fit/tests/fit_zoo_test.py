@@ -24,14 +24,16 @@ import torch
 
 import memlean
 import optional_deps
-from fit_test import cross_entropy_of, step_peak
+from fit_test import cross_entropy_of, step_peak, train_side_by_side
 
 
 def make(name):
     """A torchvision model, small where the architecture allows, float64, training mode."""
     # torchvision comes with timm (a dependency of it), and is left out with it
     # (MEMLEAN_WITHOUT=timm: torch 2.13's CPU wheel has no matching torchvision here).
-    optional_deps.require("timm")
+    if not optional_deps.available("timm"):
+        raise unittest.SkipTest("torchvision: this environment is made without timm, which "
+                                "brings it (MEMLEAN_WITHOUT)")
     import torchvision
 
     models = torchvision.models
@@ -82,13 +84,7 @@ class FitZooTest(unittest.TestCase):
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
         swish = any(a.action == "inplace swish" for a in plan.actions)
-        for step in range(3):
-            for m, o in ((model, opt), (twin, opt_twin)):
-                torch.manual_seed(100 + step)
-                loss_fn(m(x)).backward()
-                if step < 2:
-                    o.step()
-                    o.zero_grad()
+        train_side_by_side(model, opt, twin, opt_twin, x, loss_fn)
         # (A gradient that is zero but for rounding, e.g. of a BatchNorm's bias where another
         # BatchNorm follows, is held to a thousandth of the largest gradient instead.)
         tolerance = 1e-6 if swish else 1e-8
