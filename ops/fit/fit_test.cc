@@ -415,6 +415,26 @@ TEST(Fit, SwishLayersBecomeInPlaceWhereOnlyTheyHoldTheirInputSavingExactBytes) {
   EXPECT_LE(eager - swapped - saved, 3) << "the measured saving, split among the layers";
 }
 
+// The tests below run on the CPU and, where a GPU is visible, on cuda:0 (float64 there too;
+// fit then counts the allocator's blocks and plans cuda_margin below the budget).
+class FitOnDevice : public ::testing::TestWithParam<c10::DeviceType> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == c10::DeviceType::CUDA && !have_cuda_device()) GTEST_SKIP() << "no GPU";
+  }
+  c10::Device device() const { return c10::Device(GetParam(), 0); }
+  // Moves a Bench's batch and target to the device (its model is made there).
+  void on_device(Bench& s) const {
+    s.x = s.x.to(device());
+    s.y = s.y.to(device());
+  }
+};
+INSTANTIATE_TEST_SUITE_P(CpuAndCuda, FitOnDevice,
+                         ::testing::Values(c10::DeviceType::CPU, c10::DeviceType::CUDA),
+                         [](const auto& info) {
+                           return info.param == c10::DeviceType::CPU ? "Cpu" : "Cuda";
+                         });
+
 // memlean's in-place Swish saves its output: a later layer writing it in place, directly
 // (layer 2, ReLU(inplace)) or through a view a layer hands on (layer 7 flattens layer 6's
 // output, layer 8 writes it), would make autograd's version check fire in backward. Until
@@ -422,19 +442,20 @@ TEST(Fit, SwishLayersBecomeInPlaceWhereOnlyTheyHoldTheirInputSavingExactBytes) {
 // now only 4 is, and training through the plan equals the model's.
 //   0 Linear  1 SiLU  2 ReLU(inplace)  3 Linear  4 SiLU  5 Linear  6 SiLU  7 Flatten
 //   8 ReLU(inplace)  9 Linear
-TEST(Fit, NoInPlaceSwishWhereALaterLayerWritesItsOutput) {
+TEST_P(FitOnDevice, NoInPlaceSwishWhereALaterLayerWritesItsOutput) {
   at::set_num_threads(1);
   namespace nn = torch::nn;
-  auto make = [] {
+  auto make = [this] {
     at::manual_seed(0);
     nn::Sequential m(nn::Linear(kIn, kHidden), nn::SiLU(), nn::ReLU(nn::ReLUOptions(true)),
                      nn::Linear(kHidden, kHidden), nn::SiLU(), nn::Linear(kHidden, kHidden),
                      nn::SiLU(), nn::Flatten(), nn::ReLU(nn::ReLUOptions(true)),
                      nn::Linear(kHidden, kOut));
-    m->to(at::kDouble);
+    m->to(device(), at::kDouble);
     return m;
   };
   Bench s(make());
+  on_device(s);
   nn::Sequential twin = make();
   const int64_t eager = fit(s.model, s.x, int64_t{1} << 40, s.options()).eager_peak_bytes;
   const FitPlan plan = fit(s.model, s.x, eager - 1, s.options());
@@ -678,10 +699,10 @@ TORCH_MODULE(DataScaled);
 // recompute, but the tanh's saved output was made from the twice-changed scale). fit finds such layers by value in its
 // measured step and checkpoints runs beside them only; training through the plan equals the
 // unfitted twin's in float64, buffers included (changed once per forward, not again).
-TEST(Fit, NoCheckpointedRunHoldsALayerChangingABufferThroughData) {
+TEST_P(FitOnDevice, NoCheckpointedRunHoldsALayerChangingABufferThroughData) {
   at::set_num_threads(1);
   namespace nn = torch::nn;
-  auto make = [] {
+  auto make = [this] {
     at::manual_seed(0);
     nn::Sequential m(nn::Linear(kIn, kHidden));
     for (int i = 0; i < 3; ++i) {
@@ -691,10 +712,11 @@ TEST(Fit, NoCheckpointedRunHoldsALayerChangingABufferThroughData) {
       m->push_back(DataScaled());  // layers 4, 8, 12
     }
     m->push_back(nn::Linear(kHidden, kOut));
-    m->to(at::kDouble);
+    m->to(device(), at::kDouble);
     return m;
   };
   Bench s(make());
+  on_device(s);
   nn::Sequential twin = make();
   const auto buffers = s.model->buffers();
   const auto [least, eager] = least_and_eager(s.model, s.x, s.options());

@@ -365,6 +365,74 @@ def train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol, atol):
         torch.testing.assert_close(b, c, rtol=rtol, atol=atol, msg=name)
 
 
+def check_no_checkpoint_holds_a_data_change(test, device):
+    """fit at its least peak on 4 blocks that change a buffer through .data (DataScaled),
+    float64 on `device`: only what lies inside the blocks is checkpointed, fit puts the
+    buffers back, and 2 backward passes equal the unfitted twin's (buffers changed once per
+    forward, not again)."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(*[DataScaled(64, 4) for _ in range(4)],
+                             nn.Linear(64, 10)).to(device, torch.double)
+
+    model, twin = make(), make()
+    x = torch.randn(256, 64, dtype=torch.double, device=device)
+    loss_fn = cross_entropy_of(torch.randint(0, 10, (256,), device=device))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with test.assertRaises(memlean.FitError) as caught:
+        memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
+    least = caught.exception.least_peak_bytes
+    eager = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt).eager_peak_bytes
+    test.assertLess(least, eager)
+    plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
+    checkpointed = [a.path for a in plan.actions if a.action == "checkpoint"]
+    test.assertTrue(checkpointed, str(plan))
+    inside = tuple(f"{i}." for i in range(4))
+    test.assertTrue(all(p.startswith(inside) for p in checkpointed), str(plan))
+    for b, b2 in zip(model.buffers(), twin.buffers()):
+        test.assertTrue(torch.equal(b, b2))  # fit's steps put the buffers back
+    for _ in range(2):
+        loss_fn(model(x)).backward()
+        loss_fn(twin(x)).backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+    for b, b2 in zip(model.buffers(), twin.buffers()):
+        test.assertTrue(torch.equal(b, b2))  # changed once per forward, not again
+    plan.undo()
+
+
+def swish_swaps_and_two_steps(test, model, x, loss_fn):
+    """The Swish swaps of a plan below the eager peak, after two training steps of the
+    model beside an unfitted twin (autograd's version check must not fire) with gradients
+    as the twin's, within the in-place backward's float64 bound (docs/swish.md)."""
+    twin = copy.deepcopy(model)
+    eager = memlean.fit(model, x, 2**50, loss_fn=loss_fn).eager_peak_bytes
+    plan = memlean.fit(model, x, eager - 1, loss_fn=loss_fn)
+    test.assertLess(plan.peak_bytes, eager)
+    for _ in range(2):
+        loss_fn(model(x)).backward()
+        loss_fn(twin(x)).backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-9, msg=name)
+    plan.undo()
+    return {a.path: a.action for a in plan.actions if a.action.endswith("swish")}
+
+
+def check_no_in_place_swish_where_written(test, device):
+    """LaterWrites, float64 on `device`: stem.2 and last.1 become in-place Swishes, fused.act
+    (a residual added onto its output) and mid.1 (a ReLU(inplace=True) after it) do not, and
+    two steps train as the twin."""
+    torch.manual_seed(0)
+    model = LaterWrites().to(device, torch.double)
+    x = torch.randn(4, 3, 16, 16, dtype=torch.double, device=device)
+    swaps = swish_swaps_and_two_steps(
+        test, model, x, cross_entropy_of(torch.randint(0, 10, (4,), device=device)))
+    test.assertEqual(swaps.get("stem.2"), "inplace swish", swaps)
+    test.assertEqual(swaps.get("last.1"), "inplace swish", swaps)
+    test.assertNotEqual(swaps.get("fused.act"), "inplace swish", swaps)
+    test.assertNotEqual(swaps.get("mid.1"), "inplace swish", swaps)
+
+
 class FitTest(unittest.TestCase):
     def setUp(self):
         torch.manual_seed(0)
@@ -720,32 +788,7 @@ class FitTest(unittest.TestCase):
         # checkpoint rewinds it): gradients silently off. fit finds such modules by value in
         # its recorded step and checkpoints what lies inside them instead (each block's body);
         # training equals the unfitted twin's in float64.
-        def make():
-            torch.manual_seed(0)
-            return nn.Sequential(*[DataScaled(64, 4) for _ in range(4)],
-                                 nn.Linear(64, 10)).double()
-
-        model, twin = make(), make()
-        x = torch.randn(256, 64, dtype=torch.double)
-        loss_fn = cross_entropy_of(torch.randint(0, 10, (256,)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        least, eager = self.least_and_eager(model, x, loss_fn, opt)
-        self.assertLess(least, eager)
-        plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
-        checkpointed = [a.path for a in plan.actions if a.action == "checkpoint"]
-        self.assertTrue(checkpointed, str(plan))
-        inside = tuple(f"{i}." for i in range(4))
-        self.assertTrue(all(p.startswith(inside) for p in checkpointed), str(plan))
-        for b, b2 in zip(model.buffers(), twin.buffers()):
-            self.assertTrue(torch.equal(b, b2))  # fit's steps put the buffers back
-        for _ in range(2):
-            loss_fn(model(x)).backward()
-            loss_fn(twin(x)).backward()
-        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
-        for b, b2 in zip(model.buffers(), twin.buffers()):
-            self.assertTrue(torch.equal(b, b2))  # changed once per forward, not again
-        plan.undo()
+        check_no_checkpoint_holds_a_data_change(self, "cpu")
 
     def test_runs_of_sibling_modules(self):
         # fit's finer candidates: consecutive sibling calls that hand one tensor along. Only
@@ -1096,36 +1139,13 @@ class FitTest(unittest.TestCase):
         for (name, p), q in zip(model.named_parameters(), twin.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-9, msg=name)
 
-    def swish_swaps_and_two_steps(self, model, x, loss_fn):
-        """The Swish swaps of a plan below the eager peak, after two training steps of the
-        model beside an unfitted twin (autograd's version check must not fire) with gradients
-        as the twin's, within the in-place backward's float64 bound (docs/swish.md)."""
-        twin = copy.deepcopy(model)
-        eager = memlean.fit(model, x, 2**50, loss_fn=loss_fn).eager_peak_bytes
-        plan = memlean.fit(model, x, eager - 1, loss_fn=loss_fn)
-        self.assertLess(plan.peak_bytes, eager)
-        for _ in range(2):
-            loss_fn(model(x)).backward()
-            loss_fn(twin(x)).backward()
-        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-9, msg=name)
-        plan.undo()
-        return {a.path: a.action for a in plan.actions if a.action.endswith("swish")}
-
     def test_no_in_place_swish_where_a_later_op_writes_its_output(self):
         # memlean's in-place Swish saves its output (and one bit per element): an op that
         # writes that output in place later (a residual's `out += x` after SiLU(inplace=True),
         # as torchvision's EfficientNetV2 does; a ReLU(inplace=True)) would make autograd's
         # version check fire in the user's backward. Until 2026-11-27 fit swapped them (the
         # user's first step failed: "modified by an inplace operation"); now only the others.
-        torch.manual_seed(0)
-        model = LaterWrites().double()
-        x = torch.randn(4, 3, 16, 16, dtype=torch.double)
-        swaps = self.swish_swaps_and_two_steps(model, x, cross_entropy_of(torch.randint(0, 10, (4,))))
-        self.assertEqual(swaps.get("stem.2"), "inplace swish", swaps)
-        self.assertEqual(swaps.get("last.1"), "inplace swish", swaps)
-        self.assertNotEqual(swaps.get("fused.act"), "inplace swish", swaps)
-        self.assertNotEqual(swaps.get("mid.1"), "inplace swish", swaps)
+        check_no_in_place_swish_where_written(self, "cpu")
 
     def test_a_missed_in_place_write_falls_back_to_no_in_place_swish(self):
         # The safety net behind the dataflow check: fit measures the step with the swaps and,
@@ -1140,8 +1160,8 @@ class FitTest(unittest.TestCase):
         model = LaterWrites().double()
         x = torch.randn(4, 3, 16, 16, dtype=torch.double)
         with mock.patch.object(fitting, "_safe_in_place", lambda call, recorder: True):
-            swaps = self.swish_swaps_and_two_steps(model, x,
-                                                   cross_entropy_of(torch.randint(0, 10, (4,))))
+            swaps = swish_swaps_and_two_steps(self, model, x,
+                                              cross_entropy_of(torch.randint(0, 10, (4,))))
         self.assertNotIn("inplace swish", swaps.values(), swaps)
 
     def test_undo_and_state_dict(self):
@@ -1571,6 +1591,15 @@ class FitCudaTest(unittest.TestCase):
         self.assertTrue(any(a.action == "checkpoint" for a in plan.actions), str(plan))
         # (TF32 convolutions: both models run the same algorithms on the same shapes.)
         train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol=1e-3, atol=1e-4)
+
+    def test_no_in_place_swish_where_a_later_op_writes_its_output_on_cuda(self):
+        # FitTest's case on cuda:0 (the dataflow check and the recorder's version check see
+        # device tensors as they see the CPU's).
+        check_no_in_place_swish_where_written(self, "cuda")
+
+    def test_a_module_changing_a_buffer_through_data_is_never_checkpointed_on_cuda(self):
+        # FitTest's case on cuda:0 (the value check reads device buffers).
+        check_no_checkpoint_holds_a_data_change(self, "cuda")
 
 
 class _IntOutput(nn.Module):
