@@ -365,9 +365,9 @@ def train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol, atol):
         torch.testing.assert_close(b, c, rtol=rtol, atol=atol, msg=name)
 
 
-def check_no_checkpoint_holds_a_data_change(test, device):
+def check_no_checkpoint_holds_a_data_change(test, device, batch=256):
     """fit at its least peak on 4 blocks that change a buffer through .data (DataScaled),
-    float64 on `device`: only what lies inside the blocks is checkpointed, fit puts the
+    float64 on `device`, a batch of `batch` rows: only what lies inside the blocks is checkpointed, fit puts the
     buffers back, and 2 backward passes equal the unfitted twin's (buffers changed once per
     forward, not again)."""
     def make():
@@ -376,8 +376,8 @@ def check_no_checkpoint_holds_a_data_change(test, device):
                              nn.Linear(64, 10)).to(device, torch.double)
 
     model, twin = make(), make()
-    x = torch.randn(256, 64, dtype=torch.double, device=device)
-    loss_fn = cross_entropy_of(torch.randint(0, 10, (256,), device=device))
+    x = torch.randn(batch, 64, dtype=torch.double, device=device)
+    loss_fn = cross_entropy_of(torch.randint(0, 10, (batch,), device=device))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with test.assertRaises(memlean.FitError) as caught:
         memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
@@ -418,15 +418,15 @@ def swish_swaps_and_two_steps(test, model, x, loss_fn):
     return {a.path: a.action for a in plan.actions if a.action.endswith("swish")}
 
 
-def check_no_in_place_swish_where_written(test, device):
-    """LaterWrites, float64 on `device`: stem.2 and last.1 become in-place Swishes, fused.act
+def check_no_in_place_swish_where_written(test, device, batch=4, size=16):
+    """LaterWrites, float64 on `device`, batch x 3 x size x size: stem.2 and last.1 become in-place Swishes, fused.act
     (a residual added onto its output) and mid.1 (a ReLU(inplace=True) after it) do not, and
     two steps train as the twin."""
     torch.manual_seed(0)
     model = LaterWrites().to(device, torch.double)
-    x = torch.randn(4, 3, 16, 16, dtype=torch.double, device=device)
+    x = torch.randn(batch, 3, size, size, dtype=torch.double, device=device)
     swaps = swish_swaps_and_two_steps(
-        test, model, x, cross_entropy_of(torch.randint(0, 10, (4,), device=device)))
+        test, model, x, cross_entropy_of(torch.randint(0, 10, (batch,), device=device)))
     test.assertEqual(swaps.get("stem.2"), "inplace swish", swaps)
     test.assertEqual(swaps.get("last.1"), "inplace swish", swaps)
     test.assertNotEqual(swaps.get("fused.act"), "inplace swish", swaps)
@@ -1594,12 +1594,14 @@ class FitCudaTest(unittest.TestCase):
 
     def test_no_in_place_swish_where_a_later_op_writes_its_output_on_cuda(self):
         # FitTest's case on cuda:0 (the dataflow check and the recorder's version check see
-        # device tensors as they see the CPU's).
-        check_no_in_place_swish_where_written(self, "cuda")
+        # device tensors as they see the CPU's), at 4 MiB per activation: fit keeps a margin
+        # of 2 MiB or more below the budget there.
+        check_no_in_place_swish_where_written(self, "cuda", batch=64, size=32)
 
     def test_a_module_changing_a_buffer_through_data_is_never_checkpointed_on_cuda(self):
-        # FitTest's case on cuda:0 (the value check reads device buffers).
-        check_no_checkpoint_holds_a_data_change(self, "cuda")
+        # FitTest's case on cuda:0 (the value check reads device buffers), 4 MiB per
+        # activation.
+        check_no_checkpoint_holds_a_data_change(self, "cuda", batch=8192)
 
 
 class _IntOutput(nn.Module):
