@@ -365,8 +365,8 @@ class FitForCompileCudaTest(unittest.TestCase):
     """fit(compile=True) on cuda:0, checked with torch's own counters (not memstats): at 0.8
     of the compiled step's peak without checkpoints, the compiled step measured here (after a
     compiling step) peaks above what lived before the model at or under the budget and within
-    max(2 %, 1 MiB) of plan.peak_bytes; its checkpoints are traced (no graph break), and it
-    trains as the eager step of the model without the plan. (The loss reads no labels:
+    max(2 %, 1 MiB) of plan.peak_bytes; its checkpoints all traced (then no graph break) or
+    all between graphs, and it trains as the eager step of the model without the plan. (The loss reads no labels:
     nothing but the step lives on the device.)"""
 
     def check(self, path):
@@ -405,7 +405,10 @@ class FitForCompileCudaTest(unittest.TestCase):
                                compile=True)
         self.assertEqual(plan.device, "cuda:0")
         self.assertTrue(plan.actions, str(plan))
-        _assert_traced(self, model, plan, True)
+        # Traced where the search found a traced plan within the budget, else every
+        # checkpoint between graphs (the second search), never a mix.
+        traced = set(_traced(model).values())
+        self.assertIn(traced, ({True}, {False}), str(plan))
         torch._dynamo.reset()
         counters.clear()
         compiled = torch.compile(model, dynamic=False)
@@ -414,11 +417,13 @@ class FitForCompileCudaTest(unittest.TestCase):
         print(f"cuda compiled, {path}: budget {budget}, fit measured {plan.peak_bytes}, torch "
               f"{peak - base} ({peak - base - plan.peak_bytes:+}), fixed {plan.fixed_bytes}, "
               f"torch's resident {before - base}, predicted {plan.predicted_peak_bytes}, "
-              f"{len(plan.actions)} actions", flush=True)
+              f"{len(plan.actions)} actions, traced {traced}", flush=True)
         self.assertLessEqual(peak - base, budget, str(plan))
         self.assertLessEqual(abs(peak - base - plan.peak_bytes),
                              max(plan.peak_bytes // 50, 1 << 20), str(plan))
-        self.assertEqual(sum(counters["graph_break"].values()), 0, dict(counters["graph_break"]))
+        if traced == {True}:
+            self.assertEqual(sum(counters["graph_break"].values()), 0,
+                             dict(counters["graph_break"]))
         start = copy.deepcopy(model.state_dict())
 
         def gradients(forward):
