@@ -3,7 +3,7 @@ step's peak (torch.cuda.max_memory_allocated above what lived before the model) 
 without memlean, with torch.compile's activation_memory_budget=0.5, and fitted with
 compile=True at that peak. JSON lines to stdout and OUT/fit_compile_cuda.jsonl."""
 import gc, json, os, sys, time
-import torch, torch.nn.functional as F, timm
+import torch, timm
 import memlean
 
 OUT = sys.argv[1]
