@@ -496,6 +496,97 @@ bool only_holder(const at::Tensor& x) {
          !(x.is_leaf() && x.requires_grad()) && x.is_floating_point();
 }
 
+// What one forward of a Sequential, layer by layer, found with fit's swaps made (step 1 of
+// fit, below): each layer's kept and freed bytes, output, time, and whether it writes or
+// hands on its input.
+struct LayerWalk {
+  std::vector<torch::nn::AnyModule> layers;  // the model's, or the swapped ones
+  std::vector<std::string> swapped;          // the action, for a swapped layer
+  std::vector<int64_t> input_bytes;          // a swapped layer's input's storage
+  std::vector<bool> writes_input, passes_input;
+  std::vector<double> seconds;
+  std::vector<int64_t> kept, freed, output_bytes;
+  // Bytes alive when layer i began (its input held) and the most while it ran.
+  std::vector<int64_t> forward_start, forward_peak;
+  // An in-place Swish whose output a later layer wrote in place: the walk stopped there, its
+  // figures incomplete (-1: none, the walk is whole).
+  int64_t written_in_place = -1;
+};
+
+// The forward of step 1: on the CPU, lean BatchNorm and depthwise-convolution layers; each
+// Swish in place where only it holds its input and not_in_place does not forbid it, else a
+// naive memlean::Swish made memory-efficient. Holds only the latest output, as a training
+// forward does.
+LayerWalk walk_layers(const torch::nn::Sequential& model, const at::Tensor& example_input,
+                      const c10::Device& device, const std::vector<bool>& not_in_place) {
+  const auto n = static_cast<int64_t>(model->size());
+  LayerWalk w;
+  w.layers.assign(model->begin(), model->end());
+  w.swapped.assign(n, "");
+  w.input_bytes.assign(n, 0);
+  w.writes_input.assign(n, false);
+  w.passes_input.assign(n, false);
+  w.seconds.assign(n, 0.0);
+  w.kept.assign(n, 0);
+  w.freed.assign(n + 1, 0);
+  w.output_bytes.assign(n, 0);
+  w.forward_start.assign(n, 0);
+  w.forward_peak.assign(n, 0);
+  at::AutoGradMode grad_mode(true);
+  const FreshAutocastCache fresh;  // each layer makes its weight copies, as in a step
+  at::Tensor h = example_input;
+  int64_t in_place_owner = -1;  // the in-place Swish whose output h's storage is, if any
+  for (int64_t i = 0; i < n; ++i) {
+    bool in_place_swish = false;
+    if (device.is_cpu() && at::GradMode::is_enabled()) {
+      if (auto lean = lean_layer(w.layers[i], h)) {
+        w.layers[i] = std::move(lean->first);
+        w.swapped[i] = std::move(lean->second);
+        w.input_bytes[i] = storage_bytes(h);
+      }
+    }
+    if (const auto beta = swish_beta(w.layers[i])) {
+      in_place_swish = only_holder(h) && !not_in_place[i];
+      if (in_place_swish || is_naive_swish(w.layers[i])) {
+        const auto variant =
+            in_place_swish ? SwishVariant::kInplace : SwishVariant::kMemoryEfficient;
+        w.layers[i] = torch::nn::AnyModule(memlean::Swish(SwishOptions(*beta).variant(variant)));
+        w.swapped[i] = to_string(variant) + " swish";
+        w.input_bytes[i] = storage_bytes(h);
+      }
+    }
+    synchronize(device);
+    const int64_t before = memstats::memory_allocated(device);
+    const int64_t version = h._version();
+    w.forward_start[i] = before;
+    memstats::Tracker layer_tracker(device);  // (its figures are memory_allocated's)
+    const auto t0 = Clock::now();
+    at::Tensor out = w.layers[i].forward(h);
+    synchronize(device);
+    w.seconds[i] = std::chrono::duration<double>(Clock::now() - t0).count();
+    w.forward_peak[i] = layer_tracker.peak();
+    layer_tracker.stop();
+    const int64_t after = memstats::memory_allocated(device);
+    // A layer that writes its input (swapped here, or in place already) cannot begin a
+    // checkpointed run (nor follow layers that hand their input on): memlean::checkpoint
+    // refuses a function that overwrites its input.
+    w.writes_input[i] = h._version() != version;
+    w.passes_input[i] = out.defined() && h.defined() && out.has_storage() && h.has_storage() &&
+                        out.storage().is_alias_of(h.storage());
+    if (w.writes_input[i] && in_place_owner >= 0) {
+      w.written_in_place = in_place_owner;
+      return w;
+    }
+    in_place_owner = in_place_swish ? i : w.passes_input[i] ? in_place_owner : -1;
+    h = at::Tensor();
+    w.freed[i] = after - memstats::memory_allocated(device);
+    w.kept[i] = after - before;
+    w.output_bytes[i] = storage_bytes(out);
+    h = std::move(out);
+  }
+  return w;
+}
+
 }  // namespace
 
 at::Tensor FitPlan::forward(const at::Tensor& x) const {
@@ -708,85 +799,27 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   std::vector<std::string> names;
   for (const auto& item : model->named_children()) names.push_back(item.key());
   names.resize(n);
-  std::vector<torch::nn::AnyModule> layers;
-  std::vector<std::string> swapped;  // the action, for a swapped layer
-  std::vector<int64_t> input_bytes;
-  std::vector<bool> writes_input, passes_input;
-  std::vector<double> seconds;
-  std::vector<int64_t> kept, freed, output_bytes;
-  // Bytes alive when layer i began (its input held) and the most while it ran.
-  std::vector<int64_t> forward_start, forward_peak;
   // memlean's in-place Swish saves its output (its input's storage): a later layer that
   // writes that storage in place (a ReLU(inplace), directly or through layers that hand on
   // a view of it) would make autograd's version check fire in backward. Such a Swish is not
   // made in place, and the walk runs again (rare: once per such layer).
   std::vector<bool> not_in_place(n, false);
-  for (bool walk = true; walk;) {
-    walk = false;
-    layers.assign(model->begin(), model->end());
-    swapped.assign(n, "");
-    input_bytes.assign(n, 0);
-    writes_input.assign(n, false);
-    passes_input.assign(n, false);
-    seconds.assign(n, 0.0);
-    kept.assign(n, 0);
-    freed.assign(n + 1, 0);
-    output_bytes.assign(n, 0);
-    forward_start.assign(n, 0);
-    forward_peak.assign(n, 0);
-    at::AutoGradMode grad_mode(true);
-    const FreshAutocastCache fresh;  // each layer makes its weight copies, as in a step
-    at::Tensor h = example_input;
-    int64_t in_place_owner = -1;  // the in-place Swish whose output h's storage is, if any
-    for (int64_t i = 0; i < n; ++i) {
-      if (device.is_cpu() && at::GradMode::is_enabled()) {
-        if (auto lean = lean_layer(layers[i], h)) {
-          layers[i] = std::move(lean->first);
-          swapped[i] = std::move(lean->second);
-          input_bytes[i] = storage_bytes(h);
-        }
-      }
-      if (const auto beta = swish_beta(layers[i])) {
-        const bool in_place = only_holder(h) && !not_in_place[i];
-        if (in_place || is_naive_swish(layers[i])) {
-          const auto variant = in_place ? SwishVariant::kInplace : SwishVariant::kMemoryEfficient;
-          layers[i] = torch::nn::AnyModule(memlean::Swish(SwishOptions(*beta).variant(variant)));
-          swapped[i] = to_string(variant) + " swish";
-          input_bytes[i] = storage_bytes(h);
-        }
-      }
-      synchronize(device);
-      const int64_t before = memstats::memory_allocated(device);
-      const int64_t version = h._version();
-      forward_start[i] = before;
-      memstats::Tracker layer_tracker(device);  // (its figures are memory_allocated's)
-      const auto t0 = Clock::now();
-      at::Tensor out = layers[i].forward(h);
-      synchronize(device);
-      seconds[i] = std::chrono::duration<double>(Clock::now() - t0).count();
-      forward_peak[i] = layer_tracker.peak();
-      layer_tracker.stop();
-      const int64_t after = memstats::memory_allocated(device);
-      // A layer that writes its input (swapped here, or in place already) cannot begin a
-      // checkpointed run (nor follow layers that hand their input on): memlean::checkpoint
-      // refuses a function that overwrites its input.
-      writes_input[i] = h._version() != version;
-      passes_input[i] = out.defined() && h.defined() && out.has_storage() && h.has_storage() &&
-                        out.storage().is_alias_of(h.storage());
-      if (writes_input[i] && in_place_owner >= 0) {
-        not_in_place[in_place_owner] = true;
-        walk = true;
-        break;
-      }
-      const bool in_place_swish = swapped[i] == to_string(SwishVariant::kInplace) + " swish";
-      in_place_owner = in_place_swish ? i : passes_input[i] ? in_place_owner : -1;
-      h = at::Tensor();
-      freed[i] = after - memstats::memory_allocated(device);
-      kept[i] = after - before;
-      output_bytes[i] = storage_bytes(out);
-      h = std::move(out);
-    }
-  }
+  LayerWalk walk;
+  do {
+    walk = walk_layers(model, example_input, device, not_in_place);
+    if (walk.written_in_place >= 0) not_in_place[walk.written_in_place] = true;
+  } while (walk.written_in_place >= 0);
+  const auto& layers = walk.layers;
+  const auto& swapped = walk.swapped;
+  const auto& input_bytes = walk.input_bytes;
+  const auto& writes_input = walk.writes_input;
+  const auto& passes_input = walk.passes_input;
+  const auto& seconds = walk.seconds;
+  const auto& kept = walk.kept;
+  const auto& freed = walk.freed;
+  const auto& output_bytes = walk.output_bytes;
+  const auto& forward_start = walk.forward_start;
+  const auto& forward_peak = walk.forward_peak;
   torch::nn::Sequential work = model;
   std::vector<FitAction> swaps;
   int64_t empty_peak = result.eager_peak_bytes;  // the step without checkpoints
