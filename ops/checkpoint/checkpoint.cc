@@ -615,6 +615,36 @@ std::vector<at::Tensor> rewound_buffers(const torch::nn::Module& module) {
   return detail::rewound_buffers(module, unique_tensors(module.buffers()));
 }
 
+std::vector<bool> unversioned_changes(const std::vector<at::Tensor>& buffers,
+                                      const std::function<void()>& run) {
+  std::vector<at::Tensor> copies;
+  std::vector<int64_t> versions;
+  for (const auto& b : buffers) {
+    copies.push_back(b.defined() ? b.detach().clone() : at::Tensor());
+    versions.push_back(b.defined() ? b._version() : 0);
+  }
+  run();
+  std::vector<bool> changed(buffers.size(), false);
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const at::Tensor& b = buffers[i];
+    if (!b.defined() || b._version() != versions[i]) continue;  // seen by a checkpoint
+    at::Tensor now = b.detach(), then = copies[i];
+    bool same = now.sizes() == then.sizes() && now.scalar_type() == then.scalar_type() &&
+                now.layout() == then.layout();
+    if (same && now.layout() != at::kStrided) {
+      now = now.to_dense();
+      then = then.to_dense();
+    }
+    if (same) {
+      same = now.is_floating_point() || now.is_complex()
+                 ? at::where(now.isnan(), then.isnan(), now == then).all().item<bool>()
+                 : at::equal(now, then);
+    }
+    changed[i] = !same;
+  }
+  return changed;
+}
+
 namespace detail {
 
 std::vector<at::Tensor> rewound_buffers(const torch::nn::Module& module,

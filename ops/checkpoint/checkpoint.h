@@ -104,6 +104,16 @@ class NormStatisticsHolder {
 // (memlean::fit checks these buffers' values around its measured step instead).
 std::vector<at::Tensor> rewound_buffers(const torch::nn::Module& module);
 
+// Which of `buffers` `run` changed without moving their version counters (through `.data()` /
+// `variable_data()` in C++, `.data` in Python, which share the storage under a version counter
+// of their own), one flag per buffer: a checkpoint cannot see such a change, and its recompute
+// would read the changed value. Found by value: a copy of each buffer is made before `run` (so
+// it costs the buffers' bytes once, outside what `run` measures), compared after; a NaN equals
+// a NaN, a sparse buffer is compared densely, one whose shape, dtype or layout changed differs.
+// memlean::fit (both languages) checkpoints no module holding such a buffer.
+std::vector<bool> unversioned_changes(const std::vector<at::Tensor>& buffers,
+                                      const std::function<void()>& run);
+
 // Checkpointed module->forward(input) for a module whose forward takes and returns one
 // tensor, e.g. checkpoint(torch::nn::Sequential(...), x).
 template <typename ModuleType>

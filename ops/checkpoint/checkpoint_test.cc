@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -687,4 +688,32 @@ TEST(CheckpointErrors, EmptyFunction) {
 }
 
 }  // namespace
+// unversioned_changes flags exactly the buffers changed through .data() (no version bump):
+// not one changed in place in the open (a checkpoint sees that), nor one left alone, nor a NaN
+// left a NaN; a sparse buffer changed through its values and a complex one are found too.
+TEST(UnversionedChanges, FlagsTheChangesNoVersionCounterSaw) {
+  at::Tensor seen = at::ones({4});
+  at::Tensor unseen = at::ones({4});
+  at::Tensor untouched = at::full({3}, std::numeric_limits<float>::quiet_NaN());
+  at::Tensor sparse = at::eye(3).to_sparse();
+  at::Tensor complex = at::ones({2}, at::kComplexFloat);
+  at::Tensor integers = at::arange(5);
+  at::Tensor undefined;
+  const std::vector<at::Tensor> buffers{seen, unseen, untouched, sparse, complex, integers,
+                                        undefined};
+  int calls = 0;
+  const std::vector<bool> changed = unversioned_changes(buffers, [&] {
+    ++calls;
+    seen.mul_(2);
+    unseen.data().mul_(2);
+    untouched.data().add_(1);  // NaN + 1 is NaN: the value is unchanged
+    sparse.data()._values().mul_(3);
+    complex.data().mul_(c10::complex<float>(0, 1));
+  });
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(changed, (std::vector<bool>{false, true, false, true, true, false, false}));
+  EXPECT_EQ(unversioned_changes({integers}, [&] { integers.data()[0] = 7; }),
+            std::vector<bool>{true});
+}
+
 }  // namespace memlean

@@ -58,41 +58,18 @@ using Clock = std::chrono::steady_clock;
 using Runner = std::function<at::Tensor(const at::Tensor&)>;
 
 // Of the buffers a checkpoint of `model`'s layers would rewind (rewound_buffers, checkpoint.h),
-// those that `run` changes without moving their version counter: through `.data()` or
-// `variable_data()` (`b.data().mul_(1.5)`), which share the storage under a version counter of
-// their own. memlean::checkpoint sees a buffer's change by its version counter only, so a
-// checkpoint of a layer holding one would recompute from the changed value (its gradients
-// silently off): fit checkpoints no run holding one. Found by value: copies made before
-// `run`, compared after (a NaN equals a NaN).
+// those that `run` changes without moving their version counter (unversioned_changes,
+// checkpoint.h): a checkpoint of a layer holding one would recompute from the changed value
+// (its gradients silently off), so fit checkpoints no run holding one.
 std::unordered_set<const c10::TensorImpl*> unversioned_changes(const torch::nn::Module& model,
                                                                 const std::function<void()>& run) {
-  struct Before {
-    at::Tensor buffer, value;
-    int64_t version;
-  };
-  std::vector<Before> before;
-  for (const auto& b : rewound_buffers(model)) {
-    before.push_back({b, b.detach().clone(), b._version()});
+  const std::vector<at::Tensor> buffers = rewound_buffers(model);
+  const std::vector<bool> changed = memlean::unversioned_changes(buffers, run);
+  std::unordered_set<const c10::TensorImpl*> found;
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    if (changed[i]) found.insert(buffers[i].unsafeGetTensorImpl());
   }
-  run();
-  std::unordered_set<const c10::TensorImpl*> changed;
-  for (const auto& [b, start, version] : before) {
-    if (b._version() != version) continue;  // seen by the checkpoint
-    at::Tensor now = b.detach(), then = start;
-    bool same = now.sizes() == then.sizes() && now.scalar_type() == then.scalar_type() &&
-                now.layout() == then.layout();
-    if (same && now.layout() != at::kStrided) {
-      now = now.to_dense();
-      then = then.to_dense();
-    }
-    if (same) {
-      same = now.is_floating_point() || now.is_complex()
-                 ? at::where(now.isnan(), then.isnan(), now == then).all().item<bool>()
-                 : at::equal(now, then);
-    }
-    if (!same) changed.insert(b.unsafeGetTensorImpl());
-  }
-  return changed;
+  return found;
 }
 
 int64_t storage_bytes(const at::Tensor& t) {

@@ -1287,25 +1287,16 @@ def _with_unversioned_writers(model, run):
     version counter: through `.data` (`b.data.mul_(...)`, `b.data = ...`). memlean.checkpoint
     sees a buffer's change by its version counter only, so a checkpoint of such a module would
     recompute from the changed value (gradients silently off); fit checkpoints none of them,
-    nor a run or sliced chain holding one. (Found by comparing values: the copies are made
-    before the step, outside its counted bytes; a NaN equals a NaN.)"""
+    nor a run or sliced chain holding one. (Found by value, memlean::unversioned_changes, the
+    check memlean::fit makes: copies made before the step, outside its counted bytes.)"""
     buffers = rewound_buffers([model], [b for b in model.buffers() if b is not None])
-    before = buffer_copies(buffers)
-    result = run()
-    changed = set()
-    for b, start, version in before:
-        if b._version != version:
-            continue
-        now = b.detach()
-        same = now.shape == start.shape and now.dtype == start.dtype and bool(
-            torch.where(now.isnan(), start.isnan(), now == start).all()
-            if now.is_floating_point() else torch.equal(now, start))
-        if not same:
-            changed.add(id(b))
+    result = []
+    flags = _C.unversioned_changes(buffers, lambda: result.append(run()))
+    changed = {id(b) for b, flag in zip(buffers, flags) if flag}
     if not changed:
-        return result, frozenset()
-    return result, frozenset(id(m) for m in model.modules()
-                             if any(id(b) in changed for b in m.buffers()))
+        return result[0], frozenset()
+    return result[0], frozenset(id(m) for m in model.modules()
+                                if any(id(b) in changed for b in m.buffers()))
 
 
 def _buffers_of(module):

@@ -117,6 +117,14 @@ void init_checkpoint(pybind11::module_& m) {
         py::arg("dilation"), py::arg("groups"));
   m.def("lean_conv2d_applies", &memlean::lean_conv2d_applies, py::arg("input"),
         py::arg("weight"), py::arg("groups"));
+  // memlean::unversioned_changes (checkpoint.h): which buffers run() changed unseen by a
+  // checkpoint (through .data), one flag each; memlean.fit's check, as memlean::fit's.
+  m.def(
+      "unversioned_changes",
+      [](const std::vector<at::Tensor>& buffers, const py::function& run) {
+        return memlean::unversioned_changes(buffers, [&run] { run(); });
+      },
+      py::arg("buffers"), py::arg("run"));
   // memlean.checkpoint's core: memlean::checkpoint (detail::checkpoint_impl) running the
   // Python callable `run` (see python_function), named `name` in errors, with `buffers`
   // put back after the recompute; `run.backward_in_full` is read after the forward (FSDP2).
