@@ -57,6 +57,23 @@ def _compiled_step_peak(model, x, loss_fn, opt, region=contextlib.nullcontext, *
         return compiled, step_peak(compiled, (x,), loss_fn, opt)
 
 
+def _gradients_with_and_without_plan(model, plan, compiled, x, loss_fn, opt, region):
+    """(The parameters' gradients of one step through `compiled`, the same of one eager step of
+    the model with the plan undone), each from the model's state now, inside region()."""
+    start = copy.deepcopy(model.state_dict())
+
+    def gradients(forward):
+        model.load_state_dict(start)
+        opt.zero_grad(set_to_none=True)
+        with region():
+            loss_fn(forward(x)).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    grads = gradients(compiled)
+    plan.undo()
+    return grads, gradients(model)
+
+
 class _Stage(nn.Module):
     """Convolution, BatchNorm, SiLU; with graph_break, dynamo cannot trace it in one piece."""
 
@@ -166,18 +183,8 @@ class FitForCompileTest(unittest.TestCase):
                 self.assertEqual(measured, plan.peak_bytes, str(plan))
                 self.assertEqual(sum(counters["graph_break"].values()), 0,
                                  dict(counters["graph_break"]))
-                start = copy.deepcopy(model.state_dict())
-
-                def gradients(forward):
-                    model.load_state_dict(start)
-                    opt.zero_grad(set_to_none=True)
-                    with region():
-                        loss_fn(forward(x)).backward()
-                    return [p.grad.clone() for p in model.parameters()]
-
-                grads = gradients(compiled)
-                plan.undo()
-                plain_grads = gradients(model)
+                grads, plain_grads = _gradients_with_and_without_plan(
+                    model, plan, compiled, x, loss_fn, opt, region)
                 if path == "channels_last":
                     self.assertTrue(model.stem[0].weight.is_contiguous(
                         memory_format=torch.channels_last))
@@ -424,18 +431,8 @@ class FitForCompileCudaTest(unittest.TestCase):
         if traced == {True}:
             self.assertEqual(sum(counters["graph_break"].values()), 0,
                              dict(counters["graph_break"]))
-        start = copy.deepcopy(model.state_dict())
-
-        def gradients(forward):
-            model.load_state_dict(start)
-            opt.zero_grad(set_to_none=True)
-            with region():
-                squared_mean(forward(x)).backward()
-            return torch.cat([p.grad.flatten() for p in model.parameters()])
-
-        a = gradients(compiled)
-        plan.undo()
-        b = gradients(model)
+        a, b = (torch.cat([g.flatten() for g in gs]) for gs in _gradients_with_and_without_plan(
+            model, plan, compiled, x, squared_mean, opt, region))
         # (TF32 and inductor's fusions in float32; autocast's bf16 rounding: within 10 % in
         # norm, as on the CPU)
         tolerance = 0.1 if "autocast" in path else 1e-2
