@@ -687,7 +687,6 @@ TEST(CheckpointErrors, EmptyFunction) {
   expect_error([&] { checkpoint(TensorFunction(), 0, {leaf({2})}); }, "function is empty");
 }
 
-}  // namespace
 // unversioned_changes flags exactly the buffers changed through .data() (no version bump):
 // not one changed in place in the open (a checkpoint sees that), nor one left alone, nor a NaN
 // left a NaN; a sparse buffer changed through its values and a complex one are found too.
@@ -716,4 +715,5 @@ TEST(UnversionedChanges, FlagsTheChangesNoVersionCounterSaw) {
             std::vector<bool>{true});
 }
 
+}  // namespace
 }  // namespace memlean

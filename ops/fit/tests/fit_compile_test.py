@@ -6,7 +6,6 @@ compiler fails on them; the argument checked. Apart from fit_test.py: each plan 
 compiles afresh, so this takes minutes under load."""
 import contextlib
 import copy
-import gc
 import unittest
 
 import torch
@@ -16,7 +15,7 @@ from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.utils import counters
 
 import memlean
-from fit_test import MBNet, classified, cuda_step, squared_mean, step_peak
+from fit_test import MBNet, classified, cuda_process_bytes, cuda_step, squared_mean, step_peak
 from memlean import fitting
 
 
@@ -55,6 +54,17 @@ def _compiled_step_peak(model, x, loss_fn, opt, region=contextlib.nullcontext, *
         step_peak(compiled, (x,), loss_fn, opt)  # compiles
     with region():
         return compiled, step_peak(compiled, (x,), loss_fn, opt)
+
+
+def _fit_at_four_fifths(model, x, loss_fn, opt, region):
+    """(budget, plan): fit(compile=True) at 0.8 of the compiled step's peak without
+    checkpoints (a first fit that changes nothing measures it), each fit inside region()."""
+    with region():
+        plain = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt, compile=True)
+    budget = plain.peak_bytes * 4 // 5
+    with region():
+        return budget, memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt,
+                                   compile=True)
 
 
 def _gradients_with_and_without_plan(model, plan, compiled, x, loss_fn, opt, region):
@@ -169,13 +179,7 @@ class FitForCompileTest(unittest.TestCase):
                     return (torch.autocast("cpu", dtype=torch.bfloat16)
                             if path == "autocast bf16" else contextlib.nullcontext())
 
-                with region():
-                    plain = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt,
-                                        compile=True)
-                budget = plain.peak_bytes * 4 // 5
-                with region():
-                    plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt,
-                                       compile=True)
+                budget, plan = _fit_at_four_fifths(model, x, loss_fn, opt, region)
                 _assert_traced(self, model, plan, True)
                 compiled, measured = _compiled_step_peak(model, x, loss_fn, opt, region,
                                                          dynamic=False)
@@ -373,8 +377,8 @@ class FitForCompileCudaTest(unittest.TestCase):
     of the compiled step's peak without checkpoints, the compiled step measured here (after a
     compiling step) peaks above what lived before the model at or under the budget and within
     max(2 %, 1 MiB) of plan.peak_bytes; its checkpoints all traced (then no graph break) or
-    all between graphs, and it trains as the eager step of the model without the plan. (The loss reads no labels:
-    nothing but the step lives on the device.)"""
+    all between graphs, and it trains as the eager step of the model without the plan. (The
+    loss reads no labels: nothing but the step lives on the device.)"""
 
     def check(self, path):
         def make():
@@ -384,32 +388,16 @@ class FitForCompileCudaTest(unittest.TestCase):
             if path == "channels_last, autocast bf16":
                 model = model.to(memory_format=torch.channels_last)
                 x = x.contiguous(memory_format=torch.channels_last)
-            return model, x, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            return (model, x, squared_mean,
+                    torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
 
         def region():
             return (torch.autocast("cuda", dtype=torch.bfloat16) if "autocast" in path
                     else contextlib.nullcontext())
 
-        # What the process keeps once such steps have run (cuBLAS's workspaces, the autograd
-        # device thread's made by a recompute), from a throwaway twin's steps.
-        model, x, opt = make()
-        torch._dynamo.reset()
-        cuda_step(torch.compile(model, dynamic=False), x, squared_mean, opt, region)
-        with region():
-            squared_mean(memlean.checkpoint(model, x)).backward()
-        del model, x, opt
-        torch._dynamo.reset()
-        gc.collect()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        model, x, opt = make()
-        with region():
-            plain = memlean.fit(model, x, 2**50, loss_fn=squared_mean, optimizer=opt,
-                                compile=True)
-        budget = plain.peak_bytes * 4 // 5
-        with region():
-            plan = memlean.fit(model, x, budget, loss_fn=squared_mean, optimizer=opt,
-                               compile=True)
+        base = cuda_process_bytes(make, region, compiled=True)
+        model, x, _, opt = make()
+        budget, plan = _fit_at_four_fifths(model, x, squared_mean, opt, region)
         self.assertEqual(plan.device, "cuda:0")
         self.assertTrue(plan.actions, str(plan))
         # Traced where the search found a traced plan within the budget, else every

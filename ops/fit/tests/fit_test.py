@@ -365,11 +365,23 @@ def train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol, atol):
         torch.testing.assert_close(b, c, rtol=rtol, atol=atol, msg=name)
 
 
+def least_and_eager(test, model, x, loss_fn, opt, fit_region=contextlib.nullcontext,
+                    **options):
+    """(The least peak a FitError names, the eager peak of a plan that changes nothing),
+    each fit inside fit_region()."""
+    with test.assertRaises(memlean.FitError) as caught, fit_region():
+        memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt, **options)
+    with fit_region():
+        plan = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt, **options)
+    test.assertEqual(plan.actions, [])
+    return caught.exception.least_peak_bytes, plan.eager_peak_bytes
+
+
 def check_no_checkpoint_holds_a_data_change(test, device, batch=256):
     """fit at its least peak on 4 blocks that change a buffer through .data (DataScaled),
-    float64 on `device`, a batch of `batch` rows: only what lies inside the blocks is checkpointed, fit puts the
-    buffers back, and 2 backward passes equal the unfitted twin's (buffers changed once per
-    forward, not again)."""
+    float64 on `device`, a batch of `batch` rows: only what lies inside the blocks is
+    checkpointed, fit puts the buffers back, and 2 backward passes equal the unfitted twin's
+    (buffers changed once per forward, not again)."""
     def make():
         torch.manual_seed(0)
         return nn.Sequential(*[DataScaled(64, 4) for _ in range(4)],
@@ -379,10 +391,7 @@ def check_no_checkpoint_holds_a_data_change(test, device, batch=256):
     x = torch.randn(batch, 64, dtype=torch.double, device=device)
     loss_fn = cross_entropy_of(torch.randint(0, 10, (batch,), device=device))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with test.assertRaises(memlean.FitError) as caught:
-        memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
-    least = caught.exception.least_peak_bytes
-    eager = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt).eager_peak_bytes
+    least, eager = least_and_eager(test, model, x, loss_fn, opt)
     test.assertLess(least, eager)
     plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
     checkpointed = [a.path for a in plan.actions if a.action == "checkpoint"]
@@ -419,9 +428,9 @@ def swish_swaps_and_two_steps(test, model, x, loss_fn):
 
 
 def check_no_in_place_swish_where_written(test, device, batch=4, size=16):
-    """LaterWrites, float64 on `device`, batch x 3 x size x size: stem.2 and last.1 become in-place Swishes, fused.act
-    (a residual added onto its output) and mid.1 (a ReLU(inplace=True) after it) do not, and
-    two steps train as the twin."""
+    """LaterWrites, float64 on `device`, batch x 3 x size x size: stem.2 and last.1 become
+    in-place Swishes, fused.act (a residual added onto its output) and mid.1 (a
+    ReLU(inplace=True) after it) do not, and two steps train as the twin."""
     torch.manual_seed(0)
     model = LaterWrites().to(device, torch.double)
     x = torch.randn(batch, 3, size, size, dtype=torch.double, device=device)
@@ -456,12 +465,7 @@ class FitTest(unittest.TestCase):
 
     def least_and_eager(self, model, x, loss_fn, opt, fit_region=contextlib.nullcontext,
                         **options):
-        with self.assertRaises(memlean.FitError) as caught, fit_region():
-            memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt, **options)
-        with fit_region():
-            plan = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt, **options)
-        self.assertEqual(plan.actions, [])
-        return caught.exception.least_peak_bytes, plan.eager_peak_bytes
+        return least_and_eager(self, model, x, loss_fn, opt, fit_region, **options)
 
     def check_budgets(self, model, inputs, loss_fn, opt, count=8, fit_region=contextlib.nullcontext,
                       step_region=contextlib.nullcontext, **options):
@@ -1487,6 +1491,28 @@ def cuda_step(model, x, loss_fn, opt, region=contextlib.nullcontext):
     return before, torch.cuda.max_memory_allocated()
 
 
+def cuda_process_bytes(make, region=contextlib.nullcontext, compiled=False):
+    """The bytes the process keeps on the device once steps of this kind have run (cuBLAS
+    workspaces), made by a throwaway twin from make() -> (model, batch, loss_fn, optimizer):
+    one step (through torch.compile(dynamic=False) if compiled), then one through
+    memlean.checkpoint of the whole model. cuBLAS keeps a workspace per thread: the autograd
+    engine's device thread gets its own cuBLASLt one (1 MiB on an H100) the first time a
+    checkpoint recomputes a linear layer there."""
+    model, x, loss_fn, opt = make()
+    if compiled:
+        torch._dynamo.reset()
+    cuda_step(torch.compile(model, dynamic=False) if compiled else model, x, loss_fn, opt,
+              region)
+    with region():
+        loss_fn(memlean.checkpoint(model, x)).backward()
+    del model, x, opt
+    if compiled:
+        torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
 def squared_mean(out):
     return out.float().square().mean()
 
@@ -1502,19 +1528,9 @@ class FitCudaTest(unittest.TestCase):
         torch.manual_seed(0)
 
     def on_cuda(self, make, region):
-        """(bytes the process keeps on the device once steps of this kind have run: cuBLAS
-        workspaces, made by a throwaway twin's steps), then make()'s model, batch, loss and
-        optimizer. cuBLAS keeps a workspace per thread: the autograd engine's device thread
-        gets its own cuBLASLt one (1 MiB on an H100) the first time a checkpoint recomputes a
-        linear layer there, so the twin's second step recomputes the whole model."""
-        model, x, loss_fn, opt = make()
-        cuda_step(model, x, loss_fn, opt, region)
-        with region():
-            loss_fn(memlean.checkpoint(model, x)).backward()
-        del model, x, opt
-        gc.collect()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
+        """(cuda_process_bytes(make, region)), then make()'s model, batch, loss and
+        optimizer."""
+        base = cuda_process_bytes(make, region)
         torch.manual_seed(0)
         return (base,) + make()
 
