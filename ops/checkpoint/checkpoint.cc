@@ -522,9 +522,12 @@ std::vector<c10::IValue> checkpoint_impl(detail::Segment segment, int64_t n_inpu
                   "must not modify its inputs (the recompute in backward would see the modified "
                   "values). Clone the input first, or start the segment after the in-place op.");
     }
+    // Changed: its version counter moved, or (a change through `.data()`, which moves a
+    // version counter of its own) its values differ from the copy.
     size_t kept = 0;
     for (size_t i = 0; i < state.rewind.size(); ++i) {
-      if (state.rewind[i].first._version() != buffer_versions[i]) {
+      const auto& [buffer, copy] = state.rewind[i];
+      if (buffer._version() != buffer_versions[i] || !same_values(buffer, copy)) {
         state.rewind[kept++] = std::move(state.rewind[i]);
       }
     }
@@ -628,24 +631,29 @@ std::vector<bool> unversioned_changes(const std::vector<at::Tensor>& buffers,
   for (size_t i = 0; i < buffers.size(); ++i) {
     const at::Tensor& b = buffers[i];
     if (!b.defined() || b._version() != versions[i]) continue;  // seen by a checkpoint
-    at::Tensor now = b.detach(), then = copies[i];
-    bool same = now.sizes() == then.sizes() && now.scalar_type() == then.scalar_type() &&
-                now.layout() == then.layout();
-    if (same && now.layout() != at::kStrided) {
-      now = now.to_dense();
-      then = then.to_dense();
-    }
-    if (same) {
-      same = now.is_floating_point() || now.is_complex()
-                 ? at::where(now.isnan(), then.isnan(), now == then).all().item<bool>()
-                 : at::equal(now, then);
-    }
-    changed[i] = !same;
+    changed[i] = !detail::same_values(b, copies[i]);
   }
   return changed;
 }
 
 namespace detail {
+
+bool same_values(const at::Tensor& now_in, const at::Tensor& then_in) {
+  at::Tensor now = now_in.detach(), then = then_in.detach();
+  if (now.sizes() != then.sizes() || now.scalar_type() != then.scalar_type() ||
+      now.layout() != then.layout() || now.device() != then.device()) {
+    return false;
+  }
+  if (now.layout() != at::kStrided) {
+    now = now.to_dense();
+    then = then.to_dense();
+  }
+  // at::equal first: on the CPU it allocates nothing (checkpoint forwards call this, inside
+  // the bytes memlean::fit predicts); only where it says "differ" can a NaN be the reason.
+  if (at::equal(now, then)) return true;
+  return (now.is_floating_point() || now.is_complex()) &&
+         at::where(now.isnan(), then.isnan(), now == then).all().item<bool>();
+}
 
 std::vector<at::Tensor> rewound_buffers(const torch::nn::Module& module,
                                         const std::vector<at::Tensor>& buffers) {

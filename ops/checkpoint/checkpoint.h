@@ -100,17 +100,19 @@ class NormStatisticsHolder {
 // The buffers of `module`'s tree (each once) that a checkpoint of it begins its recompute from
 // where its forward changed them: all but the statistics of torch::nn BatchNorm{1,2,3}d and
 // InstanceNorm{1,2,3}d layers and of NormStatisticsHolder modules. A change is seen by the
-// buffer's version counter only: one made through `.data()` or `variable_data()` is not
-// (memlean::fit checks these buffers' values around its measured step instead).
+// buffer's version counter, or, for one made through `.data()` or `variable_data()` (which
+// leave it alone), by comparing the buffer with the copy the checkpoint made before the
+// forward (on CUDA one synchronisation per checkpointed forward that has such buffers).
 std::vector<at::Tensor> rewound_buffers(const torch::nn::Module& module);
 
 // Which of `buffers` `run` changed without moving their version counters (through `.data()` /
 // `variable_data()` in C++, `.data` in Python, which share the storage under a version counter
-// of their own), one flag per buffer: a checkpoint cannot see such a change, and its recompute
-// would read the changed value. Found by value: a copy of each buffer is made before `run` (so
-// it costs the buffers' bytes once, outside what `run` measures), compared after; a NaN equals
-// a NaN, a sparse buffer is compared densely, one whose shape, dtype or layout changed differs.
-// memlean::fit (both languages) checkpoints no module holding such a buffer.
+// of their own), one flag per buffer. Found by value: a copy of each buffer is made before
+// `run` (so it costs the buffers' bytes once, outside what `run` measures), compared after; a
+// NaN equals a NaN, a sparse buffer is compared densely, one whose shape, dtype or layout
+// changed differs. A checkpoint sees such a change the same way (rewound_buffers), but
+// memlean::fit (both languages) counts the copies a checkpoint keeps from its recorded step's
+// version counters, so it checkpoints no module holding such a buffer.
 std::vector<bool> unversioned_changes(const std::vector<at::Tensor>& buffers,
                                       const std::function<void()>& run);
 

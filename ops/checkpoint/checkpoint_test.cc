@@ -403,26 +403,34 @@ TEST(CheckpointModule, TorchBatchNormInsideIsUpdatedOnce) {
 
 // A layer whose forward updates a buffer and reads it (as spectral norm's power iteration and
 // a QAT observer do): y = x * scale after scale *= 2. Its gradient is the scale the forward
-// used.
+// used. through_data: the update through scale.data(), which leaves the buffer's version
+// counter alone.
 struct DoublingImpl : torch::nn::Module {
-  DoublingImpl() { scale = register_buffer("scale", at::full({1}, 1.5, f64())); }
+  explicit DoublingImpl(bool through_data = false) : through_data(through_data) {
+    scale = register_buffer("scale", at::full({1}, 1.5, f64()));
+  }
   at::Tensor forward(const at::Tensor& x) {
-    {
+    if (through_data) {
+      scale.data().mul_(2);
+    } else {
       at::NoGradGuard no_grad;
       scale.mul_(2);
     }
     return x * scale;
   }
+  bool through_data;
   at::Tensor scale;
 };
 TORCH_MODULE(Doubling);
 
 // The recompute begins from the buffers the forward began from where the forward changed
 // them: the module form and checkpoint_sequential give the plain gradients (3, not the 6 a
-// recompute from the updated scale gave), and the buffer is updated once.
+// recompute from the updated scale gave), and the buffer is updated once. Also where the
+// forward updates it through .data(), which no version counter sees (found by value since
+// 2026-11-27).
 TEST(CheckpointModule, TheRecomputeBeginsFromTheBuffersTheForwardBeganFrom) {
-  for (const bool sequential : {false, true}) {
-    torch::nn::Sequential s(torch::nn::Linear(4, 4), Doubling(), torch::nn::Tanh());
+  for (const bool sequential : {false, true}) for (const bool through_data : {false, true}) {
+    torch::nn::Sequential s(torch::nn::Linear(4, 4), Doubling(through_data), torch::nn::Tanh());
     s->to(at::kDouble);
     const at::Tensor x = at::randn({3, 4}, f64()).requires_grad_();
     const at::Tensor y = sequential ? checkpoint_sequential(s, {0, 2}, x) : checkpoint(s, x);
@@ -436,7 +444,8 @@ TEST(CheckpointModule, TheRecomputeBeginsFromTheBuffersTheForwardBeganFrom) {
       scale.fill_(1.5);
     }
     s->forward(x).sum().backward();
-    EXPECT_TRUE(at::allclose(g, x.grad(), 1e-14, 0)) << (sequential ? "sequential" : "module");
+    EXPECT_TRUE(at::allclose(g, x.grad(), 1e-14, 0))
+        << (sequential ? "sequential" : "module") << (through_data ? ", through .data()" : "");
   }
 }
 

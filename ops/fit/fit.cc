@@ -59,8 +59,9 @@ using Runner = std::function<at::Tensor(const at::Tensor&)>;
 
 // Of the buffers a checkpoint of `model`'s layers would rewind (rewound_buffers, checkpoint.h),
 // those that `run` changes without moving their version counter (unversioned_changes,
-// checkpoint.h): a checkpoint of a layer holding one would recompute from the changed value
-// (its gradients silently off), so fit checkpoints no run holding one.
+// checkpoint.h). A checkpoint sees such a change by value (rewound_buffers), but fit's byte
+// model counts no copy a checkpoint keeps of a buffer, and a layer that changes its buffers
+// behind autograd's back is one fit leaves alone: it checkpoints no run holding one.
 std::unordered_set<const c10::TensorImpl*> unversioned_changes(const torch::nn::Module& model,
                                                                 const std::function<void()>& run) {
   const std::vector<at::Tensor> buffers = rewound_buffers(model);
@@ -724,7 +725,7 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
 
   // Warm-up: the optimizer makes its state (of the same sizes as the one moved out), and
   // lazily allocated workspaces (cuBLAS's) are made before anything is measured.
-  // (unversioned: the buffers that step changed unseen by a checkpoint, unversioned_changes)
+  // (unversioned: the buffers that step changed through .data(), unversioned_changes)
   std::unordered_set<const c10::TensorImpl*> unversioned;
   {
     step.clear_grads();
@@ -876,7 +877,8 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     for (const auto& t : unique_tensors(run)) total += static_cast<int64_t>(t.nbytes());
     return total;
   };
-  // A layer holding a buffer changed unseen (unversioned) is in no checkpointed run.
+  // A layer holding a buffer changed behind autograd's back (unversioned) is in no
+  // checkpointed run.
   std::vector<bool> holds_unversioned(n, false);
   for (int64_t i = 0; i < n && !unversioned.empty(); ++i) {
     for (const auto& b : layer_buffers[i]) {

@@ -22,8 +22,10 @@ autocast state of the forward is restored for the recompute too. BatchNorm is up
 per training step. A module's buffers that its forward reads and updates (spectral norm's
 power-iteration vectors, a QAT observer's statistics; not BatchNorm statistics, which a
 training forward does not read) are copied before the forward, and the recompute begins
-from those copies, so it computes what the forward computed (rewound_buffers; for a plain
-function, the buffers of the modules it calls: _BuffersSeen). A segment that is an nn.Module (or a checkpoint_sequential segment of
+from the copies of those the forward changed (its version counter moved, or, for a change
+through ``.data``, its values differ), so it computes what the forward computed
+(rewound_buffers, changed_since; for a plain function, the buffers of the modules it calls:
+_BuffersSeen). A segment that is an nn.Module (or a checkpoint_sequential segment of
 modules) has all the buffers of its module tree put back after the recompute as the
 forward left them, the running statistics of its BatchNorms included, as the C++
 checkpoint does for a module. A segment that is a plain function (or has a callable that is
@@ -195,9 +197,11 @@ def buffer_copies(buffers):
 
 
 def changed_since(copies):
-    """(buffer, copy) of the buffer_copies whose buffer the forward changed (its version
-    counter moved): what its recompute must begin from."""
-    return tuple((b, c) for b, c, v in copies if b._version != v)
+    """(buffer, copy) of the buffer_copies whose buffer the forward changed: its version
+    counter moved, or its values differ from the copy (a change through ``.data``, which has
+    a version counter of its own; memlean::detail::same_values, as the C++ checkpoint
+    compares): what its recompute must begin from."""
+    return tuple((b, c) for b, c, v in copies if b._version != v or not _C.same_values(b, c))
 
 
 def put_back(pairs) -> None:

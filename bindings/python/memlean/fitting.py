@@ -1285,10 +1285,11 @@ def _with_unversioned_writers(model, run):
     """run() (a measured step) and the id() of every module whose tree holds a buffer that a
     checkpoint would rewind (rewound_buffers) and that the step changed without moving its
     version counter: through `.data` (`b.data.mul_(...)`, `b.data = ...`). memlean.checkpoint
-    sees a buffer's change by its version counter only, so a checkpoint of such a module would
-    recompute from the changed value (gradients silently off); fit checkpoints none of them,
-    nor a run or sliced chain holding one. (Found by value, memlean::unversioned_changes, the
-    check memlean::fit makes: copies made before the step, outside its counted bytes.)"""
+    sees such a change by value (changed_since), but fit's planner counts the buffer copies a
+    checkpoint keeps from the recorded step's version counters (_Call.changed_buffers), so
+    fit checkpoints none of these modules, nor a run or sliced chain holding one. (Found by
+    value, memlean::unversioned_changes, the check memlean::fit makes: copies made before the
+    step, outside its counted bytes.)"""
     buffers = rewound_buffers([model], [b for b in model.buffers() if b is not None])
     result = []
     flags = _C.unversioned_changes(buffers, lambda: result.append(run()))

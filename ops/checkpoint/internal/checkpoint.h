@@ -135,6 +135,13 @@ struct Segment {
   std::function<bool()> backward_in_full;
 };
 
+// Whether `now` holds what `then` held: the same sizes, dtype, layout and device, every element
+// equal, a NaN equal to a NaN (sparse tensors compared densely). On the CPU it allocates
+// nothing where they are equal without NaNs; on CUDA it waits for the device (one
+// synchronisation). How a checkpoint sees a buffer changed through `.data`, and
+// unversioned_changes.
+bool same_values(const at::Tensor& now, const at::Tensor& then);
+
 // Of `buffers` (module's), those a checkpoint of `module` rewinds for the recompute
 // (Segment::rewound): all but the statistics of its torch::nn BatchNorm{1,2,3}d and
 // InstanceNorm{1,2,3}d and memlean::BatchNorm2d layers and of NormStatisticsHolder modules,

@@ -125,6 +125,9 @@ void init_checkpoint(pybind11::module_& m) {
         return memlean::unversioned_changes(buffers, [&run] { run(); });
       },
       py::arg("buffers"), py::arg("run"));
+  // memlean::detail::same_values: whether a buffer still holds its copy's values (how every
+  // form of memlean.checkpoint sees a change made through .data: changed_since).
+  m.def("same_values", &memlean::detail::same_values, py::arg("now"), py::arg("then"));
   // memlean.checkpoint's core: memlean::checkpoint (detail::checkpoint_impl) running the
   // Python callable `run` (see python_function), named `name` in errors, with `buffers`
   // put back after the recompute; `run.backward_in_full` is read after the forward (FSDP2).

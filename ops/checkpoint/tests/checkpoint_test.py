@@ -513,29 +513,38 @@ def test_torch_batchnorm_in_checkpoint_sequential_is_updated_once():
 
 class _Doubling(nn.Module):
     """y = x * scale after scale *= 2: a forward that updates a buffer and reads it (as spectral
-    norm's power iteration and a QAT observer do)."""
+    norm's power iteration and a QAT observer do); through_data: the update through
+    ``scale.data``, which leaves the buffer's version counter alone (as older code does)."""
 
-    def __init__(self):
+    def __init__(self, through_data=False):
         super().__init__()
         self.register_buffer("scale", torch.full((1,), 1.5, dtype=torch.float64))
+        self.through_data = through_data
 
     def forward(self, x):
-        with torch.no_grad():
-            self.scale.mul_(2)
+        if self.through_data:
+            self.scale.data.mul_(2)
+        else:
+            with torch.no_grad():
+                self.scale.mul_(2)
         return x * self.scale
 
 
+@pytest.mark.parametrize("through_data", [False, True], ids=["in_the_open", "through_data"])
 @pytest.mark.parametrize("form", ["module", "function", "sequential", "fit"])
-def test_the_recompute_begins_from_the_buffers_the_forward_began_from(form):
+def test_the_recompute_begins_from_the_buffers_the_forward_began_from(form, through_data):
     # A segment whose forward updates a buffer it reads is recomputed from the buffer's value
     # at the forward's start: gradients equal the plain ones in float64 (recomputed from the
     # updated values they did not: 8e-6 off with torch's spectral norm, which torch's own
     # non-reentrant checkpoint still is), and the buffers are updated once. Forms: a module,
     # a function calling it, checkpoint_sequential, and a module memlean.fit checkpoints.
+    # through_data: the update made through .data, which no version counter sees (found by
+    # value since 2026-11-27; before, the recompute began from the updated scale: twice the
+    # gradient through it).
     def model():
         torch.manual_seed(0)
         return nn.Sequential(torch.nn.utils.spectral_norm(nn.Linear(8, 16)), nn.Tanh(),
-                             _Doubling(), nn.Linear(16, 8), nn.Tanh(),
+                             _Doubling(through_data), nn.Linear(16, 8), nn.Tanh(),
                              torch.nn.utils.spectral_norm(nn.Linear(8, 8))).double()
 
     torch.manual_seed(1)
@@ -566,7 +575,8 @@ def test_a_buffer_the_forward_leaves_alone_keeps_no_copy():
     # The buffers to rewind are copied before the forward and the copies of those it did not
     # change dropped after it: a segment reading a 4 MiB constant buffer keeps its input and
     # output only (exact bytes), and one whose forward updates that buffer keeps one copy more
-    # until its backward. A buffer made in inference_mode (no version counter; it cannot
+    # until its backward, whether the update moves its version counter or goes through .data
+    # (seen by value). A buffer made in inference_mode (no version counter; it cannot
     # change outside it) is left alone, in the module and the function form.
     table = torch.ones(2 ** 20)
 
@@ -577,7 +587,9 @@ def test_a_buffer_the_forward_leaves_alone_keeps_no_copy():
             self.update = update
 
         def forward(self, x):
-            if self.update:
+            if self.update == ".data":
+                self.table.data.add_(1)
+            elif self.update:
                 with torch.no_grad():
                     self.table.add_(1)
             return torch.tanh(x) * self.table[:4]
@@ -590,7 +602,7 @@ def test_a_buffer_the_forward_leaves_alone_keeps_no_copy():
     x = torch.randn(4, requires_grad=True)
     memlean.checkpoint(probe, x).sum().backward()
     memlean.checkpoint(lambda h: probe(h), x, params=[]).sum().backward()
-    for update, extra in ((False, 0), (True, table.nbytes)):
+    for update, extra in ((False, 0), (True, table.nbytes), (".data", table.nbytes)):
         layer = Reads(update)
         x = torch.randn(4, requires_grad=True)
         with memlean.memstats.track("cpu") as t:
