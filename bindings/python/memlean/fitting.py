@@ -101,8 +101,9 @@ class FitAction:
     """One change fit made. action: "inplace swish", "memory_efficient swish", "lean
     batchnorm" (memlean.batch_norm's backward, CPU eager steps), "lean depthwise conv"
     (memlean.conv2d's backward, CPU eager steps), "sliced recompute" (a run of channelwise
-    modules recomputed slice by slice of channels, memlean.sliced; CPU eager steps) or
-    "checkpoint". bytes_saved: for a checkpoint, the saved bytes it frees under the planner's
+    modules recomputed slice by slice of channels, memlean.sliced; CPU eager steps), "sliced
+    mlp" (an MLP, Linear-activation-Linear, recomputed slice by slice of its hidden features,
+    memlean.sliced_mlp; CPU eager steps) or "checkpoint". bytes_saved: for a checkpoint, the saved bytes it frees under the planner's
     model; for a sliced run, the saved bytes its calls lost, measured; for a Swish, a
     BatchNorm or a convolution, the measured saving of all these swaps shared in proportion
     to the modules' output bytes. recompute_seconds: the module's measured forward time (the
@@ -247,11 +248,13 @@ class FitPlan:
         norms = sum(1 for a in self.actions if a.action == "lean batchnorm")
         convs = sum(1 for a in self.actions if a.action == "lean depthwise conv")
         slices = sum(1 for a in self.actions if a.action == "sliced recompute")
-        checkpoints = len(self.actions) - swaps - norms - convs - slices
+        mlps = sum(1 for a in self.actions if a.action == "sliced mlp")
+        checkpoints = len(self.actions) - swaps - norms - convs - slices - mlps
         total = sum(a.recompute_seconds for a in self.actions)
         lean = f"{norms} BatchNorm(s) with the lean backward, " if norms else ""
         lean += f"{convs} depthwise Conv2d(s) with the lean backward, " if convs else ""
         lean += f"{slices} chain(s) recomputed in channel slices, " if slices else ""
+        lean += f"{mlps} MLP(s) recomputed in hidden-feature slices, " if mlps else ""
         lines.append(f"  {swaps} Swish swapped, {lean}{checkpoints} module(s) checkpointed, "
                      f"{total * 1e3:.1f} ms recomputed per step")
         if self._eager_only_runs:
@@ -1188,6 +1191,26 @@ class _Slice(_Run):
                                  slices=counts[self.fine])
 
 
+class _MlpSlice(_Run):
+    """An MLP run fit recomputes slice by slice of its hidden features (memlean.sliced's
+    sliced MLP): an nn.Linear, elementwise activations, an nn.Linear (timm's Mlp: a ViT's,
+    ConvNeXt's)."""
+
+    ACTION = "recomputes in hidden-feature slices"
+
+    def __init__(self, modules, parent, parts):
+        super().__init__(modules, parent)
+        self.parts = parts  # (fc1, acts, fc2): sliced.mlp_parts
+        self.fine = False  # (no finer slicing: the slices' fc1 reads x once in all)
+        self.finer = False
+
+    def run(self, chain, args, kwargs):
+        if not (self.modules[0].training and len(args) == 1 and not kwargs
+                and sliced.mlp_applies(args[0])):
+            return None  # (eval, CUDA, autocast, other dtypes: the modules in turn)
+        return sliced.run_sliced_mlp(args[0], *self.parts)
+
+
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _LONGEST_RUN = 32  # module calls
 
@@ -1317,20 +1340,27 @@ def _slices(eager: _Recorder, current: _Recorder, root, exclude=frozenset()) -> 
     found = []
     for run in _runs(eager, current, root, whole=True, exclude=exclude):
         modules = [current.calls[k].module for k in run]
-        channels = sliced.chain_channels(modules)
         first = current.calls[run[0]]
         wide = max(n for k in run for _, n in current.calls[k].outputs[:1])
-        widens = (sliced.role(modules[0]) != "head"
-                  or first.outputs[0][1] >= 2 * sum(n for _, n in first.inputs[:1]))
-        if channels is not None and wide >= _SLICE_MIN_BYTES and widens:
+        widens = first.outputs[0][1] >= 2 * sum(n for _, n in first.inputs[:1])
+        parts = sliced.mlp_parts(modules)
+        if parts is not None:
+            # An MLP whose first Linear widens (a ViT's 4x): sliced over its hidden features.
+            if wide >= _SLICE_MIN_BYTES and widens:
+                found.append((run, modules, parts))
+            continue
+        channels = sliced.chain_channels(modules)
+        if (channels is not None and wide >= _SLICE_MIN_BYTES
+                and (sliced.role(modules[0]) != "head" or widens)):
             found.append((run, modules, channels))
     found.sort(key=lambda f: (-len(f[0]), f[0][0]))
     taken, chains = set(), []
-    for run, modules, channels in found:
+    for run, modules, what in found:
         if not taken & set(run):
             taken |= set(run)
-            chains.append((run[0], _Slice(modules, current.calls[run[0]].parent.module,
-                                          channels)))
+            parent = current.calls[run[0]].parent.module
+            chains.append((run[0], _MlpSlice(modules, parent, what) if isinstance(what, tuple)
+                           else _Slice(modules, parent, what)))
     paths = _paths(root)
     for _, c in chains:
         c.where = c.path(paths)
@@ -1375,8 +1405,9 @@ def _slice_actions(chains, before: _Measured, after: _Measured, paths) -> List[F
         saved_b = sum(atoms_b[calls_b[first][0]:calls_b[last][1]])
         saved_a = sum(atoms_a[calls_a[first][0]:calls_a[last][1]])
         seconds = sum(calls_b[id(m)][2] for m in chain.modules if id(m) in calls_b)
-        actions.append(FitAction(chain.path(paths), "sliced recompute",
-                                 max(0, saved_b - saved_a), float(seconds)))
+        action = "sliced mlp" if isinstance(chain, _MlpSlice) else "sliced recompute"
+        actions.append(FitAction(chain.path(paths), action, max(0, saved_b - saved_a),
+                                 float(seconds)))
     return actions
 
 
@@ -1848,7 +1879,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             f"peak memlean.fit reaches for this model and batch: "
             f"{_C.fit.describe_bytes(least)}{margin} "
             f"(in-place Swish where safe, lean BatchNorm and depthwise-convolution "
-            f"backwards, {'channel-sliced recompute, ' if chains else ''}and checkpoints"
+            f"backwards, {'sliced recompute, ' if chains else ''}and checkpoints"
             f"{', compiled with torch.compile' if compiled else ''}), measured; the eager step "
             f"peaks at {_C.fit.describe_bytes(eager.peak)}, of which "
             f"{_C.fit.describe_bytes(fixed)} are parameters, buffers, optimizer state and the "

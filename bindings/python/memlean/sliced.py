@@ -363,3 +363,172 @@ def run_sliced(x, modules, roles, channels, slices=None):
     params = [t for m, r in zip(modules, roles) for t in _tensors_of(m, r)]
     spec = {"modules": modules, "roles": roles, "bounds": bounds, "channels": channels}
     return _SlicedChain.apply(x, spec, *params)
+
+
+# ---- MLPs: Linear, elementwise activations, Linear, sliced over the hidden features ---------
+#
+# A transformer's (or ConvNeXt's) MLP, fc2(act(fc1(x))), maps each hidden feature j through
+# fc1's row j and the activation alone, and fc2 sums over the hidden features: the output is
+# the sum over slices of hidden features of fc2's columns times that slice. The forward adds
+# the slices' parts into the output one slice at a time (the hidden tensors, 4x the width of
+# x in a ViT, never exist whole), and the backward recomputes each slice, takes its
+# gradients and drops it before the next: backward keeps x alone.
+
+
+def _passes(module) -> bool:
+    """Whether `module` passes its input on unchanged in a training forward: nn.Identity, or
+    an nn.Dropout with p == 0 (timm's Mlp has both), its class's forward, no hooks."""
+    if _hooked(module) or _patched(module):
+        return False
+    if type(module) is nn.Identity:
+        return True
+    return type(module) is nn.Dropout and module.p == 0
+
+
+def _linear(module) -> bool:
+    return (type(module) is nn.Linear and not _hooked(module) and not _patched(module))
+
+
+def mlp_parts(modules: Sequence[nn.Module]):
+    """(fc1, acts, fc2) when `modules` are an nn.Linear, elementwise activations (elementwise)
+    or modules that pass their input on (_passes), an nn.Linear taking fc1's features, then
+    optionally modules that pass their input on; acts: the activations in order. Else None."""
+    modules = list(modules)
+    if len(modules) < 3 or not _linear(modules[0]):
+        return None
+    fc1 = modules[0]
+    tails = [k for k in range(1, len(modules)) if _linear(modules[k])]
+    if len(tails) != 1:
+        return None
+    k = tails[0]
+    fc2 = modules[k]
+    middle, after = modules[1:k], modules[k + 1:]
+    if fc2.in_features != fc1.out_features or not all(
+            _passes(m) or elementwise(m) for m in middle) or not all(map(_passes, after)):
+        return None
+    acts = [m for m in middle if not _passes(m)]
+    return fc1, acts, fc2
+
+
+def mlp_applies(x) -> bool:
+    """Whether sliced_mlp runs sliced for this input (else: the modules in turn)."""
+    return bool(isinstance(x, torch.Tensor) and type(x) is torch.Tensor and x.dim() >= 2
+                and x.dtype in (torch.float32, torch.float64) and x.device.type == "cpu"
+                and not torch.is_autocast_enabled("cpu")
+                and not torch.compiler.is_compiling())
+
+
+def _activate(acts, h):
+    for m in acts:
+        h = type(m).forward(m, h)  # (its class's: elementwise() checked that one)
+    return h
+
+
+class _SlicedMlp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, spec, w1, b1, w2, b2):
+        acts, bounds = spec["acts"], spec["bounds"]
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.empty((rows.shape[0], w2.shape[0]), dtype=x.dtype, device=x.device)
+        if b2 is None:
+            out.zero_()
+        else:
+            out.copy_(b2.expand_as(out))
+        for j0, j1 in bounds:
+            a = _activate(acts, F.linear(rows, w1[j0:j1], _slice(b1, j0, j1)))
+            out.addmm_(a, w2[:, j0:j1].t())
+            del a
+        ctx.spec = spec
+        ctx.save_for_backward(x, w1, b1, w2, b2)
+        return out.view(tuple(x.shape[:-1]) + (w2.shape[0],))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, w1, b1, w2, b2 = ctx.saved_tensors
+        acts = ctx.spec["acts"]
+        need_x, _, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad
+        rows = x.reshape(-1, x.shape[-1])
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_x = torch.zeros_like(rows) if need_x else None
+        grad_w1 = torch.zeros_like(w1) if need_w1 else None
+        grad_b1 = torch.zeros_like(b1) if need_b1 and b1 is not None else None
+        grad_w2 = torch.zeros_like(w2) if need_w2 else None
+        grad_b2 = g.sum(0) if need_b2 and b2 is not None else None
+        through_h = need_x or need_w1 or (need_b1 and b1 is not None)
+        for j0, j1 in ctx.spec["bounds"]:
+            h = F.linear(rows, w1[j0:j1], _slice(b1, j0, j1)).requires_grad_()
+            with torch.enable_grad():
+                a = _activate(acts, h)
+            if grad_w2 is not None:
+                grad_w2[:, j0:j1] = g.t() @ a.detach()
+            if through_h:
+                grad_a = g @ w2[:, j0:j1]
+                if a is h:  # no activation (only modules that pass it on)
+                    grad_h = grad_a
+                else:
+                    grad_h, = torch.autograd.grad(a, h, grad_a)
+                del a, h, grad_a
+                if grad_w1 is not None:
+                    torch.mm(grad_h.t(), rows, out=grad_w1[j0:j1])
+                if grad_b1 is not None:
+                    torch.sum(grad_h, 0, out=grad_b1[j0:j1])
+                if grad_x is not None:
+                    grad_x.addmm_(grad_h, w1[j0:j1])
+                del grad_h
+            else:
+                del a, h
+        if grad_x is not None:
+            grad_x = grad_x.view(x.shape)
+        return grad_x, None, grad_w1, grad_b1, grad_w2, grad_b2
+
+
+def mlp_slices(hidden_bytes: int, features: int) -> int:
+    """How many slices for an MLP whose hidden tensor has `hidden_bytes`: about one per
+    SLICE_BYTES (1 MiB) of it, at most 16 and one per hidden feature."""
+    return max(1, min(features, 16, hidden_bytes // SLICE_BYTES))
+
+
+def run_sliced_mlp(x, fc1, acts, fc2, slices=None):
+    """sliced_mlp for parts checked already (mlp_parts)."""
+    features = fc1.out_features
+    if slices is None:
+        rows = x.numel() // max(1, x.shape[-1])
+        slices = mlp_slices(rows * features * x.element_size(), features)
+    bounds = [(features * i // slices, features * (i + 1) // slices) for i in range(slices)]
+    spec = {"acts": list(acts), "bounds": bounds}
+    return _SlicedMlp.apply(x, spec, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+
+
+def sliced_mlp(x: torch.Tensor, modules: Sequence[nn.Module],
+               slices: Optional[int] = None) -> torch.Tensor:
+    """The MLP's output, modules[-1](...modules[0](x)), computed slice by slice of its hidden
+    features and recomputed that way in backward, which keeps x (and the parameters) alone.
+    modules: an nn.Linear, elementwise activation modules (and nn.Identity, nn.Dropout(p=0)),
+    an nn.Linear taking the first one's features, then optionally nn.Identity/nn.Dropout(p=0)
+    (timm's Mlp: fc1, act, drop1, norm, fc2, drop2), without hooks. Where the sliced path
+    does not apply (not a CPU float32/float64 tensor, autocast, torch.compile) it runs the
+    modules in turn."""
+    modules = list(modules)
+    parts = mlp_parts(modules)
+    if parts is None:
+        raise ValueError("memlean.sliced_mlp: modules must be an nn.Linear, elementwise "
+                         "activations (nn.Identity and nn.Dropout(p=0) allowed), an nn.Linear "
+                         "taking the first one's features, then optionally nn.Identity or "
+                         "nn.Dropout(p=0), without hooks; got "
+                         f"{[type(m).__name__ for m in modules]}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"memlean.sliced_mlp: x must be a tensor, got {type(x).__name__}")
+    fc1, acts, fc2 = parts
+    if slices is not None and (isinstance(slices, bool) or not isinstance(slices, int)
+                               or not 1 <= slices <= fc1.out_features):
+        raise ValueError(f"memlean.sliced_mlp: slices must be an int in 1.."
+                         f"{fc1.out_features}, got {slices!r}")
+    if not mlp_applies(x):
+        for m in modules:
+            x = m(x)
+        return x
+    if x.shape[-1] != fc1.in_features:
+        raise ValueError(f"memlean.sliced_mlp: x has {x.shape[-1]} features in its last "
+                         f"dimension, the MLP takes {fc1.in_features}")
+    return run_sliced_mlp(x, fc1, acts, fc2, slices)

@@ -12,6 +12,13 @@ forward, exactly (memstats, CPU): its output and nothing else, where the modules
 their wide inner tensors; its backward's peak a fraction of theirs, and with a 1x1 head no
 gradient of the whole input made per slice; where it does not apply
 (bfloat16, autocast) it is the modules in turn; bad input named; double backward refused.
+
+memlean.sliced_mlp (an MLP, Linear, elementwise activations, Linear, computed and recomputed
+slice by slice of its hidden features): output and gradients equal the modules in turn
+(float64 autograd of a copy) for GELU (exact and tanh), SiLU, ReLU and no activation, with
+and without biases, 2-d to 4-d inputs, 1 to all-features slices, frozen parameters; the bytes
+it keeps after its forward exactly its output; its peak under half of theirs; where it does
+not apply it is the modules in turn; bad input named; double backward refused.
 """
 import copy
 
@@ -256,6 +263,139 @@ def test_double_backward_is_refused():
     (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         gx.sum().backward()
+
+
+# ---- memlean.sliced_mlp: Linear, elementwise activations, Linear, sliced over the hidden ----
+
+
+def mlp(d=6, hidden=20, out=None, act=nn.GELU, bias=True, extras=True):
+    """timm's Mlp as a list: fc1, act, drop1 (p=0), norm (Identity), fc2, drop2 (p=0)."""
+    mods = [nn.Linear(d, hidden, bias=bias), act()]
+    mods += [nn.Dropout(0.0), nn.Identity()] if extras else []
+    mods += [nn.Linear(hidden, out or d, bias=bias)]
+    mods += [nn.Dropout(0.0)] if extras else []
+    return nn.ModuleList(mods)
+
+
+@pytest.mark.parametrize("slices", [1, 3, 20])
+@pytest.mark.parametrize("act,bias,shape", [
+    (nn.GELU, True, (3, 7, 6)),
+    (lambda: nn.GELU(approximate="tanh"), False, (4, 6)),
+    (nn.SiLU, True, (2, 3, 5, 6)),  # (ConvNeXt's MLP: channels last)
+    (nn.ReLU, True, (5, 6)),
+    (nn.Identity, True, (3, 4, 6)),  # (no activation at all)
+])
+def test_mlp_equals_the_modules_in_turn(act, bias, shape, slices):
+    # Against float64 autograd of a copy run in turn: the output and the gradients of the
+    # input and every parameter, in float64 (to 1e-12) and float32 (to 1e-5); without an
+    # input gradient too.
+    torch.manual_seed(0)
+    modules = mlp(act=act, bias=bias, out=5)
+    x = torch.randn(shape)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        for x_grad in (True, False):
+            mine, ref = copy.deepcopy(modules).to(dtype), copy.deepcopy(modules).double()
+            xs = x.to(dtype).clone().requires_grad_(x_grad)
+            x64 = x.double().clone().requires_grad_(x_grad)
+            y = memlean.sliced_mlp(xs, list(mine), slices=slices)
+            y64 = in_turn(x64, ref)
+            assert y.dtype == dtype and y.shape == y64.shape
+            torch.testing.assert_close(y.double(), y64, rtol=tol, atol=tol)
+            g = torch.randn(y64.shape, dtype=torch.float64)
+            y.backward(g.to(dtype))
+            y64.backward(g)
+            if x_grad:
+                torch.testing.assert_close(xs.grad.double(), x64.grad, rtol=tol, atol=tol)
+            for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad.double(), q.grad, rtol=tol, atol=tol,
+                                           msg=name)
+
+
+def test_mlp_frozen_parameters_get_no_gradient():
+    torch.manual_seed(0)
+    modules = mlp()
+    ref = copy.deepcopy(modules)
+    for m in (modules, ref):
+        m[0].weight.requires_grad_(False)
+        m[4].bias.requires_grad_(False)
+    x = torch.randn(4, 6, requires_grad=True)
+    memlean.sliced_mlp(x, list(modules), slices=4).sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    in_turn(x_ref, ref).sum().backward()
+    assert modules[0].weight.grad is None and modules[4].bias.grad is None
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(modules[4].weight.grad, ref[4].weight.grad)
+
+
+def test_mlp_keeps_only_its_input_and_peaks_lower():
+    # Exact CPU bytes: after the forward the sliced MLP holds its output and nothing else (its
+    # input is the caller's); the modules in turn hold the hidden tensors too (fc1's output,
+    # which GELU saves, and GELU's, which fc2 saves). Forward and backward together peak at
+    # less than half of theirs.
+    torch.manual_seed(0)
+    modules = mlp(d=64, hidden=256)
+    x = torch.randn(8, 128, 64, requires_grad=True)
+    kept, peaks = {}, {}
+    for name in ("sliced", "in turn"):
+        with memstats.track() as t:
+            start = t.current
+            y = (memlean.sliced_mlp(x, list(modules), slices=8) if name == "sliced"
+                 else in_turn(x, modules))
+            kept[name] = t.current - start
+            if name == "sliced":
+                assert kept[name] == y.untyped_storage().nbytes()
+            y.backward(torch.ones_like(y))
+            peaks[name] = t.peak - start
+            del y
+    hidden = 8 * 128 * 256 * 4
+    assert kept["in turn"] >= kept["sliced"] + 2 * hidden
+    assert peaks["sliced"] < peaks["in turn"] / 2, peaks
+
+
+def test_mlp_where_it_does_not_apply_it_is_the_modules_in_turn():
+    torch.manual_seed(0)
+    modules = mlp()
+    x = torch.randn(3, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(memlean.sliced_mlp(x, list(modules)), in_turn(x, modules))
+    xb, mb = x.bfloat16(), copy.deepcopy(modules).bfloat16()
+    torch.testing.assert_close(memlean.sliced_mlp(xb, list(mb)), in_turn(xb, mb))
+
+
+def test_mlp_bad_input_is_named():
+    x = torch.randn(3, 6)
+    with pytest.raises(ValueError, match="modules must be"):
+        memlean.sliced_mlp(x, [nn.GELU(), nn.Linear(6, 6)])  # no first Linear
+    with pytest.raises(ValueError, match="modules must be"):
+        memlean.sliced_mlp(x, [nn.Linear(6, 12), nn.GELU(), nn.Linear(10, 6)])  # 12 != 10
+    with pytest.raises(ValueError, match="modules must be"):
+        memlean.sliced_mlp(x, [nn.Linear(6, 12), nn.Dropout(0.1), nn.Linear(12, 6)])  # p > 0
+    with pytest.raises(ValueError, match="modules must be"):
+        memlean.sliced_mlp(x, [nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 12),
+                               nn.Linear(12, 6)])  # two Linears after the first
+    with pytest.raises(ValueError, match="modules must be"):
+        memlean.sliced_mlp(x, [nn.Linear(6, 12), nn.LayerNorm(12), nn.Linear(12, 6)])
+    hooked = mlp()
+    hooked[1].register_forward_hook(lambda *a: None)
+    with pytest.raises(ValueError, match="modules must be"):
+        memlean.sliced_mlp(x, list(hooked))
+    with pytest.raises(ValueError, match="slices must be an int in 1..20, got 21"):
+        memlean.sliced_mlp(x, list(mlp()), slices=21)
+    with pytest.raises(ValueError, match="slices must be"):
+        memlean.sliced_mlp(x, list(mlp()), slices=True)
+    with pytest.raises(ValueError, match="x has 5 features in its last dimension, the MLP "
+                                         "takes 6"):
+        memlean.sliced_mlp(torch.randn(3, 5), list(mlp()))
+    with pytest.raises(TypeError, match="x must be a tensor"):
+        memlean.sliced_mlp([1.0], list(mlp()))
+
+
+def test_mlp_double_backward_is_refused():
+    x = torch.randn(3, 6, requires_grad=True)
+    y = memlean.sliced_mlp(x, list(mlp()), slices=2)
+    (g,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
 
 
 if __name__ == "__main__":
