@@ -338,20 +338,29 @@ def sliced_chain(x: torch.Tensor, modules: Sequence[nn.Module],
                          f"{[type(m).__name__ for m in modules]}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"memlean.sliced_chain: x must be a tensor, got {type(x).__name__}")
-    if slices is not None and (isinstance(slices, bool) or not isinstance(slices, int)
-                               or not 1 <= slices <= channels):
-        raise ValueError(f"memlean.sliced_chain: slices must be an int in 1..{channels}, got "
-                         f"{slices!r}")
+    _check_slices("memlean.sliced_chain", slices, channels)
     if not applies(x):
-        for m in modules:
-            x = m(x)
-        return x
+        return _in_turn(x, modules)
     roles = [role(m) for m in modules]
     takes = modules[0].in_channels if roles[0] == "head" else channels
     if x.shape[1] != takes:
         raise ValueError(f"memlean.sliced_chain: x has {x.shape[1]} channels, the chain takes "
                          f"{takes}")
     return run_sliced(x, modules, roles, channels, slices)
+
+
+def _check_slices(name, slices, most):
+    """A ValueError naming `slices` unless it is None or an int in 1..most."""
+    if slices is not None and (isinstance(slices, bool) or not isinstance(slices, int)
+                               or not 1 <= slices <= most):
+        raise ValueError(f"{name}: slices must be an int in 1..{most}, got {slices!r}")
+
+
+def _in_turn(x, modules):
+    """The modules run in turn: where the sliced path does not apply."""
+    for m in modules:
+        x = m(x)
+    return x
 
 
 def run_sliced(x, modules, roles, channels, slices=None):
@@ -520,14 +529,9 @@ def sliced_mlp(x: torch.Tensor, modules: Sequence[nn.Module],
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"memlean.sliced_mlp: x must be a tensor, got {type(x).__name__}")
     fc1, acts, fc2 = parts
-    if slices is not None and (isinstance(slices, bool) or not isinstance(slices, int)
-                               or not 1 <= slices <= fc1.out_features):
-        raise ValueError(f"memlean.sliced_mlp: slices must be an int in 1.."
-                         f"{fc1.out_features}, got {slices!r}")
+    _check_slices("memlean.sliced_mlp", slices, fc1.out_features)
     if not mlp_applies(x):
-        for m in modules:
-            x = m(x)
-        return x
+        return _in_turn(x, modules)
     if x.shape[-1] != fc1.in_features:
         raise ValueError(f"memlean.sliced_mlp: x has {x.shape[-1]} features in its last "
                          f"dimension, the MLP takes {fc1.in_features}")

@@ -133,6 +133,26 @@ def test_timm_batchnorm_act():
         memlean.sliced_chain(torch.randn(2, 4, 5, 5), list(dropped))
 
 
+def kept_and_peaks(sliced, modules, x, slices=8):
+    """({"sliced", "in turn"}: the bytes each keeps after its forward, {...: the forward's and
+    the backward's peak above the start}), exact CPU bytes; asserts the sliced one keeps its
+    output alone."""
+    kept, peaks = {}, {}
+    for name in ("sliced", "in turn"):
+        with memstats.track() as t:
+            start = t.current
+            y = (sliced(x, list(modules), slices=slices) if name == "sliced"
+                 else in_turn(x, modules))
+            kept[name] = t.current - start
+            assert kept[name] >= y.untyped_storage().nbytes()
+            if name == "sliced":
+                assert kept[name] == y.untyped_storage().nbytes()
+            y.backward(torch.ones_like(y))
+            peaks[name] = t.peak - start
+            del y
+    return kept, peaks
+
+
 def test_keeps_only_its_input_and_peaks_lower():
     # Exact CPU bytes: after the forward the sliced chain holds its output and nothing else
     # (its input is the caller's); the modules in turn hold their wide inner tensors too.
@@ -140,19 +160,7 @@ def test_keeps_only_its_input_and_peaks_lower():
     torch.manual_seed(0)
     modules = chain(cin=8, c=48, stride=1)
     x = torch.randn(8, 8, 32, 32, requires_grad=True)
-    kept, peaks = {}, {}
-    for name in ("sliced", "in turn"):
-        with memstats.track() as t:
-            start = t.current
-            y = (memlean.sliced_chain(x, list(modules), slices=8) if name == "sliced"
-                 else in_turn(x, modules))
-            kept[name] = t.current - start
-            assert kept[name] >= y.untyped_storage().nbytes()
-            if name == "sliced":
-                assert kept[name] == y.untyped_storage().nbytes()
-            y.backward(torch.ones_like(y))
-            peaks[name] = t.peak - start  # the forward's and the backward's
-            del y
+    kept, peaks = kept_and_peaks(memlean.sliced_chain, modules, x)
     wide = 8 * 48 * 32 * 32 * 4
     assert kept["in turn"] >= kept["sliced"] + 3 * wide  # conv, BN and act outputs at least
     assert peaks["sliced"] < peaks["in turn"] / 2, peaks
@@ -335,18 +343,7 @@ def test_mlp_keeps_only_its_input_and_peaks_lower():
     torch.manual_seed(0)
     modules = mlp(d=64, hidden=256)
     x = torch.randn(8, 128, 64, requires_grad=True)
-    kept, peaks = {}, {}
-    for name in ("sliced", "in turn"):
-        with memstats.track() as t:
-            start = t.current
-            y = (memlean.sliced_mlp(x, list(modules), slices=8) if name == "sliced"
-                 else in_turn(x, modules))
-            kept[name] = t.current - start
-            if name == "sliced":
-                assert kept[name] == y.untyped_storage().nbytes()
-            y.backward(torch.ones_like(y))
-            peaks[name] = t.peak - start
-            del y
+    kept, peaks = kept_and_peaks(memlean.sliced_mlp, modules, x)
     hidden = 8 * 128 * 256 * 4
     assert kept["in turn"] >= kept["sliced"] + 2 * hidden
     assert peaks["sliced"] < peaks["in turn"] / 2, peaks
