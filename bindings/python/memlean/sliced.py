@@ -468,12 +468,14 @@ class _SlicedMlp(torch.autograd.Function):
         for j0, j1 in ctx.spec["bounds"]:
             h = F.linear(rows, w1[j0:j1], _slice(b1, j0, j1)).requires_grad_()
             with torch.enable_grad():
-                a = _activate(acts, h)
+                # (An activation that writes its input, e.g. fit's in-place Swish, gets a copy:
+                # h is the leaf whose gradient is taken.)
+                a = _activate(acts, h.clone() if ctx.spec["writes"] else h)
             if grad_w2 is not None:
                 grad_w2[:, j0:j1] = g.t() @ a.detach()
             if through_h:
                 grad_a = g @ w2[:, j0:j1]
-                if a is h:  # no activation (only modules that pass it on)
+                if not acts:  # no activation (only modules that pass it on)
                     grad_h = grad_a
                 else:
                     grad_h, = torch.autograd.grad(a, h, grad_a)
@@ -505,7 +507,9 @@ def run_sliced_mlp(x, fc1, acts, fc2, slices=None):
         rows = x.numel() // max(1, x.shape[-1])
         slices = mlp_slices(rows * features * x.element_size(), features)
     bounds = [(features * i // slices, features * (i + 1) // slices) for i in range(slices)]
-    spec = {"acts": list(acts), "bounds": bounds}
+    writes = any(getattr(m, "inplace", False) is True
+                 or getattr(m, "variant", None) == "inplace" for m in acts)
+    spec = {"acts": list(acts), "bounds": bounds, "writes": writes}
     return _SlicedMlp.apply(x, spec, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
 
 

@@ -292,6 +292,8 @@ def mlp(d=6, hidden=20, out=None, act=nn.GELU, bias=True, extras=True):
     (nn.SiLU, True, (2, 3, 5, 6)),  # (ConvNeXt's MLP: channels last)
     (nn.ReLU, True, (5, 6)),
     (nn.Identity, True, (3, 4, 6)),  # (no activation at all)
+    (lambda: nn.ReLU(inplace=True), True, (4, 6)),  # activations that write their input:
+    (lambda: memlean.Swish(variant="inplace"), True, (2, 4, 6)),  # (fit's swap, before slicing)
 ])
 def test_mlp_equals_the_modules_in_turn(act, bias, shape, slices):
     # Against float64 autograd of a copy run in turn: the output and the gradients of the
