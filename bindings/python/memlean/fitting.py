@@ -258,7 +258,8 @@ class FitPlan:
         lines.append(f"  {swaps} Swish swapped, {lean}{checkpoints} module(s) checkpointed, "
                      f"{total * 1e3:.1f} ms recomputed per step")
         if self._eager_only_runs:
-            lines.append(f"  {self._eager_only_runs} of them run(s) of sibling modules, "
+            lines.append(f"  {self._eager_only_runs} of them run(s) of sibling modules or "
+                         f"gated MLPs, "
                          f"checkpointed or sliced in eager steps only: under torch.compile this "
                          f"model is not held to the budget (fit with compile=True for that)")
         return "\n".join(lines)
@@ -413,14 +414,21 @@ class _Dataflow(TorchDispatchMode):
         self.seq = 0
         self.reads = {}  # storage identity -> op numbers that read it
         self.writes = {}  # storage identity -> op numbers that write it
+        # op number -> (the op, identities of its tensor arguments, of its tensor results,
+        # whether it is the recorder's own: the detach of a tensor autograd saves, _pack)
+        self.ops = {}
+        self.packing = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.seq += 1
+        seq = self.seq
+        read = []
         for t in _tensors((args, kwargs)):
             identity, _ = self.identities.key(t)
             if identity is not None:
-                self.reads.setdefault(identity, []).append(self.seq)
+                self.reads.setdefault(identity, []).append(seq)
+                read.append(identity)
         for i, arg in enumerate(func._schema.arguments):
             if arg.alias_info is None or not arg.alias_info.is_write:
                 continue
@@ -428,8 +436,11 @@ class _Dataflow(TorchDispatchMode):
             for t in _tensors(value):
                 identity, _ = self.identities.key(t)
                 if identity is not None:
-                    self.writes.setdefault(identity, []).append(self.seq)
-        return func(*args, **kwargs)
+                    self.writes.setdefault(identity, []).append(seq)
+        out = func(*args, **kwargs)
+        self.ops[seq] = (func, tuple(read), tuple(self.identities.key(t)[0]
+                                                  for t in _tensors(out)), self.packing)
+        return out
 
 
 class _Recorder:
@@ -524,7 +535,13 @@ class _Recorder:
             self.atom_bytes[self.atom] += nbytes
         # (not t: memstats.saved_storages says why; the detached tensor shares t's version
         # counter)
-        return t.detach(), self.atom, t._version
+        if self.dataflow is None:
+            return t.detach(), self.atom, t._version
+        self.dataflow.packing = True
+        try:
+            return t.detach(), self.atom, t._version
+        finally:
+            self.dataflow.packing = False
 
     def _unpack(self, packed):
         t, atom, version = packed
@@ -861,6 +878,8 @@ def _wrap(module, traced=False):
     in its parent unchanged); returns the undo. A _Run: see _wrap_run. traced (a plan made
     with compile=): where dynamo traces the forward, torch's checkpoint instead
     (_traced_checkpoint), which the compiler recomputes inside its graph."""
+    if isinstance(module, _GatedSlice):
+        return _wrap_gated(module)
     if isinstance(module, _Run):
         return _wrap_run(module)
     original = module.forward
@@ -1211,6 +1230,58 @@ class _MlpSlice(_Run):
         return sliced.run_sliced_mlp(args[0], *self.parts)
 
 
+class _GatedSlice(_Run):
+    """A gated MLP module (SwiGLU, GeGLU: its whole forward is down(act(gate(x)) * up(x)),
+    checked on the recorded dataflow) fit recomputes slice by slice of its hidden features
+    (memlean.sliced_gated_mlp): its forward is replaced while fitted."""
+
+    ACTION = "recomputes in hidden-feature slices"
+
+    def __init__(self, module, parent, gate, acts, up, down):
+        super().__init__((module,), parent)
+        self.gate, self.acts, self.up, self.down = gate, tuple(acts), up, down
+        self.fine = False
+        self.finer = False
+
+    def run(self, chain, args, kwargs):
+        if not (self.modules[0].training and len(args) == 1 and not kwargs
+                and sliced.mlp_applies(args[0])):
+            return None  # (eval, CUDA, autocast, other dtypes: its own forward)
+        return sliced.run_sliced_gated_mlp(args[0], self.gate, self.acts, self.up, self.down)
+
+    def path(self, paths) -> str:
+        return paths.get(id(self.modules[0]), "?")
+
+
+def _wrap_gated(gated: _GatedSlice):
+    """Run the gated MLP's forward sliced (gated.run) in eager training steps, its own
+    forward otherwise (traced by torch.compile: the printed plan says eager steps only);
+    returns the undo."""
+    module = gated.modules[0]
+    original = module.forward
+    note = (f"{_NAME}: torch.compile traced the forward of {gated.where or type(module).__name__},"
+            f" a gated MLP the plan {gated.ACTION} in eager steps only: compiled, it runs as it "
+            f"is and the step is not held to the plan's budget (it may peak far above it). For "
+            f"a model that trains compiled, fit with compile=True.")
+
+    def forward(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            if _NOTE_IN_GRAPH:
+                _note_eager_only_compiled(note)
+        else:
+            out = gated.run(None, args, kwargs)
+            if out is not None:
+                return out
+        return original(*args, **kwargs)
+
+    import torch._dynamo  # noqa: F401  (as in _wrap; _note_in_graph reads its config)
+
+    _note_in_graph()
+    forward.__memlean_fit__ = True
+    return wrap_forward(module, forward,
+                        lambda twin, memo: _wrap_gated(copy.deepcopy(gated, memo)))
+
+
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _LONGEST_RUN = 32  # module calls
 
@@ -1228,13 +1299,8 @@ def _runs(eager: _Recorder, current: _Recorder, root, whole=False,
     its modules is in exclude (id()s)."""
     calls, found = current.calls, []
     flow = eager.dataflow
-    if flow is None or len(eager.calls) != len(calls):
-        return []
-    for a, b in zip(eager.calls, calls):
-        if (a.begin, a.end) != (b.begin, b.end) or not (
-                a.module is b.module
-                or (_swish_beta(a.module) is not None and isinstance(b.module, Swish))):
-            return []  # not the same forward: no runs (module candidates only)
+    if flow is None or not _same_forward(eager, current):
+        return []  # not the same forward: no runs (module candidates only)
     counts = _call_counts(calls)
     last_read = {key: max(seqs) for key, seqs in flow.reads.items()}
     users = {}  # storage identity -> (begin, end) of the calls taking or returning it
@@ -1279,6 +1345,16 @@ def _runs(eager: _Recorder, current: _Recorder, root, whole=False,
                         found.append(run)
             start = stop
     return found
+
+
+def _same_forward(eager: _Recorder, current: _Recorder) -> bool:
+    """Whether current recorded the forward eager did (the same calls; a Swish swapped)."""
+    if len(eager.calls) != len(current.calls):
+        return False
+    return all((a.begin, a.end) == (b.begin, b.end) and (
+        a.module is b.module or (_swish_beta(a.module) is not None
+                                 and isinstance(b.module, Swish)))
+        for a, b in zip(eager.calls, current.calls))
 
 
 def _run_is_safe(eager, current, run, last_read, users) -> bool:
@@ -1355,6 +1431,9 @@ def _slices(eager: _Recorder, current: _Recorder, root, exclude=frozenset()) -> 
             found.append((run, modules, channels))
     found.sort(key=lambda f: (-len(f[0]), f[0][0]))
     taken, chains = set(), []
+    for k, gated, inside in _gated_mlps(eager, current, exclude):
+        taken |= inside
+        chains.append((k, gated))
     for run, modules, what in found:
         if not taken & set(run):
             taken |= set(run)
@@ -1365,6 +1444,73 @@ def _slices(eager: _Recorder, current: _Recorder, root, exclude=frozenset()) -> 
     for _, c in chains:
         c.where = c.path(paths)
     return [c for _, c in sorted(chains, key=lambda c: c[0])]
+
+
+def _gated_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> list:
+    """The gated MLPs of the recorded forward: (index of its call, _GatedSlice, indices of
+    its call and its children's calls) for every module called once, one positional tensor
+    in, whose whole forward is down(act(gate(x)) * up(x)) as the dataflow shows it: three
+    nn.Linear children and elementwise activations (sliced.gated_parts), gate and up called
+    on its input, the activations in turn on gate's output, its own ops nothing but one
+    multiplication of the activations' output and up's, whose result down takes, and down's
+    output returned; hidden tensors of 1 MiB or more; none of its modules in exclude."""
+    flow = eager.dataflow
+    if flow is None or not _same_forward(eager, current):
+        return []
+    index = {id(c): k for k, c in enumerate(eager.calls)}
+    kids = {}
+    for k, c in enumerate(eager.calls):
+        if id(c.parent) in index:
+            kids.setdefault(index[id(c.parent)], []).append(k)
+    counts = _call_counts(current.calls)
+    found = []
+    for p, ks in sorted(kids.items()):
+        parent, module = eager.calls[p], current.calls[p].module
+        if (not parent.input_id or not parent.output_id or counts[id(module)] != 1
+                or any(getattr(module, h, None) for h in _HOOKS)
+                or any(id(m) in exclude for m in module.modules())):
+            continue
+        ks.sort(key=lambda k: eager.calls[k].seq_begin)
+        calls, mods = [eager.calls[k] for k in ks], [current.calls[k].module for k in ks]
+        # Its children, called in this order: [gate, acts..., up, down] or
+        # [up, gate, acts..., down] (gate: the Linear whose output the activations take).
+        linears = [i for i, m in enumerate(mods) if isinstance(m, torch.nn.Linear)]
+        d = len(mods) - 1
+        if len(linears) != 3 or linears[0] != 0 or linears[2] != d or d < 3:
+            continue
+        if linears[1] == d - 1:
+            g, acts, u = 0, list(range(1, d - 1)), d - 1
+        elif linears[1] == 1:
+            g, acts, u = 1, list(range(2, d)), 0
+        else:
+            continue
+        gate, up, down = mods[g], mods[u], mods[d]
+        if not sliced.gated_parts(gate, [mods[i] for i in acts], up, down):
+            continue
+        chained = calls[g].input_id == calls[u].input_id == parent.input_id and all(
+            calls[i].input_id == calls[j].output_id and calls[i].input_id
+            for j, i in zip([g] + acts, acts))
+        if not chained or calls[d].output_id != parent.output_id:
+            continue
+        inner = [(c.seq_begin, c.seq_end) for c in calls]
+        own = [s for s in range(parent.seq_begin + 1, parent.seq_end)
+               if not any(b < s < e for b, e in inner) and not flow.ops.get(s, (0,) * 4)[3]]
+        if len(own) != 1 or own[0] not in flow.ops:
+            continue
+        func, read, made, _ = flow.ops[own[0]]
+        act_out = calls[acts[-1]].outputs[0][0] if calls[acts[-1]].outputs else None
+        up_out = calls[u].outputs[0][0] if calls[u].outputs else None
+        if (func is not torch.ops.aten.mul.Tensor or sorted(map(str, read)) != sorted(
+                map(str, (act_out, up_out))) or not calls[d].inputs
+                or made[:1] != (calls[d].inputs[0][0],)):
+            continue
+        wide = max(n for _, n in calls[g].outputs[:1]) if calls[g].outputs else 0
+        if wide < _SLICE_MIN_BYTES:
+            continue
+        gated = _GatedSlice(module, parent.parent.module if parent.parent else None, gate,
+                            [mods[i] for i in acts], up, down)
+        found.append((p, gated, {p, *ks}))
+    return found
 
 
 def _inside(chains) -> set:
@@ -1405,7 +1551,8 @@ def _slice_actions(chains, before: _Measured, after: _Measured, paths) -> List[F
         saved_b = sum(atoms_b[calls_b[first][0]:calls_b[last][1]])
         saved_a = sum(atoms_a[calls_a[first][0]:calls_a[last][1]])
         seconds = sum(calls_b[id(m)][2] for m in chain.modules if id(m) in calls_b)
-        action = "sliced mlp" if isinstance(chain, _MlpSlice) else "sliced recompute"
+        action = ("sliced mlp" if isinstance(chain, (_MlpSlice, _GatedSlice))
+                  else "sliced recompute")
         actions.append(FitAction(chain.path(paths), action, max(0, saved_b - saved_a),
                                  float(seconds)))
     return actions

@@ -540,3 +540,115 @@ def sliced_mlp(x: torch.Tensor, modules: Sequence[nn.Module],
         raise ValueError(f"memlean.sliced_mlp: x has {x.shape[-1]} features in its last "
                          f"dimension, the MLP takes {fc1.in_features}")
     return run_sliced_mlp(x, fc1, acts, fc2, slices)
+
+
+# ---- gated MLPs (SwiGLU, GeGLU): down(act(gate(x)) * up(x)), sliced over the hidden --------
+
+
+def gated_parts(gate, acts, up, down):
+    """Whether gate, up and down are nn.Linears of a gated MLP (gate and up map x's features
+    to the same hidden ones, down maps them back) and acts elementwise activations (or
+    modules that pass their input on), none hooked."""
+    return (all(map(_linear, (gate, up, down))) and gate.in_features == up.in_features
+            and gate.out_features == up.out_features == down.in_features
+            and all(_passes(m) or elementwise(m) for m in acts))
+
+
+class _SlicedGatedMlp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, spec, wg, bg, wu, bu, wd, bd):
+        acts, bounds = spec["acts"], spec["bounds"]
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.empty((rows.shape[0], wd.shape[0]), dtype=x.dtype, device=x.device)
+        if bd is None:
+            out.zero_()
+        else:
+            out.copy_(bd.expand_as(out))
+        for j0, j1 in bounds:
+            m = _activate(acts, F.linear(rows, wg[j0:j1], _slice(bg, j0, j1)))
+            m.mul_(F.linear(rows, wu[j0:j1], _slice(bu, j0, j1)))
+            out.addmm_(m, wd[:, j0:j1].t())
+            del m
+        ctx.spec = spec
+        ctx.save_for_backward(x, wg, bg, wu, bu, wd, bd)
+        return out.view(tuple(x.shape[:-1]) + (wd.shape[0],))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, wg, bg, wu, bu, wd, bd = ctx.saved_tensors
+        acts = ctx.spec["acts"]
+        need_x, _, need_wg, need_bg, need_wu, need_bu, need_wd, need_bd = ctx.needs_input_grad
+        rows = x.reshape(-1, x.shape[-1])
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_x = torch.zeros_like(rows) if need_x else None
+        grad_wg = torch.zeros_like(wg) if need_wg else None
+        grad_bg = torch.zeros_like(bg) if need_bg and bg is not None else None
+        grad_wu = torch.zeros_like(wu) if need_wu else None
+        grad_bu = torch.zeros_like(bu) if need_bu and bu is not None else None
+        grad_wd = torch.zeros_like(wd) if need_wd else None
+        grad_bd = g.sum(0) if need_bd and bd is not None else None
+        for j0, j1 in ctx.spec["bounds"]:
+            h = F.linear(rows, wg[j0:j1], _slice(bg, j0, j1)).requires_grad_()
+            u = F.linear(rows, wu[j0:j1], _slice(bu, j0, j1))
+            with torch.enable_grad():
+                a = _activate(acts, h.clone() if ctx.spec["writes"] else h)
+            if grad_wd is not None:
+                grad_wd[:, j0:j1] = g.t() @ (a.detach() * u)
+            grad_m = g @ wd[:, j0:j1]
+            grad_u = grad_m * a.detach()
+            grad_a = grad_m.mul_(u)
+            del u, grad_m
+            grad_h = grad_a if not acts else torch.autograd.grad(a, h, grad_a)[0]
+            del a, h, grad_a
+            for grad_w, grad_b, w, gradient in ((grad_wg, grad_bg, wg, grad_h),
+                                                (grad_wu, grad_bu, wu, grad_u)):
+                if grad_w is not None:
+                    torch.mm(gradient.t(), rows, out=grad_w[j0:j1])
+                if grad_b is not None:
+                    torch.sum(gradient, 0, out=grad_b[j0:j1])
+                if grad_x is not None:
+                    grad_x.addmm_(gradient, w[j0:j1])
+            del grad_h, grad_u
+        if grad_x is not None:
+            grad_x = grad_x.view(x.shape)
+        return grad_x, None, grad_wg, grad_bg, grad_wu, grad_bu, grad_wd, grad_bd
+
+
+def run_sliced_gated_mlp(x, gate, acts, up, down, slices=None):
+    """sliced_gated_mlp for parts checked already (gated_parts)."""
+    features = gate.out_features
+    if slices is None:
+        rows = x.numel() // max(1, x.shape[-1])
+        slices = mlp_slices(rows * features * x.element_size(), features)
+    bounds = [(features * i // slices, features * (i + 1) // slices) for i in range(slices)]
+    writes = any(getattr(m, "inplace", False) is True
+                 or getattr(m, "variant", None) == "inplace" for m in acts)
+    spec = {"acts": list(acts), "bounds": bounds, "writes": writes}
+    return _SlicedGatedMlp.apply(x, spec, gate.weight, gate.bias, up.weight, up.bias,
+                                 down.weight, down.bias)
+
+
+def sliced_gated_mlp(x: torch.Tensor, gate: nn.Module, act: Sequence[nn.Module], up: nn.Module,
+                     down: nn.Module, slices: Optional[int] = None) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)) (a SwiGLU or GeGLU MLP; act: the activation modules in
+    order, e.g. [nn.SiLU()]), computed slice by slice of the hidden features and recomputed
+    that way in backward, which keeps x (and the parameters) alone. gate, up, down:
+    nn.Linear without hooks. Where the sliced path does not apply (not a CPU float32/float64
+    tensor, autocast, torch.compile) it computes the formula with the modules."""
+    acts = list(act) if isinstance(act, (list, tuple)) else [act]
+    if not gated_parts(gate, acts, up, down):
+        raise ValueError("memlean.sliced_gated_mlp: gate, up and down must be nn.Linear "
+                         "without hooks (gate and up of the same shape, down taking their "
+                         "features) and act elementwise activation modules; got "
+                         f"{[type(m).__name__ for m in (gate, *acts, up, down)]}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"memlean.sliced_gated_mlp: x must be a tensor, got "
+                        f"{type(x).__name__}")
+    _check_slices("memlean.sliced_gated_mlp", slices, gate.out_features)
+    if not mlp_applies(x):
+        return down(_in_turn(gate(x), acts) * up(x))
+    if x.shape[-1] != gate.in_features:
+        raise ValueError(f"memlean.sliced_gated_mlp: x has {x.shape[-1]} features in its last "
+                         f"dimension, the MLP takes {gate.in_features}")
+    return run_sliced_gated_mlp(x, gate, acts, up, down, slices)

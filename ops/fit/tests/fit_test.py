@@ -156,6 +156,32 @@ class ViTBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class GatedVariant(nn.Module):
+    """A SwiGLU-shaped module (w1, act, w3, w2) whose forward is `how`: "swiglu"
+    w2(act(w1(x)) * w3(x)); "up first" w2(w3(x) * act(w1(x))); the others are not a gated MLP:
+    "add" (+ for *), "scaled" (the product halved), "detached" (no gradient through the
+    activation), "residual" (x added to the output)."""
+
+    def __init__(self, d, hidden, how):
+        super().__init__()
+        self.how = how
+        self.w1, self.w3, self.w2 = nn.Linear(d, hidden), nn.Linear(d, hidden), nn.Linear(hidden, d)
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        if self.how == "up first":
+            return self.w2(self.w3(x) * self.act(self.w1(x)))
+        a = self.act(self.w1(x))
+        if self.how == "add":
+            return self.w2(a + self.w3(x))
+        if self.how == "scaled":
+            return self.w2(a * self.w3(x) * 0.5)
+        if self.how == "detached":
+            return self.w2(a.detach() * self.w3(x))
+        out = self.w2(a * self.w3(x))
+        return out + x if self.how == "residual" else out
+
+
 class ViT(nn.Module):
     def __init__(self, patch=48, d=64, layers=3, classes=10):
         super().__init__()
@@ -524,8 +550,10 @@ class FitTest(unittest.TestCase):
             self.assertLessEqual(measured, budget, f"budget {budget}: {plan}")
             self.assertEqual(measured, plan.peak_bytes, str(plan))
             # The printed plan says when it checkpoints runs (eager steps only), and only then.
-            runs = sum(a.action in ("checkpoint", "sliced recompute", "sliced mlp")
-                       and a.path.endswith(")") for a in plan.actions)
+            # (every sliced action is eager-only: a gated MLP's path is its module's)
+            runs = sum(a.action in ("sliced recompute", "sliced mlp")
+                       or (a.action == "checkpoint" and a.path.endswith(")"))
+                       for a in plan.actions)
             self.assertEqual("in eager steps only" in str(plan), runs > 0, str(plan))
             if runs:
                 self.assertIn(f"{runs} of them run(s) of sibling modules", str(plan))
@@ -1126,6 +1154,72 @@ class FitTest(unittest.TestCase):
             plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
             self.assertIn("3 MLP(s) recomputed in hidden-feature slices", str(plan))
             train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol=1e-9, atol=1e-11)
+        plan.undo()
+        self.assertEqual(wrapped_forwards(model), [])
+
+    def test_gated_mlps_are_found_by_their_dataflow(self):
+        # fit slices a module as a gated MLP only where the recorded forward shows
+        # down(act(gate(x)) * up(x)) and nothing else: the SwiGLU and its up-first twin, not
+        # a sum, a scaled or detached product, nor a residual output.
+        from memlean import fitting
+
+        hows = ["swiglu", "add", "up first", "scaled", "detached", "residual"]
+        model = nn.Sequential(*[GatedVariant(8, 16, how) for how in hows])
+        model.train()
+        step = fitting._Step(model, (torch.randn(4, 8),), lambda y: y.sum(), None,
+                             torch.device("cpu"))
+        recorded = step.run(record=True, dataflow=True).recorder
+        with mock.patch.object(fitting, "_SLICE_MIN_BYTES", 0):
+            found = fitting._gated_mlps(recorded, recorded)
+        self.assertEqual([g.modules[0].how for _, g, _ in found], ["swiglu", "up first"])
+        for _, g, _ in found:
+            m = g.modules[0]
+            self.assertEqual((g.gate, g.acts, g.up, g.down), (m.w1, (m.act,), m.w3, m.w2))
+
+    def test_sliced_gated_mlps_below_what_checkpoints_reach(self):
+        # A GPT stack's SwiGLU MLPs, sliced over their hidden features below the least that
+        # checkpoints reach: a lower least than without, every budget down to it kept in exact
+        # bytes, training equal to eager's (float64: gradients and parameters after 3 steps,
+        # dropout masks as eager's).
+        from memlean import fitting
+
+        def setup(dtype=torch.float32):
+            torch.manual_seed(0)
+            model = GPT(d=64, layers=3).to(dtype)
+            idx = torch.randint(0, 50, (16, 128))
+            return (model, idx, lm_loss_of(torch.randint(0, 50, (16, 128))),
+                    torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+
+        model, idx, loss_fn, opt = setup()
+        with mock.patch.object(memlean.sliced, "SLICE_BYTES", 1 << 17):
+            with mock.patch.object(fitting, "_gated_mlps", lambda *a: []):
+                without, _ = self.least_and_eager(model, idx, loss_fn, opt)
+            least, _, actions = self.check_budgets(model, (idx,), loss_fn, opt, count=4)
+        self.assertLess(least, 0.9 * without, (least, without))
+        sliced = sorted({a.path for a in actions if a.action == "sliced mlp"})
+        self.assertEqual(sliced, [f"blocks.{i}.mlp" for i in range(3)])
+        self.assertEqual(wrapped_forwards(model), [])
+        model, idx, loss_fn, opt = setup(torch.float64)
+        twin = copy.deepcopy(model)
+        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+        with mock.patch.object(memlean.sliced, "SLICE_BYTES", 1 << 18):
+            least, _ = self.least_and_eager(model, idx, loss_fn, opt)
+            plan = memlean.fit(model, idx, least, loss_fn=loss_fn, optimizer=opt)
+            self.assertIn("3 MLP(s) recomputed in hidden-feature slices", str(plan))
+            self.assertIn("or gated MLPs, checkpointed or sliced in eager steps only",
+                          str(plan))
+            train_alike(model, opt, twin, opt_twin, idx, loss_fn, rtol=1e-9, atol=1e-11)
+        # Compiled (aot_eager), the gated MLPs run their own forward: gradients as the twin's
+        # (dropout off: compiled and eager draw their masks differently).
+        for m in (model, twin):
+            m.zero_grad(set_to_none=True)
+            for sub in m.modules():
+                if isinstance(sub, nn.Dropout):
+                    sub.p = 0.0
+        loss_fn(torch.compile(model, backend="aot_eager")(idx)).backward()
+        loss_fn(twin(idx)).backward()
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-11, msg=name)
         plan.undo()
         self.assertEqual(wrapped_forwards(model), [])
 
