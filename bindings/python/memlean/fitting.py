@@ -1446,6 +1446,12 @@ def _slices(eager: _Recorder, current: _Recorder, root, exclude=frozenset()) -> 
     return [c for _, c in sorted(chains, key=lambda c: c[0])]
 
 
+# The activations a gated MLP may apply as an op of its own forward (F.silu, F.relu), and the
+# module that computes the same (memlean.sliced_gated_mlp takes modules).
+_FUNCTIONAL_ACTS = {torch.ops.aten.silu.default: torch.nn.SiLU,
+                    torch.ops.aten.relu.default: torch.nn.ReLU}
+
+
 def _gated_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> list:
     """The gated MLPs of the recorded forward: (index of its call, _GatedSlice, indices of
     its call and its children's calls) for every module called once, one positional tensor
@@ -1473,32 +1479,48 @@ def _gated_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
         ks.sort(key=lambda k: eager.calls[k].seq_begin)
         calls, mods = [eager.calls[k] for k in ks], [current.calls[k].module for k in ks]
         # Its children, called in this order: [gate, acts..., up, down] or
-        # [up, gate, acts..., down] (gate: the Linear whose output the activations take).
+        # [up, gate, acts..., down] (gate: the Linear whose output the activations take), or
+        # [gate, up, down] / [up, gate, down] with the activation one op of its own forward
+        # (F.silu, F.relu: _FUNCTIONAL_ACTS).
         linears = [i for i, m in enumerate(mods) if isinstance(m, torch.nn.Linear)]
         d = len(mods) - 1
-        if len(linears) != 3 or linears[0] != 0 or linears[2] != d or d < 3:
+        if len(linears) != 3 or linears[0] != 0 or linears[2] != d or d < 2:
             continue
-        if linears[1] == d - 1:
+        inner = [(c.seq_begin, c.seq_end) for c in calls]
+        own = [s for s in range(parent.seq_begin + 1, parent.seq_end)
+               if not any(b < s < e for b, e in inner) and not flow.ops.get(s, (0,) * 4)[3]]
+        if not own or any(s not in flow.ops for s in own):
+            continue
+        functional = None
+        if d == 2:  # the activation, if any, is an op of its own: which gate's output is
+            g = next((i for i in (0, 1) if calls[i].outputs and len(own) == 2
+                      and flow.ops[own[0]][1] == (calls[i].outputs[0][0],)), None)
+            functional = _FUNCTIONAL_ACTS.get(flow.ops[own[0]][0]) if g is not None else None
+            if functional is None:
+                continue
+            u, acts, act_modules = 1 - g, [], [functional()]
+            act_out = flow.ops[own[0]][2][0] if flow.ops[own[0]][2] else None
+            own = own[1:]
+        elif linears[1] == d - 1:
             g, acts, u = 0, list(range(1, d - 1)), d - 1
         elif linears[1] == 1:
             g, acts, u = 1, list(range(2, d)), 0
         else:
             continue
+        if functional is None:
+            act_modules = [mods[i] for i in acts]
+            act_out = calls[acts[-1]].outputs[0][0] if calls[acts[-1]].outputs else None
         gate, up, down = mods[g], mods[u], mods[d]
-        if not sliced.gated_parts(gate, [mods[i] for i in acts], up, down):
+        if not sliced.gated_parts(gate, act_modules, up, down):
             continue
         chained = calls[g].input_id == calls[u].input_id == parent.input_id and all(
             calls[i].input_id == calls[j].output_id and calls[i].input_id
             for j, i in zip([g] + acts, acts))
         if not chained or calls[d].output_id != parent.output_id:
             continue
-        inner = [(c.seq_begin, c.seq_end) for c in calls]
-        own = [s for s in range(parent.seq_begin + 1, parent.seq_end)
-               if not any(b < s < e for b, e in inner) and not flow.ops.get(s, (0,) * 4)[3]]
-        if len(own) != 1 or own[0] not in flow.ops:
+        if len(own) != 1:
             continue
         func, read, made, _ = flow.ops[own[0]]
-        act_out = calls[acts[-1]].outputs[0][0] if calls[acts[-1]].outputs else None
         up_out = calls[u].outputs[0][0] if calls[u].outputs else None
         if (func is not torch.ops.aten.mul.Tensor or sorted(map(str, read)) != sorted(
                 map(str, (act_out, up_out))) or not calls[d].inputs
@@ -1508,7 +1530,7 @@ def _gated_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
         if wide < _SLICE_MIN_BYTES:
             continue
         gated = _GatedSlice(module, parent.parent.module if parent.parent else None, gate,
-                            [mods[i] for i in acts], up, down)
+                            act_modules, up, down)
         found.append((p, gated, {p, *ks}))
     return found
 

@@ -158,9 +158,10 @@ class ViTBlock(nn.Module):
 
 class GatedVariant(nn.Module):
     """A SwiGLU-shaped module (w1, act, w3, w2) whose forward is `how`: "swiglu"
-    w2(act(w1(x)) * w3(x)); "up first" w2(w3(x) * act(w1(x))); the others are not a gated MLP:
-    "add" (+ for *), "scaled" (the product halved), "detached" (no gradient through the
-    activation), "residual" (x added to the output)."""
+    w2(act(w1(x)) * w3(x)); "up first" w2(w3(x) * act(w1(x))); "functional"
+    w2(F.silu(w1(x)) * w3(x)); the others are not a gated MLP: "add" (+ for *), "scaled" (the
+    product halved), "detached" (no gradient through the activation), "residual" (x added to
+    the output), "functional gelu" (F.gelu: not one of fit's functional activations)."""
 
     def __init__(self, d, hidden, how):
         super().__init__()
@@ -171,6 +172,10 @@ class GatedVariant(nn.Module):
     def forward(self, x):
         if self.how == "up first":
             return self.w2(self.w3(x) * self.act(self.w1(x)))
+        if self.how == "functional":
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.how == "functional gelu":
+            return self.w2(F.gelu(self.w1(x)) * self.w3(x))
         a = self.act(self.w1(x))
         if self.how == "add":
             return self.w2(a + self.w3(x))
@@ -1163,7 +1168,8 @@ class FitTest(unittest.TestCase):
         # a sum, a scaled or detached product, nor a residual output.
         from memlean import fitting
 
-        hows = ["swiglu", "add", "up first", "scaled", "detached", "residual"]
+        hows = ["swiglu", "add", "up first", "scaled", "functional", "detached", "residual",
+                "functional gelu"]
         model = nn.Sequential(*[GatedVariant(8, 16, how) for how in hows])
         model.train()
         step = fitting._Step(model, (torch.randn(4, 8),), lambda y: y.sum(), None,
@@ -1171,10 +1177,32 @@ class FitTest(unittest.TestCase):
         recorded = step.run(record=True, dataflow=True).recorder
         with mock.patch.object(fitting, "_SLICE_MIN_BYTES", 0):
             found = fitting._gated_mlps(recorded, recorded)
-        self.assertEqual([g.modules[0].how for _, g, _ in found], ["swiglu", "up first"])
+        self.assertEqual([g.modules[0].how for _, g, _ in found],
+                         ["swiglu", "up first", "functional"])
         for _, g, _ in found:
             m = g.modules[0]
-            self.assertEqual((g.gate, g.acts, g.up, g.down), (m.w1, (m.act,), m.w3, m.w2))
+            self.assertEqual((g.gate, g.up, g.down), (m.w1, m.w3, m.w2))
+            if m.how == "functional":
+                self.assertEqual([type(a) for a in g.acts], [nn.SiLU])
+            else:
+                self.assertEqual(g.acts, (m.act,))
+        # The functional one, fitted at its least, trains as its twin (float64).
+        torch.manual_seed(0)
+        model = nn.Sequential(GatedVariant(64, 256, "functional"), nn.Tanh(),
+                              GatedVariant(64, 256, "functional")).double()
+        twin = copy.deepcopy(model)
+        x = torch.randn(8, 128, 64, dtype=torch.float64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+        def loss_fn(y):
+            return y.square().mean()
+
+        with mock.patch.object(memlean.sliced, "SLICE_BYTES", 1 << 18):
+            least, _ = self.least_and_eager(model, x, loss_fn, opt)
+            plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
+            self.assertIn("2 MLP(s) recomputed in hidden-feature slices", str(plan))
+            train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol=1e-9, atol=1e-11)
+        plan.undo()
 
     def test_sliced_gated_mlps_below_what_checkpoints_reach(self):
         # A GPT stack's SwiGLU MLPs, sliced over their hidden features below the least that
