@@ -433,16 +433,32 @@ def _activate(acts, h):
     return h
 
 
+def _rows_and_bias(x, w, b):
+    """(x as rows of features, the output the slices' parts are added into: the last
+    Linear's bias, or zeros)."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.empty((rows.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    return rows, out.zero_() if b is None else out.copy_(b.expand_as(out))
+
+
+def _mlp_spec(x, acts, features, slices):
+    """What a sliced MLP's forward and backward share: its activations, the slices' bounds
+    over the hidden features (slices None: mlp_slices'), whether an activation writes its
+    input (the backward then recomputes it on a copy)."""
+    if slices is None:
+        rows = x.numel() // max(1, x.shape[-1])
+        slices = mlp_slices(rows * features * x.element_size(), features)
+    bounds = [(features * i // slices, features * (i + 1) // slices) for i in range(slices)]
+    writes = any(getattr(m, "inplace", False) is True
+                 or getattr(m, "variant", None) == "inplace" for m in acts)
+    return {"acts": list(acts), "bounds": bounds, "writes": writes}
+
+
 class _SlicedMlp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, spec, w1, b1, w2, b2):
         acts, bounds = spec["acts"], spec["bounds"]
-        rows = x.reshape(-1, x.shape[-1])
-        out = torch.empty((rows.shape[0], w2.shape[0]), dtype=x.dtype, device=x.device)
-        if b2 is None:
-            out.zero_()
-        else:
-            out.copy_(b2.expand_as(out))
+        rows, out = _rows_and_bias(x, w2, b2)
         for j0, j1 in bounds:
             a = _activate(acts, F.linear(rows, w1[j0:j1], _slice(b1, j0, j1)))
             out.addmm_(a, w2[:, j0:j1].t())
@@ -502,14 +518,7 @@ def mlp_slices(hidden_bytes: int, features: int) -> int:
 
 def run_sliced_mlp(x, fc1, acts, fc2, slices=None):
     """sliced_mlp for parts checked already (mlp_parts)."""
-    features = fc1.out_features
-    if slices is None:
-        rows = x.numel() // max(1, x.shape[-1])
-        slices = mlp_slices(rows * features * x.element_size(), features)
-    bounds = [(features * i // slices, features * (i + 1) // slices) for i in range(slices)]
-    writes = any(getattr(m, "inplace", False) is True
-                 or getattr(m, "variant", None) == "inplace" for m in acts)
-    spec = {"acts": list(acts), "bounds": bounds, "writes": writes}
+    spec = _mlp_spec(x, acts, fc1.out_features, slices)
     return _SlicedMlp.apply(x, spec, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
 
 
@@ -558,12 +567,7 @@ class _SlicedGatedMlp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, spec, wg, bg, wu, bu, wd, bd):
         acts, bounds = spec["acts"], spec["bounds"]
-        rows = x.reshape(-1, x.shape[-1])
-        out = torch.empty((rows.shape[0], wd.shape[0]), dtype=x.dtype, device=x.device)
-        if bd is None:
-            out.zero_()
-        else:
-            out.copy_(bd.expand_as(out))
+        rows, out = _rows_and_bias(x, wd, bd)
         for j0, j1 in bounds:
             m = _activate(acts, F.linear(rows, wg[j0:j1], _slice(bg, j0, j1)))
             m.mul_(F.linear(rows, wu[j0:j1], _slice(bu, j0, j1)))
@@ -617,14 +621,7 @@ class _SlicedGatedMlp(torch.autograd.Function):
 
 def run_sliced_gated_mlp(x, gate, acts, up, down, slices=None):
     """sliced_gated_mlp for parts checked already (gated_parts)."""
-    features = gate.out_features
-    if slices is None:
-        rows = x.numel() // max(1, x.shape[-1])
-        slices = mlp_slices(rows * features * x.element_size(), features)
-    bounds = [(features * i // slices, features * (i + 1) // slices) for i in range(slices)]
-    writes = any(getattr(m, "inplace", False) is True
-                 or getattr(m, "variant", None) == "inplace" for m in acts)
-    spec = {"acts": list(acts), "bounds": bounds, "writes": writes}
+    spec = _mlp_spec(x, acts, gate.out_features, slices)
     return _SlicedGatedMlp.apply(x, spec, gate.weight, gate.bias, up.weight, up.bias,
                                  down.weight, down.bias)
 

@@ -1131,6 +1131,17 @@ class FitTest(unittest.TestCase):
         plan.undo()
         self.assertEqual(wrapped_forwards(model), [])
 
+    def fitted_at_least_trains_alike(self, model, twin, x, loss_fn, opt, opt_twin, mlps):
+        """Fit model (float64) at its least peak (slices of 2 MiB): `mlps` MLPs sliced; then
+        3 steps train as the twin's (train_alike); undone, no forward left wrapped."""
+        with mock.patch.object(memlean.sliced, "SLICE_BYTES", 1 << 18):
+            least, _ = self.least_and_eager(model, x, loss_fn, opt)
+            plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
+            self.assertIn(f"{mlps} MLP(s) recomputed in hidden-feature slices", str(plan))
+            train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol=1e-9, atol=1e-11)
+        plan.undo()
+        self.assertEqual(wrapped_forwards(model), [])
+
     def test_sliced_mlps_below_what_checkpoints_reach(self):
         # Below the least that checkpoints reach, fit recomputes each ViT block's MLP slice by
         # slice of its hidden features (memlean.sliced_mlp, keeping only the MLP's input): a
@@ -1154,13 +1165,7 @@ class FitTest(unittest.TestCase):
         x = x.double()
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
-        with mock.patch.object(memlean.sliced, "SLICE_BYTES", 1 << 18):
-            least, _ = self.least_and_eager(model, x, loss_fn, opt)
-            plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
-            self.assertIn("3 MLP(s) recomputed in hidden-feature slices", str(plan))
-            train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol=1e-9, atol=1e-11)
-        plan.undo()
-        self.assertEqual(wrapped_forwards(model), [])
+        self.fitted_at_least_trains_alike(model, twin, x, loss_fn, opt, opt_twin, mlps=3)
 
     def test_gated_mlps_are_found_by_their_dataflow(self):
         # fit slices a module as a gated MLP only where the recorded forward shows
@@ -1197,12 +1202,7 @@ class FitTest(unittest.TestCase):
         def loss_fn(y):
             return y.square().mean()
 
-        with mock.patch.object(memlean.sliced, "SLICE_BYTES", 1 << 18):
-            least, _ = self.least_and_eager(model, x, loss_fn, opt)
-            plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
-            self.assertIn("2 MLP(s) recomputed in hidden-feature slices", str(plan))
-            train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol=1e-9, atol=1e-11)
-        plan.undo()
+        self.fitted_at_least_trains_alike(model, twin, x, loss_fn, opt, opt_twin, mlps=2)
 
     def test_sliced_gated_mlps_below_what_checkpoints_reach(self):
         # A GPT stack's SwiGLU MLPs, sliced over their hidden features below the least that
