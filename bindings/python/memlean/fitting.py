@@ -415,7 +415,9 @@ class _Dataflow(TorchDispatchMode):
         self.reads = {}  # storage identity -> op numbers that read it
         self.writes = {}  # storage identity -> op numbers that write it
         # op number -> (the op, identities of its tensor arguments, of its tensor results,
-        # whether it is the recorder's own: the detach of a tensor autograd saves, _pack)
+        # whether it is the recorder's own: the detach of a tensor autograd saves, _pack; its
+        # keyword arguments where it is one of _FUNCTIONAL_ACTS, e.g. F.gelu's approximate,
+        # else None)
         self.ops = {}
         self.packing = False
 
@@ -438,8 +440,10 @@ class _Dataflow(TorchDispatchMode):
                 if identity is not None:
                     self.writes.setdefault(identity, []).append(seq)
         out = func(*args, **kwargs)
+        options = dict(kwargs) if func in _FUNCTIONAL_ACTS else None
         self.ops[seq] = (func, tuple(read), tuple(self.identities.key(t)[0]
-                                                  for t in _tensors(out)), self.packing)
+                                                  for t in _tensors(out)), self.packing,
+                         options)
         return out
 
 
@@ -1225,7 +1229,7 @@ class _MlpSlice(_Run):
 
     def run(self, chain, args, kwargs):
         if not (self.modules[0].training and len(args) == 1 and not kwargs
-                and sliced.mlp_applies(args[0])):
+                and sliced.applies(args[0], mlp=True)):
             return None  # (eval, CUDA, autocast, other dtypes: the modules in turn)
         return sliced.run_sliced_mlp(args[0], *self.parts)
 
@@ -1245,7 +1249,7 @@ class _GatedSlice(_Run):
 
     def run(self, chain, args, kwargs):
         if not (self.modules[0].training and len(args) == 1 and not kwargs
-                and sliced.mlp_applies(args[0])):
+                and sliced.applies(args[0], mlp=True)):
             return None  # (eval, CUDA, autocast, other dtypes: its own forward)
         return sliced.run_sliced_gated_mlp(args[0], self.gate, self.acts, self.up, self.down)
 
@@ -1446,10 +1450,16 @@ def _slices(eager: _Recorder, current: _Recorder, root, exclude=frozenset()) -> 
     return [c for _, c in sorted(chains, key=lambda c: c[0])]
 
 
-# The activations a gated MLP may apply as an op of its own forward (F.silu, F.relu), and the
-# module that computes the same (memlean.sliced_gated_mlp takes modules).
-_FUNCTIONAL_ACTS = {torch.ops.aten.silu.default: torch.nn.SiLU,
-                    torch.ops.aten.relu.default: torch.nn.ReLU}
+# The activations a gated MLP may apply as an op of its own forward (F.silu, F.relu, F.gelu:
+# SwiGLU, ReGLU, GeGLU), and, from the op's keyword arguments, the module that computes the
+# same (memlean.sliced_gated_mlp takes modules). Their schemas have no other arguments than
+# the input and these keywords (gelu's approximate), so the module repeats the op exactly.
+_FUNCTIONAL_ACTS = {
+    torch.ops.aten.silu.default: lambda options: torch.nn.SiLU(),
+    torch.ops.aten.relu.default: lambda options: torch.nn.ReLU(),
+    torch.ops.aten.gelu.default: lambda options: torch.nn.GELU(
+        approximate=options.get("approximate", "none")),
+}
 
 
 def _gated_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> list:
@@ -1481,14 +1491,14 @@ def _gated_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
         # Its children, called in this order: [gate, acts..., up, down] or
         # [up, gate, acts..., down] (gate: the Linear whose output the activations take), or
         # [gate, up, down] / [up, gate, down] with the activation one op of its own forward
-        # (F.silu, F.relu: _FUNCTIONAL_ACTS).
+        # (F.silu, F.relu, F.gelu: _FUNCTIONAL_ACTS).
         linears = [i for i, m in enumerate(mods) if isinstance(m, torch.nn.Linear)]
         d = len(mods) - 1
         if len(linears) != 3 or linears[0] != 0 or linears[2] != d or d < 2:
             continue
         inner = [(c.seq_begin, c.seq_end) for c in calls]
         own = [s for s in range(parent.seq_begin + 1, parent.seq_end)
-               if not any(b < s < e for b, e in inner) and not flow.ops.get(s, (0,) * 4)[3]]
+               if not any(b < s < e for b, e in inner) and not flow.ops.get(s, (0,) * 5)[3]]
         if not own or any(s not in flow.ops for s in own):
             continue
         functional = None
@@ -1498,7 +1508,7 @@ def _gated_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
             functional = _FUNCTIONAL_ACTS.get(flow.ops[own[0]][0]) if g is not None else None
             if functional is None:
                 continue
-            u, acts, act_modules = 1 - g, [], [functional()]
+            u, acts, act_modules = 1 - g, [], [functional(flow.ops[own[0]][4])]
             act_out = flow.ops[own[0]][2][0] if flow.ops[own[0]][2] else None
             own = own[1:]
         elif linears[1] == d - 1:
@@ -1520,7 +1530,7 @@ def _gated_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
             continue
         if len(own) != 1:
             continue
-        func, read, made, _ = flow.ops[own[0]]
+        func, read, made = flow.ops[own[0]][:3]
         up_out = calls[u].outputs[0][0] if calls[u].outputs else None
         if (func is not torch.ops.aten.mul.Tensor or sorted(map(str, read)) != sorted(
                 map(str, (act_out, up_out))) or not calls[d].inputs

@@ -286,9 +286,13 @@ def _weights(modules, roles, params, c0, c1):
     return out
 
 
-def applies(x) -> bool:
-    """Whether sliced_chain runs sliced for this input (else: the modules in turn)."""
-    return bool(isinstance(x, torch.Tensor) and type(x) is torch.Tensor and x.dim() == 4
+def applies(x, mlp: bool = False) -> bool:
+    """Whether sliced_chain (mlp: sliced_mlp, sliced_gated_mlp) runs sliced for this input,
+    else the modules in turn: a plain CPU tensor of float32 or float64 (4-d for a chain of
+    channels; 2-d or more for an MLP, its last dimension the features), autocast off, not
+    traced by torch.compile."""
+    return bool(isinstance(x, torch.Tensor) and type(x) is torch.Tensor
+                and (x.dim() >= 2 if mlp else x.dim() == 4)
                 and x.dtype in (torch.float32, torch.float64) and x.device.type == "cpu"
                 and not torch.is_autocast_enabled("cpu")
                 and not torch.compiler.is_compiling())
@@ -419,14 +423,6 @@ def mlp_parts(modules: Sequence[nn.Module]):
     return fc1, acts, fc2
 
 
-def mlp_applies(x) -> bool:
-    """Whether sliced_mlp runs sliced for this input (else: the modules in turn)."""
-    return bool(isinstance(x, torch.Tensor) and type(x) is torch.Tensor and x.dim() >= 2
-                and x.dtype in (torch.float32, torch.float64) and x.device.type == "cpu"
-                and not torch.is_autocast_enabled("cpu")
-                and not torch.compiler.is_compiling())
-
-
 def _activate(acts, h):
     for m in acts:
         h = type(m).forward(m, h)  # (its class's: elementwise() checked that one)
@@ -543,7 +539,7 @@ def sliced_mlp(x: torch.Tensor, modules: Sequence[nn.Module],
         raise TypeError(f"memlean.sliced_mlp: x must be a tensor, got {type(x).__name__}")
     fc1, acts, fc2 = parts
     _check_slices("memlean.sliced_mlp", slices, fc1.out_features)
-    if not mlp_applies(x):
+    if not applies(x, mlp=True):
         return _in_turn(x, modules)
     if x.shape[-1] != fc1.in_features:
         raise ValueError(f"memlean.sliced_mlp: x has {x.shape[-1]} features in its last "
@@ -643,7 +639,7 @@ def sliced_gated_mlp(x: torch.Tensor, gate: nn.Module, act: Sequence[nn.Module],
         raise TypeError(f"memlean.sliced_gated_mlp: x must be a tensor, got "
                         f"{type(x).__name__}")
     _check_slices("memlean.sliced_gated_mlp", slices, gate.out_features)
-    if not mlp_applies(x):
+    if not applies(x, mlp=True):
         return down(_in_turn(gate(x), acts) * up(x))
     if x.shape[-1] != gate.in_features:
         raise ValueError(f"memlean.sliced_gated_mlp: x has {x.shape[-1]} features in its last "

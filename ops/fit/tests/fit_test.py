@@ -159,9 +159,10 @@ class ViTBlock(nn.Module):
 class GatedVariant(nn.Module):
     """A SwiGLU-shaped module (w1, act, w3, w2) whose forward is `how`: "swiglu"
     w2(act(w1(x)) * w3(x)); "up first" w2(w3(x) * act(w1(x))); "functional"
-    w2(F.silu(w1(x)) * w3(x)); the others are not a gated MLP: "add" (+ for *), "scaled" (the
+    w2(F.silu(w1(x)) * w3(x)); "functional gelu", "functional tanh gelu" (GeGLU: F.gelu, exact
+    or approximate="tanh"); the others are not a gated MLP: "add" (+ for *), "scaled" (the
     product halved), "detached" (no gradient through the activation), "residual" (x added to
-    the output), "functional gelu" (F.gelu: not one of fit's functional activations)."""
+    the output), "functional mish" (F.mish: not one of fit's functional activations)."""
 
     def __init__(self, d, hidden, how):
         super().__init__()
@@ -176,6 +177,10 @@ class GatedVariant(nn.Module):
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         if self.how == "functional gelu":
             return self.w2(F.gelu(self.w1(x)) * self.w3(x))
+        if self.how == "functional tanh gelu":
+            return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
+        if self.how == "functional mish":
+            return self.w2(F.mish(self.w1(x)) * self.w3(x))
         a = self.act(self.w1(x))
         if self.how == "add":
             return self.w2(a + self.w3(x))
@@ -1169,12 +1174,13 @@ class FitTest(unittest.TestCase):
 
     def test_gated_mlps_are_found_by_their_dataflow(self):
         # fit slices a module as a gated MLP only where the recorded forward shows
-        # down(act(gate(x)) * up(x)) and nothing else: the SwiGLU and its up-first twin, not
-        # a sum, a scaled or detached product, nor a residual output.
+        # down(act(gate(x)) * up(x)) and nothing else: the SwiGLU and its up-first twin, its
+        # activation a function (F.silu; F.gelu as GeGLU, its approximate kept), not a sum, a
+        # scaled or detached product, a residual output, nor a function fit does not know.
         from memlean import fitting
 
         hows = ["swiglu", "add", "up first", "scaled", "functional", "detached", "residual",
-                "functional gelu"]
+                "functional gelu", "functional mish", "functional tanh gelu"]
         model = nn.Sequential(*[GatedVariant(8, 16, how) for how in hows])
         model.train()
         step = fitting._Step(model, (torch.randn(4, 8),), lambda y: y.sum(), None,
@@ -1183,18 +1189,24 @@ class FitTest(unittest.TestCase):
         with mock.patch.object(fitting, "_SLICE_MIN_BYTES", 0):
             found = fitting._gated_mlps(recorded, recorded)
         self.assertEqual([g.modules[0].how for _, g, _ in found],
-                         ["swiglu", "up first", "functional"])
+                         ["swiglu", "up first", "functional", "functional gelu",
+                          "functional tanh gelu"])
+        acts = {"functional": (nn.SiLU, None), "functional gelu": (nn.GELU, "none"),
+                "functional tanh gelu": (nn.GELU, "tanh")}
         for _, g, _ in found:
             m = g.modules[0]
             self.assertEqual((g.gate, g.up, g.down), (m.w1, m.w3, m.w2))
-            if m.how == "functional":
-                self.assertEqual([type(a) for a in g.acts], [nn.SiLU])
+            if m.how in acts:
+                kind, approximate = acts[m.how]
+                self.assertEqual([type(a) for a in g.acts], [kind])
+                self.assertEqual(getattr(g.acts[0], "approximate", None), approximate)
             else:
                 self.assertEqual(g.acts, (m.act,))
-        # The functional one, fitted at its least, trains as its twin (float64).
+        # Functional ones (SwiGLU, tanh GeGLU), fitted at their least, train as their twin
+        # (float64).
         torch.manual_seed(0)
         model = nn.Sequential(GatedVariant(64, 256, "functional"), nn.Tanh(),
-                              GatedVariant(64, 256, "functional")).double()
+                              GatedVariant(64, 256, "functional tanh gelu")).double()
         twin = copy.deepcopy(model)
         x = torch.randn(8, 128, 64, dtype=torch.float64)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
