@@ -13,9 +13,31 @@
 #include "ops/swish/internal/checks.h"
 #include "ops/swish/internal/constants.h"
 #include "ops/swish/internal/op_handles.h"
+#include "third_party/torch/grads.h"
 
 namespace memlean {
 namespace swish_detail {
+
+// The tensor x views all of, element for element, where autograd records an in-place op on
+// x (a torch::nn::Linear output for a 3-d input is a view of its 2-d matmul result); else
+// undefined. Autograd records an in-place op on a view as one on its base (CopySlices), whose
+// backward makes a zeroed gradient of the base and copies into it: two more tensors of x's
+// size. swish(x, kInplace) overwrites the base instead and returns a view of it: the same
+// memory and values, and a backward as for a tensor that is no view. (Python's
+// memlean.swish does the same: swish.py's _whole_base.)
+static at::Tensor whole_base(const at::Tensor& x) {
+  if (!x.defined() || !x.is_view() || !at::GradMode::is_enabled() || !x.requires_grad()) {
+    return {};
+  }
+  const at::Tensor base(x._base());
+  if (is_wrapped(x) || is_wrapped(base) || base.is_leaf() ||
+      base.scalar_type() != x.scalar_type() || base.numel() != x.numel() ||
+      base.storage_offset() != x.storage_offset() || !base.is_contiguous() ||
+      !x.is_contiguous()) {
+    return {};
+  }
+  return base;
+}
 
 const ForwardOp& forward_op() {
   static const ForwardOp op = c10::Dispatcher::singleton()
@@ -134,7 +156,14 @@ at::Tensor swish(const at::Tensor& x, double beta, SwishVariant variant) {
       swish_detail::check_beta(beta, x, "memlean::swish");
       return x * at::sigmoid(beta == 1.0 ? x : x * beta);
     case SwishVariant::kMemoryEfficient: return swish_detail::forward_op().call(x, beta);
-    case SwishVariant::kInplace: return swish_(x, beta);
+    case SwishVariant::kInplace: {
+      const at::Tensor base = swish_detail::whole_base(x);
+      if (base.defined()) {
+        swish_(base, beta);
+        return base.view(x.sizes());
+      }
+      return swish_(x, beta);
+    }
   }
   TORCH_INTERNAL_ASSERT(false, "unknown SwishVariant ", static_cast<int>(variant));
 }

@@ -26,7 +26,10 @@ enum class SwishVariant { kNaive, kMemoryEfficient, kInplace };
 SwishVariant parse_swish_variant(std::string_view name);
 std::string to_string(SwishVariant variant);
 
-// Differentiable Swish-β. With kInplace, x is overwritten and returned.
+// Differentiable Swish-β. With kInplace, x is overwritten and returned; where x is a view of
+// all of a tensor and autograd records the op (a torch::nn::Linear output for a 3-d input),
+// that tensor is overwritten and a view of it returned (the same memory; autograd's
+// in-place-on-a-view bookkeeping would hold two more tensors of x's size at the backward).
 at::Tensor swish(const at::Tensor& x, double beta = 1.0,
                  SwishVariant variant = SwishVariant::kMemoryEfficient);
 

@@ -10,6 +10,7 @@
 #include "ops/swish/cpu/swish_kernel.h"
 #include "ops/swish/internal/constants.h"
 #include "ops/swish/swish.h"
+#include "runtime/memstats/live_bytes.h"
 #include "testing/expect_error.h"
 
 namespace memlean {
@@ -181,6 +182,65 @@ TEST(SwishInplace, MaskIsOneBitPerElement) {
   // Left of t* = -1.2785: elements 0, 3, 5, 7 and 8.
   EXPECT_EQ(mask[0].item<uint8_t>(), 0b10101001);
   EXPECT_EQ(mask[1].item<uint8_t>(), 0b1);
+}
+
+// A Linear's output for a 3-d input is a view of its 2-d matmul result. Autograd records an
+// in-place op on a view as one on its base (CopySlices), whose backward held two more tensors
+// of its size; swish(x, kInplace) overwrites the base instead and returns a view of it, and
+// the backward writes the input gradient over the incoming one (reshape's backward hands on
+// a view of a base nobody else holds): the backward peaks exactly as for the same batch in
+// 2-d, with the same gradients, equal to the out-of-place variant's.
+struct LinearSwishLinear {
+  int64_t backward_peak = 0;
+  std::vector<at::Tensor> grads;  // x's, w1's, w2's
+};
+
+LinearSwishLinear linear_swish_linear(const at::Tensor& x0, SwishVariant variant) {
+  at::manual_seed(0);
+  const int64_t d = x0.size(-1);
+  at::Tensor w1 = at::randn({96, d}, at::kDouble).set_requires_grad(true);
+  at::Tensor b1 = at::randn({96}, at::kDouble).set_requires_grad(true);
+  at::Tensor w2 = at::randn({8, 96}, at::kDouble).set_requires_grad(true);
+  at::Tensor x = x0.clone().set_requires_grad(true);
+  const at::Tensor h = at::linear(x, w1, b1);
+  const at::Tensor y = swish(h, 1.0, variant);
+  if (variant == SwishVariant::kInplace) {
+    EXPECT_EQ(y.data_ptr(), h.data_ptr());  // h's memory overwritten
+    EXPECT_TRUE(at::equal(y, h));
+  }
+  const at::Tensor loss = at::linear(y, w2).square().sum();
+  LinearSwishLinear out;
+  {
+    LiveBytes live;
+    loss.backward();
+    out.backward_peak = live.peak();
+  }
+  out.grads = {x.grad(), w1.grad(), w2.grad()};
+  return out;
+}
+
+TEST(SwishInplace, AViewOfAWholeTensorBacksUpAsATensor) {
+  if (!LiveBytes::available()) GTEST_SKIP() << "another memory reporter is active";
+  at::manual_seed(1);
+  const at::Tensor x3 = at::randn({4, 32, 16}, at::kDouble);
+  ASSERT_TRUE(at::linear(x3, at::ones({96, 16}, at::kDouble).set_requires_grad(true),
+                         at::ones({96}, at::kDouble))
+                  .is_view());  // (the case in question)
+  const LinearSwishLinear three = linear_swish_linear(x3, SwishVariant::kInplace);
+  const LinearSwishLinear two = linear_swish_linear(x3.reshape({128, 16}), SwishVariant::kInplace);
+  const LinearSwishLinear lean =
+      linear_swish_linear(x3, SwishVariant::kMemoryEfficient);
+  EXPECT_EQ(three.backward_peak, two.backward_peak);
+  for (size_t i = 0; i < three.grads.size(); ++i) {
+    EXPECT_TRUE(at::allclose(three.grads[i].reshape(two.grads[i].sizes()), two.grads[i], 1e-12,
+                             1e-12))
+        << i;
+    EXPECT_TRUE(at::allclose(three.grads[i], lean.grads[i], 1e-7, 1e-8)) << i;
+  }
+  // A view of part of a tensor is overwritten itself (torch's CopySlices).
+  at::Tensor whole = at::randn({8, 16}, at::kDouble).set_requires_grad(true) * 1;
+  const at::Tensor part = whole.narrow(0, 0, 4);
+  EXPECT_TRUE(swish(part, 1.0, SwishVariant::kInplace).is_same(part));
 }
 
 TEST(SwishVariants, ParseAndPrint) {

@@ -23,15 +23,22 @@ inline bool is_wrapped(const at::Tensor& t) {
 
 // Whether grad may be overwritten by a tensor laid out as `like` (the saved tensor whose
 // gradient the backward computes): grad is its one reference (autograd handed it over by
-// reference: torch::autograd::Function::backward(ctx, variable_list&)) and its storage's
-// only tensor (not a view of a gradient handed on elsewhere, e.g. cat's or add's backward;
-// not kept by a hook or retain_grad, nor captured by torch.autograd.grad), it spans all of
+// reference: torch::autograd::Function::backward(ctx, variable_list&)), and its storage's
+// only tensor or a view of a base that only it holds (reshape's backward hands on such
+// views); not a view of a gradient handed on elsewhere (e.g. cat's or add's backward), not
+// kept by a hook or retain_grad, nor captured by torch.autograd.grad; it spans all of
 // its storage, has like's dtype, device, sizes and strides (dense), and is a plain CPU or
 // CUDA tensor (no tensor subclass, FakeTensor, functionalization or functorch wrapper, no
 // TorchDispatchMode: under tracing the out-of-place op is recorded, as before).
 inline bool grad_owned_alone(const at::Tensor& grad, const at::Tensor& like) {
-  if (!grad.defined() || grad.use_count() != 1 || !grad.has_storage() ||
-      grad.storage().use_count() != 1) {
+  if (!grad.defined() || grad.use_count() != 1 || !grad.has_storage()) return false;
+  // Its storage's only tensor, or a view whose base only the view holds: the gradient of a
+  // reshape (a 3-d nn.Linear output is a view of its 2-d matmul result, and its backward
+  // hands on grad.view(...)); below, grad must also span all of the storage.
+  const auto holders = grad.storage().use_count();
+  if (holders != 1 &&
+      !(holders == 2 && grad.is_view() && grad._base().use_count() == 1 &&
+        grad._base().has_storage() && grad._base().storage().is_alias_of(grad.storage()))) {
     return false;
   }
   if (is_wrapped(grad) || is_wrapped(like) ||

@@ -107,6 +107,26 @@ def _swish_inplace(x: torch.Tensor, beta: float) -> torch.Tensor:
     return _ops(x, beta, "inplace")
 
 
+def _whole_base(x: torch.Tensor):
+    """The tensor x views all of, element for element, where autograd records the in-place op
+    on x (e.g. nn.Linear's output for a 3-d input: a view of its 2-d matmul result); else
+    None. Overwriting x then overwrites that base, and autograd records an in-place op on a
+    view as one on its base (CopySlices), whose backward makes a zeroed gradient of the base
+    and copies into it: two more tensors of x's size at the backward. Overwriting the base
+    itself, and returning a view of it, records none of that: the same memory written, the
+    same values, a backward as for a tensor that is no view (x itself, if used again, gets
+    its gradient through its base's history, as after any in-place op on a base)."""
+    base = x._base
+    if (base is None or type(x) is not torch.Tensor or type(base) is not torch.Tensor
+            or not torch.is_grad_enabled() or not x.requires_grad or base.is_leaf
+            or base.dtype != x.dtype or base.numel() != x.numel()
+            or base.storage_offset() != x.storage_offset()
+            or not base.is_contiguous() or not x.is_contiguous()
+            or torch.compiler.is_compiling() or _exporting_to_onnx()):
+        return None
+    return base
+
+
 def _compiled(x: torch.Tensor, beta: float) -> torch.Tensor:
     """What torch.compile (and torch.export) trace for the memory-efficient variant: torch's
     own ops.
@@ -132,7 +152,10 @@ def swish(x: torch.Tensor, beta: float = 1.0, variant: str = "memory_efficient")
 
     x: a float32, float64, bfloat16 or float16 tensor. beta: any finite real scalar (1 is
     SiLU, 0 gives x / 2; see the module docstring for the types accepted). With
-    variant="inplace", x is overwritten and returned.
+    variant="inplace", x is overwritten and returned; where x is a view of all of a tensor
+    and autograd records the op (nn.Linear's output for a 3-d input), that tensor is
+    overwritten and a view of it returned (the same memory; autograd's in-place-on-a-view
+    machinery would hold two more tensors of x's size at the backward).
     """
     _check_x(x)
     return _swish(x, _check_beta(beta), _check_variant(variant))
@@ -141,6 +164,10 @@ def swish(x: torch.Tensor, beta: float = 1.0, variant: str = "memory_efficient")
 def _swish(x: torch.Tensor, beta: float, variant: str) -> torch.Tensor:
     """memlean.swish and memlean.Swish.forward in Python (beta and variant checked)."""
     if variant == "inplace":
+        base = _whole_base(x)
+        if base is not None:
+            _swish_inplace(base, beta)
+            return base.view(x.shape)
         return _swish_inplace(x, beta)
     if variant != "naive" and torch.compiler.is_compiling():  # see _compiled: torch's ops,
         _check_naive(x, beta)                                   # fused by the compiler

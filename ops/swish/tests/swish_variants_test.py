@@ -409,3 +409,58 @@ def test_inplace_backward_keeps_nan(device, dtype):
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
+
+
+def _linear_swish_linear(x0, how, keep_stale=False):
+    """x (a leaf) -> nn.Linear -> the in-place Swish (`how`: the module or the function) ->
+    nn.Linear -> sum of squares, backward: (the backward's peak above its start in exact CPU
+    bytes, x's and the weights' gradients, the first Linear's output h, what Swish returned).
+    keep_stale: the loss also adds h itself, used again after Swish overwrote it."""
+    torch.manual_seed(0)
+    lin1 = torch.nn.Linear(x0.shape[-1], 96).double()
+    lin2 = torch.nn.Linear(96, 8).double()
+    x = x0.clone().requires_grad_(True)
+    h = lin1(x)
+    y = (memlean.Swish(variant="inplace")(h) if how == "module"
+         else memlean.swish(h, variant="inplace"))
+    loss = lin2(y).square().sum() + (h.sum() if keep_stale else 0)
+    memlean.memstats.enable()
+    with memlean.memstats.track() as t:
+        start = t.current
+        loss.backward()
+        peak = t.peak - start
+    return peak, [x.grad, lin1.weight.grad, lin2.weight.grad], h, y
+
+
+@pytest.mark.parametrize("how", ["module", "function"])
+def test_inplace_on_a_view_of_a_whole_tensor_backs_up_as_on_a_tensor(how):
+    # nn.Linear's output for a 3-d input is a view of its 2-d matmul result; autograd records
+    # an in-place op on it as one on that base (CopySlices), whose backward held two more
+    # tensors of its size. memlean's in-place Swish overwrites the base instead and returns a
+    # view of it: the backward peaks as for the same batch in 2-d, gradients as float64
+    # autograd's, the same memory overwritten.
+    x3 = torch.randn(4, 32, 16, dtype=torch.float64)
+    peak3, grads3, h, y = _linear_swish_linear(x3, how)
+    peak2, grads2, _, _ = _linear_swish_linear(x3.reshape(128, 16), how)
+    assert h._base is not None and h.grad_fn is not None  # (the case in question: a view)
+    assert y.data_ptr() == h.data_ptr() and torch.equal(y, h)  # h overwritten with y
+    assert "CopySlices" not in type(y.grad_fn).__name__
+    assert peak3 == peak2, (peak3, peak2)
+    torch.manual_seed(0)
+    lin1 = torch.nn.Linear(16, 96).double()
+    lin2 = torch.nn.Linear(96, 8).double()
+    for keep_stale in (False, True):
+        _, grads, _, _ = _linear_swish_linear(x3, how, keep_stale)
+        x = x3.clone().requires_grad_(True)
+        for m in (lin1, lin2):
+            m.zero_grad(set_to_none=True)
+        ref = torch.nn.functional.silu(lin1(x))
+        (lin2(ref).square().sum() + (ref.sum() if keep_stale else 0)).backward()
+        for got, want in zip(grads, [x.grad, lin1.weight.grad, lin2.weight.grad]):
+            torch.testing.assert_close(got, want, rtol=1e-7, atol=BOUND[torch.float64])
+    for got, want in zip(grads3, grads2):
+        torch.testing.assert_close(got.reshape(want.shape), want, rtol=1e-12, atol=1e-12)
+    # A view of part of a tensor is overwritten itself (CopySlices: torch's own bookkeeping).
+    part = torch.randn(8, 16, dtype=torch.float64, requires_grad=True) * 1
+    view = part[:4]
+    assert memlean.swish(view, variant="inplace") is view
