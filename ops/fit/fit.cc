@@ -944,7 +944,8 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     return f;
   }
 
-  const int64_t measured = found.least_measured_peak_bytes;
+  // The step as it was (the empty plan, where it fits) bounds the least named.
+  const int64_t measured = std::min(found.least_measured_peak_bytes, result.eager_peak_bytes);
   const int64_t best = measured + (device.is_cpu() ? 0 : 2 * cuda_margin(measured));
   const Plan& least = found.least;
   snapshot.restore();

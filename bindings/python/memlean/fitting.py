@@ -2048,6 +2048,9 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 if plan is not None:
                     return plan
             least = least2 if least is None else min(least, least2)
+        # The step as it was is one fit can return (the empty plan) where it fits: the least
+        # named is never above it, even if what fit changed went no lower.
+        least = min(least, plain)
         margin = ""
         if device.type == "cuda":
             margin = (f" (the least measured, {_C.fit.describe_bytes(least)}, plus twice the "

@@ -1548,6 +1548,28 @@ class FitTest(unittest.TestCase):
         self.assertEqual([type(m) for m in model.modules()], types)
         assert_same_state(self, before, snapshot(model, opt))
 
+    def test_the_least_named_is_never_above_the_eager_step(self):
+        # Were the swaps to raise the step's peak (here a Swish that saves more than nn.SiLU,
+        # standing in for a swap gone wrong) and nothing go lower, the least a FitError names
+        # is the eager step's, and fit at it returns the empty plan.
+        from memlean import fitting
+
+        class Naive(fitting.Swish):
+            def __init__(self, beta=1.0, variant=None):
+                super().__init__(beta=beta, variant="naive")
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 512), nn.SiLU(), nn.Linear(512, 64))
+        x = torch.randn(256, 64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        with mock.patch.object(fitting, "Swish", Naive):
+            with self.assertRaises(memlean.FitError) as caught:
+                memlean.fit(model, x, 1, optimizer=opt)
+            plan = memlean.fit(model, x, caught.exception.least_peak_bytes, optimizer=opt)
+        self.assertEqual(caught.exception.least_peak_bytes, plan.eager_peak_bytes)
+        self.assertEqual((plan.actions, plan.peak_bytes), ([], plan.eager_peak_bytes))
+        self.assertIsInstance(model[1], nn.SiLU)
+
     def test_bad_input_is_named(self):
         model, x, loss_fn, opt = self.conv_setup()
         for budget, kind, text in [(0, ValueError, "budget_bytes"), (-5, ValueError, "budget_bytes"),
