@@ -1982,11 +1982,28 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             plan, least = checkpointed(problem, empty_peak)
             if plan is not None:
                 return plan
+        thin = None
         if chains:
-            lean_step = current
             wraps = [_wrap(c) for c in chains]
             undo_steps.extend(wraps)
-            thin = step.run(record=True)
+            try:
+                thin = step.run(record=True)
+            except RuntimeError as e:
+                # A sliced chain failed where its modules in turn ran (something its checks
+                # did not foresee): fit goes on without slicing, and says so.
+                for w in reversed(wraps):
+                    w()
+                    undo_steps.remove(w)
+                warnings.warn(f"{_NAME}: the step with {len(chains)} chain(s) recomputed in "
+                              f"slices failed ({type(e).__name__}: {e}); fit goes on without "
+                              f"slicing. Please report this.", RuntimeWarning, stacklevel=2)
+                chains = []
+                if least is None:
+                    plan, least = checkpointed(problem, empty_peak)
+                    if plan is not None:
+                        return plan
+        if thin is not None:
+            lean_step = current
             slice_actions = _slice_actions(chains, current, thin, paths)
             if thin.peak <= budget:
                 actions.extend(slice_actions)

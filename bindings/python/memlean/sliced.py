@@ -430,11 +430,18 @@ def _activate(acts, h):
 
 
 def _rows_and_bias(x, w, b):
-    """(x as rows of features, the output the slices' parts are added into: the last
-    Linear's bias, or zeros)."""
+    """(x as rows of features, the output in x's shape with the last Linear's features,
+    that output as rows, which the slices' parts are added into: the last Linear's bias, or
+    zeros). The Function returns the output itself, not a view made in its forward, which
+    autograd would forbid writing in place (a caller's `y += x`)."""
     rows = x.reshape(-1, x.shape[-1])
-    out = torch.empty((rows.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-    return rows, out.zero_() if b is None else out.copy_(b.expand_as(out))
+    out = torch.empty(tuple(x.shape[:-1]) + (w.shape[0],), dtype=x.dtype, device=x.device)
+    flat = out.view(rows.shape[0], w.shape[0])
+    if b is None:
+        flat.zero_()
+    else:
+        flat.copy_(b.expand_as(flat))
+    return rows, out, flat
 
 
 def _mlp_spec(x, acts, features, slices):
@@ -454,14 +461,14 @@ class _SlicedMlp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, spec, w1, b1, w2, b2):
         acts, bounds = spec["acts"], spec["bounds"]
-        rows, out = _rows_and_bias(x, w2, b2)
+        rows, out, flat = _rows_and_bias(x, w2, b2)
         for j0, j1 in bounds:
             a = _activate(acts, F.linear(rows, w1[j0:j1], _slice(b1, j0, j1)))
-            out.addmm_(a, w2[:, j0:j1].t())
+            flat.addmm_(a, w2[:, j0:j1].t())
             del a
         ctx.spec = spec
         ctx.save_for_backward(x, w1, b1, w2, b2)
-        return out.view(tuple(x.shape[:-1]) + (w2.shape[0],))
+        return out
 
     @staticmethod
     @once_differentiable
@@ -563,15 +570,15 @@ class _SlicedGatedMlp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, spec, wg, bg, wu, bu, wd, bd):
         acts, bounds = spec["acts"], spec["bounds"]
-        rows, out = _rows_and_bias(x, wd, bd)
+        rows, out, flat = _rows_and_bias(x, wd, bd)
         for j0, j1 in bounds:
             m = _activate(acts, F.linear(rows, wg[j0:j1], _slice(bg, j0, j1)))
             m.mul_(F.linear(rows, wu[j0:j1], _slice(bu, j0, j1)))
-            out.addmm_(m, wd[:, j0:j1].t())
+            flat.addmm_(m, wd[:, j0:j1].t())
             del m
         ctx.spec = spec
         ctx.save_for_backward(x, wg, bg, wu, bu, wd, bd)
-        return out.view(tuple(x.shape[:-1]) + (wd.shape[0],))
+        return out
 
     @staticmethod
     @once_differentiable

@@ -298,7 +298,8 @@ def mlp(d=6, hidden=20, out=None, act=nn.GELU, bias=True, extras=True):
 def test_mlp_equals_the_modules_in_turn(act, bias, shape, slices):
     # Against float64 autograd of a copy run in turn: the output and the gradients of the
     # input and every parameter, in float64 (to 1e-12) and float32 (to 1e-5); without an
-    # input gradient too.
+    # input gradient too. The caller writes the output in place (as `y += x` does): it is no
+    # view made inside the Function, which autograd would refuse.
     torch.manual_seed(0)
     modules = mlp(act=act, bias=bias, out=5)
     x = torch.randn(shape)
@@ -307,8 +308,8 @@ def test_mlp_equals_the_modules_in_turn(act, bias, shape, slices):
             mine, ref = copy.deepcopy(modules).to(dtype), copy.deepcopy(modules).double()
             xs = x.to(dtype).clone().requires_grad_(x_grad)
             x64 = x.double().clone().requires_grad_(x_grad)
-            y = memlean.sliced_mlp(xs, list(mine), slices=slices)
-            y64 = in_turn(x64, ref)
+            y = memlean.sliced_mlp(xs, list(mine), slices=slices).mul_(1.5)
+            y64 = in_turn(x64, ref) * 1.5
             assert y.dtype == dtype and y.shape == y64.shape
             torch.testing.assert_close(y.double(), y64, rtol=tol, atol=tol)
             g = torch.randn(y64.shape, dtype=torch.float64)
@@ -417,15 +418,17 @@ def gated_in_turn(x, lins, act):
 ])
 def test_gated_mlp_equals_the_formula(act, bias, shape, slices):
     # Against float64 autograd of a copy computing down(act(gate(x)) * up(x)): the output and
-    # the gradients of the input and every parameter, in float64 (1e-12) and float32 (1e-5).
+    # the gradients of the input and every parameter, in float64 (1e-12) and float32 (1e-5);
+    # the output written in place by the caller, as for sliced_mlp.
     torch.manual_seed(0)
     lins, x = gated(bias=bias), torch.randn(shape)
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
         mine, ref = copy.deepcopy(lins).to(dtype), copy.deepcopy(lins).double()
         xs = x.to(dtype).clone().requires_grad_()
         x64 = x.double().clone().requires_grad_()
-        y = memlean.sliced_gated_mlp(xs, mine[0], act(), mine[1], mine[2], slices=slices)
-        y64 = gated_in_turn(x64, ref, act())
+        y = memlean.sliced_gated_mlp(xs, mine[0], act(), mine[1], mine[2],
+                                     slices=slices).mul_(1.5)
+        y64 = gated_in_turn(x64, ref, act()) * 1.5
         torch.testing.assert_close(y.double(), y64, rtol=tol, atol=tol)
         g = torch.randn(y64.shape, dtype=torch.float64)
         y.backward(g.to(dtype))

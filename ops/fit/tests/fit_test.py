@@ -1216,6 +1216,70 @@ class FitTest(unittest.TestCase):
 
         self.fitted_at_least_trains_alike(model, twin, x, loss_fn, opt, opt_twin, mlps=2)
 
+    def test_a_sliced_step_that_fails_leaves_fit_to_checkpoints(self):
+        # Were a sliced chain to fail in the step (here memlean.sliced_mlp raising), fit warns
+        # and goes on without slicing: a plan of checkpoints at a budget they reach, the
+        # FitError below it naming what they reach; the model left unwrapped.
+        torch.manual_seed(0)
+        model, x = ViT(), torch.randn(8, 128, 48)
+        loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        with mock.patch.object(memlean.sliced, "SLICE_BYTES", 1 << 17):
+            with mock.patch.object(memlean.sliced, "mlp_parts", lambda modules: None):
+                without, _ = self.least_and_eager(model, x, loss_fn, opt)
+
+            def fails(*args, **kwargs):
+                raise RuntimeError("boom")
+
+            with mock.patch.object(memlean.sliced, "run_sliced_mlp", fails):
+                # Just below (checkpoints searched first) and far below (their search skipped
+                # for slicing, then run after all).
+                for budget in (without - 1, without // 2):
+                    with self.assertWarnsRegex(RuntimeWarning, "boom.*without slicing"):
+                        with self.assertRaises(memlean.FitError) as caught:
+                            memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
+                    self.assertEqual(caught.exception.least_peak_bytes, without)
+                    self.assertNotIn("sliced recompute", str(caught.exception))
+                    self.assertEqual(wrapped_forwards(model), [])
+                plan = memlean.fit(model, x, without, loss_fn=loss_fn, optimizer=opt)
+                self.assertLessEqual(plan.peak_bytes, without)
+                self.assertNotIn("sliced mlp", {a.action for a in plan.actions})
+                plan.undo()
+        self.assertEqual(wrapped_forwards(model), [])
+
+    def test_a_sliced_mlps_output_written_in_place_by_its_caller(self):
+        # A parent that adds the residual in place (`y = mlp(x); y += x`, as torchvision's
+        # blocks do): fitted at its least, plain and gated MLPs sliced, it trains as its
+        # float64 twin (before, the sliced MLPs returned a view made inside their Function,
+        # and `+=` raised "a view ... is being modified inplace").
+        class InPlaceResidual(nn.Module):
+            def __init__(self, d=64):
+                super().__init__()
+                self.blocks = nn.ModuleList(
+                    [nn.Sequential(nn.Linear(d, 4 * d), nn.SiLU(), nn.Linear(4 * d, d)),
+                     GatedVariant(d, 4 * d, "swiglu"),
+                     nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))])
+                self.head = nn.Linear(d, 10)
+
+            def forward(self, x):
+                for block in self.blocks:
+                    y = block(x)
+                    y += x
+                    x = y
+                return self.head(x)
+
+        torch.manual_seed(0)
+        model = InPlaceResidual().double()
+        twin = copy.deepcopy(model)
+        x = torch.randn(8, 128, 64, dtype=torch.float64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+
+        def loss_fn(y):
+            return y.square().mean()
+
+        self.fitted_at_least_trains_alike(model, twin, x, loss_fn, opt, opt_twin, mlps=3)
+
     def test_sliced_gated_mlps_below_what_checkpoints_reach(self):
         # A GPT stack's SwiGLU MLPs, sliced over their hidden features below the least that
         # checkpoints reach: a lower least than without, every budget down to it kept in exact
