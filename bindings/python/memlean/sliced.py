@@ -163,13 +163,23 @@ def _accumulate(grad_x, weight, grad_h, layout):
                                           grad_h.reshape(n, w.shape[0], -1))
 
 
+def writes(module) -> bool:
+    """Whether an activation module writes its input (nn.ReLU(inplace=True), timm's
+    act_layer(inplace=True), memlean's in-place Swish)."""
+    return getattr(module, "inplace", False) is True or getattr(module, "variant", None) == "inplace"
+
+
 def _run_slice(x, modules, roles, norms, weights, c0, c1, recompute):
     """Channels c0..c1 of the chain's output (of modules, a stretch of the chain: the
     backward runs a 1x1 head apart). weights: per module, its (weight, bias) slices (or none
     for an act). recompute: the backward's pass (running statistics untouched; batch
-    statistics in training, as the forward used)."""
+    statistics in training, as the forward used). x itself is never written: an activation
+    that writes its input and would take x (the chain's input or a slice that may view it;
+    in the backward, the tensor whose gradient is taken) takes a copy."""
     y = x
     for m, r, norm, w in zip(modules, roles, norms, weights):
+        if y is x and r == "act" and writes(m):
+            y = x.clone()
         if r == "head":
             y = F.conv2d(y, w[0], w[1], m.stride, m.padding, m.dilation, 1)
         elif r == "depthwise":
@@ -452,9 +462,7 @@ def _mlp_spec(x, acts, features, slices):
         rows = x.numel() // max(1, x.shape[-1])
         slices = mlp_slices(rows * features * x.element_size(), features)
     bounds = [(features * i // slices, features * (i + 1) // slices) for i in range(slices)]
-    writes = any(getattr(m, "inplace", False) is True
-                 or getattr(m, "variant", None) == "inplace" for m in acts)
-    return {"acts": list(acts), "bounds": bounds, "writes": writes}
+    return {"acts": list(acts), "bounds": bounds, "writes": any(writes(m) for m in acts)}
 
 
 class _SlicedMlp(torch.autograd.Function):

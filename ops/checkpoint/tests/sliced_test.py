@@ -117,6 +117,43 @@ def test_module_variants(case):
                 x_grad=case != "input without grad")
 
 
+@pytest.mark.parametrize("case", ["after a 1x1 head", "after a 1x1 head, through Identity",
+                                  "after a 3x3 head", "first, on the input"])
+def test_an_activation_writing_its_input_overwrites_no_tensor_of_the_chain(case):
+    # An in-place activation right after a 1x1 head (or after an Identity following it) once
+    # overwrote the head's output slice whose gradient the backward takes: input gradients
+    # silently wrong (timm's efficientvit_b0 through memlean.fit, 2026-11-27). First in a
+    # chain, on a batch of one in one slice, it could overwrite the chain's input. Now such
+    # an activation takes a copy: the input untouched, everything as float64 autograd's.
+    torch.manual_seed(0)
+    act = nn.Hardswish(inplace=True)
+    mods, shape = {
+        "after a 1x1 head": ([nn.Conv2d(5, 12, 1), act, nn.Conv2d(12, 12, 3, 1, 1, groups=12),
+                              nn.BatchNorm2d(12)], (3, 5, 8, 8)),
+        "after a 1x1 head, through Identity": ([nn.Conv2d(5, 12, 1), nn.Identity(), act],
+                                               (3, 5, 8, 8)),
+        "after a 3x3 head": ([nn.Conv2d(5, 12, 3, padding=1), act, nn.BatchNorm2d(12)],
+                             (3, 5, 8, 8)),
+        "first, on the input": ([nn.ReLU(inplace=True), nn.Conv2d(12, 12, 3, 1, 1, groups=12),
+                                 nn.BatchNorm2d(12)], (1, 12, 8, 8)),
+    }[case]
+    modules = nn.ModuleList(mods)
+    x0 = torch.randn(shape, dtype=torch.float64)
+    for slices in (1, 4):
+        mine, ref = copy.deepcopy(modules).double(), copy.deepcopy(modules).double()
+        xs, x64 = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+        y = memlean.sliced_chain(xs, list(mine), slices=slices)
+        assert torch.equal(xs.detach(), x0), case  # the input untouched
+        y64 = in_turn(x64 * 1, ref)  # (a copy: torch refuses an in-place op on a leaf)
+        g = torch.randn_like(y64)
+        y.backward(g)
+        y64.backward(g)
+        torch.testing.assert_close(y, y64, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(xs.grad, x64.grad, rtol=1e-10, atol=1e-10)
+        for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-10, msg=name)
+
+
 def test_timm_batchnorm_act():
     if not available("timm"):
         pytest.skip("timm: this environment is made without it")

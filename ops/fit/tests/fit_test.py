@@ -1136,6 +1136,28 @@ class FitTest(unittest.TestCase):
         plan.undo()
         self.assertEqual(wrapped_forwards(model), [])
 
+    def test_sliced_chains_whose_head_an_in_place_activation_follows(self):
+        # timm's efficientvit_b0 shape: a 1x1 head, no norm (Identity), an in-place Hardswish.
+        # Fitted at its least (chains sliced), it trains as its float64 twin; before
+        # 2026-11-27 the activation overwrote the head's output the backward takes the
+        # gradient of, and input gradients were silently wrong.
+        torch.manual_seed(1)
+        model = FlatMBNet(act=lambda: nn.Hardswish(inplace=True)).double()
+        for block in model.blocks:
+            block.bn1 = nn.Identity()
+        twin = copy.deepcopy(model)
+        x = torch.randn(8, 3, 64, 64, dtype=torch.float64)
+        loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+        least, _ = self.least_and_eager(model, x, loss_fn, opt)
+        plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
+        sliced = {a.path for a in plan.actions if a.action == "sliced recompute"}
+        self.assertIn("blocks.0.(conv_pw..act2)", sliced, str(plan))
+        train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol=1e-9, atol=1e-11)
+        plan.undo()
+        self.assertEqual(wrapped_forwards(model), [])
+
     def fitted_at_least_trains_alike(self, model, twin, x, loss_fn, opt, opt_twin, mlps):
         """Fit model (float64) at its least peak (slices of 2 MiB): `mlps` MLPs sliced; then
         3 steps train as the twin's (train_alike); undone, no forward left wrapped."""
