@@ -116,9 +116,10 @@ def _whole_base(x: torch.Tensor):
     itself, and returning a view of it, records none of that: the same memory written, the
     same values, a backward as for a tensor that is no view (x itself, if used again, gets
     its gradient through its base's history, as after any in-place op on a base)."""
+    if type(x) is not torch.Tensor or not torch.is_grad_enabled() or not x.requires_grad:
+        return None  # (first: an FX proxy or a tensor subclass is left alone)
     base = x._base
-    if (base is None or type(x) is not torch.Tensor or type(base) is not torch.Tensor
-            or not torch.is_grad_enabled() or not x.requires_grad or base.is_leaf
+    if (base is None or type(base) is not torch.Tensor or base.is_leaf
             or base.dtype != x.dtype or base.numel() != x.numel()
             or base.storage_offset() != x.storage_offset()
             or not base.is_contiguous() or not x.is_contiguous()
