@@ -468,10 +468,21 @@ bool is_naive_swish(const torch::nn::AnyModule& layer) {
 // other tensor shares its storage; it is not the example input, a parameter or a buffer),
 // and in a Sequential no later layer reads a layer's input. (Checked on the forward with the
 // earlier swaps made: the in-place Swish saves its output, so of two Swish layers in a row
-// only the first is overwritten in place.)
+// only the first is overwritten in place.) Or x is a view of all of a tensor that only x holds
+// (a torch::nn::Linear output for a 3-d input is a view of its 2-d matmul result), which the
+// in-place Swish then overwrites (memlean::swish, kInplace).
 bool only_holder(const at::Tensor& x) {
-  return x.defined() && x.has_storage() && x.use_count() == 1 && x.storage().use_count() == 1 &&
-         !(x.is_leaf() && x.requires_grad()) && x.is_floating_point();
+  if (!x.defined() || !x.has_storage() || x.use_count() != 1 ||
+      (x.is_leaf() && x.requires_grad()) || !x.is_floating_point()) {
+    return false;
+  }
+  const auto holders = x.storage().use_count();
+  if (holders == 1) return true;
+  if (holders != 2 || !x.is_view()) return false;
+  const at::TensorBase& base = x._base();
+  return base.use_count() == 1 && base.numel() == x.numel() &&
+         base.storage_offset() == x.storage_offset() && base.is_contiguous() &&
+         x.is_contiguous();
 }
 
 // What one forward of a Sequential, layer by layer, found with fit's swaps made (step 1 of

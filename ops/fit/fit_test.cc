@@ -415,6 +415,48 @@ TEST(Fit, SwishLayersBecomeInPlaceWhereOnlyTheyHoldTheirInputSavingExactBytes) {
   EXPECT_LE(eager - swapped - saved, 3) << "the measured saving, split among the layers";
 }
 
+// A Swish layer whose input is a view of all of a tensor only that view holds (here
+// Unflatten's output; Python's nn.Linear makes one from a 3-d batch, LibTorch's does not):
+// fit makes it in place (before 2026-11-27 such an input counted as shared, and the layer
+// got the memory-efficient Swish), and the step peaks exactly as the same model without the
+// Unflatten/Flatten pair (the in-place Swish overwrites the view's base and its backward
+// writes over the incoming gradient, a view too: ops/swish), with the same gradients.
+TEST(Fit, ASwishLayerOnAViewOfAWholeTensorBecomesInPlace) {
+  namespace nn = torch::nn;
+  std::vector<int64_t> peaks;
+  std::vector<std::vector<at::Tensor>> grads;
+  for (const bool views : {false, true}) {
+    at::manual_seed(0);
+    nn::Linear first(kIn, kHidden);  // (one statement each: the same initialisation)
+    nn::Linear last(kHidden, kOut);
+    nn::Sequential m;
+    m->push_back(first);
+    if (views) m->push_back(nn::Unflatten(nn::UnflattenOptions(1, {kHidden / 16, 16})));
+    m->push_back(nn::SiLU());
+    if (views) m->push_back(nn::Flatten());
+    m->push_back(last);
+    m->to(at::kDouble);
+    Bench s(m);
+    s.train_step();
+    const int64_t eager = fit(s.model, s.x, int64_t{1} << 40, s.options()).eager_peak_bytes;
+    const FitPlan plan = fit(s.model, s.x, eager - 1, s.options());
+    ASSERT_EQ(plan.actions.size(), 1u) << plan.str();
+    EXPECT_EQ(plan.actions[0].path + ": " + plan.actions[0].action,
+              std::string(views ? "layer 2" : "layer 1") + ": inplace swish");
+    peaks.push_back(plan.peak_bytes);
+    s.sgd.zero_grad();
+    at::mse_loss(plan.forward(s.x), s.y).backward();
+    std::vector<at::Tensor> g;
+    for (const auto& p : s.model->parameters()) g.push_back(p.grad().clone());
+    grads.push_back(g);
+  }
+  EXPECT_EQ(peaks[1], peaks[0]);
+  ASSERT_EQ(grads[1].size(), grads[0].size());
+  for (size_t i = 0; i < grads[0].size(); ++i) {
+    EXPECT_TRUE(at::allclose(grads[1][i], grads[0][i], 1e-12, 1e-14)) << i;
+  }
+}
+
 // The tests below run on the CPU and, where a GPU is visible, on cuda:0 (float64 there too;
 // fit then counts the allocator's blocks and plans cuda_margin below the budget).
 class FitOnDevice : public ::testing::TestWithParam<c10::DeviceType> {
