@@ -1468,8 +1468,10 @@ def _gated_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
     in, whose whole forward is down(act(gate(x)) * up(x)) as the dataflow shows it: three
     nn.Linear children and elementwise activations (sliced.gated_parts), gate and up called
     on its input, the activations in turn on gate's output, its own ops nothing but one
-    multiplication of the activations' output and up's, whose result down takes, and down's
-    output returned; hidden tensors of 1 MiB or more; none of its modules in exclude."""
+    multiplication of the activations' output and up's, whose result down takes (through
+    modules that pass it on, timm's Dropout(0) and Identity), and down's output returned
+    (through such modules too); hidden tensors of 1 MiB or more; none of its modules in
+    exclude."""
     flow = eager.dataflow
     if flow is None or not _same_forward(eager, current):
         return []
@@ -1488,38 +1490,55 @@ def _gated_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
             continue
         ks.sort(key=lambda k: eager.calls[k].seq_begin)
         calls, mods = [eager.calls[k] for k in ks], [current.calls[k].module for k in ks]
-        # Its children, called in this order: [gate, acts..., up, down] or
-        # [up, gate, acts..., down] (gate: the Linear whose output the activations take), or
-        # [gate, up, down] / [up, gate, down] with the activation one op of its own forward
-        # (F.silu, F.relu, F.gelu: _FUNCTIONAL_ACTS).
-        linears = [i for i, m in enumerate(mods) if isinstance(m, torch.nn.Linear)]
-        d = len(mods) - 1
-        if len(linears) != 3 or linears[0] != 0 or linears[2] != d or d < 2:
+        # Its children, called in this order: gate and up (gate: the Linear whose output the
+        # activations take), the activations after gate ([gate, acts..., up], [up, gate,
+        # acts...]) or after both ([gate, up, acts...]: timm's SwiGLU), then modules that
+        # pass the product on (nn.Dropout(0), nn.Identity: timm's drop1 and norm), down, and
+        # modules that pass its output on (drop2); or gate, up, ..., down with the activation
+        # one op of its own forward (F.silu, F.relu, F.gelu: _FUNCTIONAL_ACTS).
+        tail = len(mods)
+        while tail > 3 and sliced._passes(mods[tail - 1]):
+            tail -= 1
+        d = tail - 1
+        linears = [i for i in range(tail) if isinstance(mods[i], torch.nn.Linear)]
+        if len(linears) != 3 or linears[0] != 0 or linears[2] != d:
             continue
         inner = [(c.seq_begin, c.seq_end) for c in calls]
         own = [s for s in range(parent.seq_begin + 1, parent.seq_end)
                if not any(b < s < e for b, e in inner) and not flow.ops.get(s, (0,) * 5)[3]]
         if not own or any(s not in flow.ops for s in own):
             continue
+        if linears[1] == 1:  # gate is the one whose output the next child takes
+            g = 1 if calls[2].input_id and calls[2].input_id == calls[1].output_id else 0
+            u, k = 1 - g, 2
+        else:
+            g, u, k = 0, linears[1], 1
+        acts, taken = [], calls[g].output_id
+        while k < d and k != u and taken and calls[k].input_id == taken:
+            acts.append(k)
+            taken = calls[k].output_id
+            k += 1
+        if linears[1] != 1:
+            if k != u or not acts:
+                continue
+            k = u + 1
+        between = list(range(k, d))
         functional = None
-        if d == 2:  # the activation, if any, is an op of its own: which gate's output is
+        if not acts:  # the activation is an op of its own: which gate's output it takes
             g = next((i for i in (0, 1) if calls[i].outputs and len(own) == 2
                       and flow.ops[own[0]][1] == (calls[i].outputs[0][0],)), None)
             functional = _FUNCTIONAL_ACTS.get(flow.ops[own[0]][0]) if g is not None else None
             if functional is None:
                 continue
-            u, acts, act_modules = 1 - g, [], [functional(flow.ops[own[0]][4])]
+            u, act_modules = 1 - g, [functional(flow.ops[own[0]][4])]
             act_out = flow.ops[own[0]][2][0] if flow.ops[own[0]][2] else None
             own = own[1:]
-        elif linears[1] == d - 1:
-            g, acts, u = 0, list(range(1, d - 1)), d - 1
-        elif linears[1] == 1:
-            g, acts, u = 1, list(range(2, d)), 0
         else:
-            continue
-        if functional is None:
             act_modules = [mods[i] for i in acts]
             act_out = calls[acts[-1]].outputs[0][0] if calls[acts[-1]].outputs else None
+        if not all(sliced._passes(mods[i]) for i in between) or not all(
+                calls[i].input_id == calls[d].output_id for i in range(tail, len(mods))):
+            continue
         gate, up, down = mods[g], mods[u], mods[d]
         if not sliced.gated_parts(gate, act_modules, up, down):
             continue
@@ -1534,7 +1553,8 @@ def _gated_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
         up_out = calls[u].outputs[0][0] if calls[u].outputs else None
         if (func is not torch.ops.aten.mul.Tensor or sorted(map(str, read)) != sorted(
                 map(str, (act_out, up_out))) or not calls[d].inputs
-                or made[:1] != (calls[d].inputs[0][0],)):
+                or made[:1] != (calls[d].inputs[0][0],)
+                or any(calls[i].inputs[:1] != calls[d].inputs[:1] for i in between)):
             continue
         wide = max(n for _, n in calls[g].outputs[:1]) if calls[g].outputs else 0
         if wide < _SLICE_MIN_BYTES:

@@ -1302,6 +1302,57 @@ class FitTest(unittest.TestCase):
 
         self.fitted_at_least_trains_alike(model, twin, x, loss_fn, opt, opt_twin, mlps=3)
 
+    def test_timms_swiglu_is_found_by_its_dataflow(self):
+        # timm's SwiGLU (EVA-02, ViTs built with mlp_layer=SwiGLU) calls fc1_g, fc1_x, then its
+        # activation, then drop1 and norm on the product, fc2, drop2: found as a gated MLP when
+        # its dropouts are 0 and its norm an Identity (they pass the product on), not with a
+        # dropout or a LayerNorm; fitted at its least (sliced), a stack of them trains as its
+        # float64 twin.
+        import optional_deps
+
+        if not optional_deps.available("timm"):
+            self.skipTest("timm: this environment is made without it (MEMLEAN_WITHOUT)")
+        from timm.layers import SwiGLU
+
+        from memlean import fitting
+
+        variants = [SwiGLU(8, 16), SwiGLU(8, 16, drop=0.1), SwiGLU(8, 16, norm_layer=nn.LayerNorm),
+                    SwiGLU(8, 16, act_layer=nn.GELU)]
+        model = nn.Sequential(*variants)
+        model.train()
+        step = fitting._Step(model, (torch.randn(4, 8),), lambda y: y.sum(), None,
+                             torch.device("cpu"))
+        recorded = step.run(record=True, dataflow=True).recorder
+        with mock.patch.object(fitting, "_SLICE_MIN_BYTES", 0):
+            found = fitting._gated_mlps(recorded, recorded)
+        self.assertEqual([g.modules[0] for _, g, _ in found], [variants[0], variants[3]])
+        for _, g, _ in found:
+            m = g.modules[0]
+            self.assertEqual((g.gate, g.up, g.down, g.acts), (m.fc1_g, m.fc1_x, m.fc2, (m.act,)))
+
+        class Blocks(nn.Module):
+            def __init__(self, d=64):
+                super().__init__()
+                self.mlps = nn.ModuleList([SwiGLU(d, 4 * d) for _ in range(3)])
+                self.head = nn.Linear(d, 10)
+
+            def forward(self, x):
+                for mlp in self.mlps:
+                    x = x + mlp(x)
+                return self.head(x)
+
+        torch.manual_seed(0)
+        model = Blocks().double()
+        twin = copy.deepcopy(model)
+        x = torch.randn(8, 128, 64, dtype=torch.float64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+
+        def loss_fn(y):
+            return y.square().mean()
+
+        self.fitted_at_least_trains_alike(model, twin, x, loss_fn, opt, opt_twin, mlps=3)
+
     def test_sliced_gated_mlps_below_what_checkpoints_reach(self):
         # A GPT stack's SwiGLU MLPs, sliced over their hidden features below the least that
         # checkpoints reach: a lower least than without, every budget down to it kept in exact
