@@ -1169,6 +1169,21 @@ class FitTest(unittest.TestCase):
         plan.undo()
         self.assertEqual(wrapped_forwards(model), [])
 
+    def made_at_least_trains_alike(self, make, mlps):
+        """make() (seeded, in float64) on a batch of 8 x 128 x 64, square-mean loss, SGD with
+        momentum: fitted_at_least_trains_alike beside a copy."""
+        torch.manual_seed(0)
+        model = make().double()
+        twin = copy.deepcopy(model)
+        x = torch.randn(8, 128, 64, dtype=torch.float64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+
+        def loss_fn(y):
+            return y.square().mean()
+
+        self.fitted_at_least_trains_alike(model, twin, x, loss_fn, opt, opt_twin, mlps)
+
     def test_sliced_mlps_below_what_checkpoints_reach(self):
         # Below the least that checkpoints reach, fit recomputes each ViT block's MLP slice by
         # slice of its hidden features (memlean.sliced_mlp, keeping only the MLP's input): a
@@ -1226,17 +1241,9 @@ class FitTest(unittest.TestCase):
                 self.assertEqual(g.acts, (m.act,))
         # Functional ones (SwiGLU, tanh GeGLU), fitted at their least, train as their twin
         # (float64).
-        torch.manual_seed(0)
-        model = nn.Sequential(GatedVariant(64, 256, "functional"), nn.Tanh(),
-                              GatedVariant(64, 256, "functional tanh gelu")).double()
-        twin = copy.deepcopy(model)
-        x = torch.randn(8, 128, 64, dtype=torch.float64)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
-        def loss_fn(y):
-            return y.square().mean()
-
-        self.fitted_at_least_trains_alike(model, twin, x, loss_fn, opt, opt_twin, mlps=2)
+        self.made_at_least_trains_alike(
+            lambda: nn.Sequential(GatedVariant(64, 256, "functional"), nn.Tanh(),
+                                  GatedVariant(64, 256, "functional tanh gelu")), mlps=2)
 
     def test_a_sliced_step_that_fails_leaves_fit_to_checkpoints(self):
         # Were a sliced chain to fail in the step (here memlean.sliced_mlp raising), fit warns
@@ -1290,17 +1297,7 @@ class FitTest(unittest.TestCase):
                     x = y
                 return self.head(x)
 
-        torch.manual_seed(0)
-        model = InPlaceResidual().double()
-        twin = copy.deepcopy(model)
-        x = torch.randn(8, 128, 64, dtype=torch.float64)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
-
-        def loss_fn(y):
-            return y.square().mean()
-
-        self.fitted_at_least_trains_alike(model, twin, x, loss_fn, opt, opt_twin, mlps=3)
+        self.made_at_least_trains_alike(InPlaceResidual, mlps=3)
 
     def test_timms_swiglu_is_found_by_its_dataflow(self):
         # timm's SwiGLU (EVA-02, ViTs built with mlp_layer=SwiGLU) calls fc1_g, fc1_x, then its
@@ -1341,17 +1338,7 @@ class FitTest(unittest.TestCase):
                     x = x + mlp(x)
                 return self.head(x)
 
-        torch.manual_seed(0)
-        model = Blocks().double()
-        twin = copy.deepcopy(model)
-        x = torch.randn(8, 128, 64, dtype=torch.float64)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
-
-        def loss_fn(y):
-            return y.square().mean()
-
-        self.fitted_at_least_trains_alike(model, twin, x, loss_fn, opt, opt_twin, mlps=3)
+        self.made_at_least_trains_alike(Blocks, mlps=3)
 
     def test_sliced_gated_mlps_below_what_checkpoints_reach(self):
         # A GPT stack's SwiGLU MLPs, sliced over their hidden features below the least that
