@@ -1300,7 +1300,8 @@ class FitTest(unittest.TestCase):
         self.made_at_least_trains_alike(InPlaceResidual, mlps=3)
 
     def test_timms_swiglu_is_found_by_its_dataflow(self):
-        # timm's SwiGLU (EVA-02, ViTs built with mlp_layer=SwiGLU) calls fc1_g, fc1_x, then its
+        # timm's SwiGLU (DINOv3 and AIMv2 ViTs; EVA-02 base and large put a LayerNorm on the
+        # product, refused; EVA-02 tiny and small use GluMlp, not found) calls fc1_g, fc1_x, then its
         # activation, then drop1 and norm on the product, fc2, drop2: found as a gated MLP when
         # its dropouts are 0 and its norm an Identity (they pass the product on), not with a
         # dropout or a LayerNorm; fitted at its least (sliced), a stack of them trains as its
