@@ -36,6 +36,7 @@
 #include "runtime/memstats/nn.h"
 #include "runtime/memstats/report.h"
 #include "third_party/torch/devices.h"
+#include "third_party/torch/grads.h"
 #include "third_party/torch/tensors.h"
 
 namespace memlean::fit {
@@ -480,9 +481,7 @@ bool only_holder(const at::Tensor& x) {
   if (holders == 1) return true;
   if (holders != 2 || !x.is_view()) return false;
   const at::TensorBase& base = x._base();
-  return base.use_count() == 1 && base.numel() == x.numel() &&
-         base.storage_offset() == x.storage_offset() && base.is_contiguous() &&
-         x.is_contiguous();
+  return base.use_count() == 1 && views_all_of(x, base);
 }
 
 // What one forward of a Sequential, layer by layer, found with fit's swaps made (step 1 of

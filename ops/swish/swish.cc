@@ -30,12 +30,7 @@ static at::Tensor whole_base(const at::Tensor& x) {
     return {};
   }
   const at::Tensor base(x._base());
-  if (is_wrapped(x) || is_wrapped(base) || base.is_leaf() ||
-      base.scalar_type() != x.scalar_type() || base.numel() != x.numel() ||
-      base.storage_offset() != x.storage_offset() || !base.is_contiguous() ||
-      !x.is_contiguous()) {
-    return {};
-  }
+  if (is_wrapped(x) || is_wrapped(base) || base.is_leaf() || !views_all_of(x, base)) return {};
   return base;
 }
 

@@ -1,7 +1,9 @@
 // memlean::grad_owned_alone(): whether a backward may write its input gradient over the
-// incoming one; memlean::is_wrapped(): whether a tensor is not a plain one. Shared by
-// Swish's backwards (ops/swish), the lean BatchNorm (ops/checkpoint/lean_batchnorm.h) and the
-// lean convolution (ops/checkpoint/lean_conv.h). Internal to memlean.
+// incoming one; memlean::is_wrapped(): whether a tensor is not a plain one;
+// memlean::views_all_of(): whether a view covers its base element for element. Shared by
+// Swish's backwards and its in-place variant (ops/swish), the lean BatchNorm
+// (ops/checkpoint/lean_batchnorm.h), the lean convolution (ops/checkpoint/lean_conv.h) and
+// memlean::fit's in-place check (ops/fit). Internal to memlean.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -19,6 +21,16 @@ inline bool is_wrapped(const at::Tensor& t) {
                                             c10::DispatchKey::FuncTorchBatched,
                                             c10::DispatchKey::Batched});
   return t.key_set().has_any(wrapped);
+}
+
+// Whether x views all of base, element for element: the same dtype, element count and start,
+// both contiguous (a reshape of base: nn.Linear's output for a 3-d input is such a view of its
+// 2-d matmul result, Unflatten's output one of its input). An in-place op may then write base
+// instead of x (memlean::swish, kInplace; memlean::fit decides on it by the same test).
+inline bool views_all_of(const at::TensorBase& x, const at::TensorBase& base) {
+  return base.scalar_type() == x.scalar_type() && base.numel() == x.numel() &&
+         base.storage_offset() == x.storage_offset() && base.is_contiguous() &&
+         x.is_contiguous();
 }
 
 // Whether grad may be overwritten by a tensor laid out as `like` (the saved tensor whose

@@ -192,6 +192,20 @@ class GatedVariant(nn.Module):
         return out + x if self.how == "residual" else out
 
 
+def gated_mlps_of(modules):
+    """fit's gated MLPs (_gated_mlps, any size) in one recorded step of nn.Sequential(modules)
+    on a batch of 4 rows of 8 features."""
+    from memlean import fitting
+
+    model = nn.Sequential(*modules)
+    model.train()
+    step = fitting._Step(model, (torch.randn(4, 8),), lambda y: y.sum(), None,
+                         torch.device("cpu"))
+    recorded = step.run(record=True, dataflow=True).recorder
+    with mock.patch.object(fitting, "_SLICE_MIN_BYTES", 0):
+        return fitting._gated_mlps(recorded, recorded)
+
+
 class ViT(nn.Module):
     def __init__(self, patch=48, d=64, layers=3, classes=10):
         super().__init__()
@@ -1214,17 +1228,10 @@ class FitTest(unittest.TestCase):
         # down(act(gate(x)) * up(x)) and nothing else: the SwiGLU and its up-first twin, its
         # activation a function (F.silu; F.gelu as GeGLU, its approximate kept), not a sum, a
         # scaled or detached product, a residual output, nor a function fit does not know.
-        from memlean import fitting
 
         hows = ["swiglu", "add", "up first", "scaled", "functional", "detached", "residual",
                 "functional gelu", "functional mish", "functional tanh gelu"]
-        model = nn.Sequential(*[GatedVariant(8, 16, how) for how in hows])
-        model.train()
-        step = fitting._Step(model, (torch.randn(4, 8),), lambda y: y.sum(), None,
-                             torch.device("cpu"))
-        recorded = step.run(record=True, dataflow=True).recorder
-        with mock.patch.object(fitting, "_SLICE_MIN_BYTES", 0):
-            found = fitting._gated_mlps(recorded, recorded)
+        found = gated_mlps_of([GatedVariant(8, 16, how) for how in hows])
         self.assertEqual([g.modules[0].how for _, g, _ in found],
                          ["swiglu", "up first", "functional", "functional gelu",
                           "functional tanh gelu"])
@@ -1312,17 +1319,9 @@ class FitTest(unittest.TestCase):
             self.skipTest("timm: this environment is made without it (MEMLEAN_WITHOUT)")
         from timm.layers import SwiGLU
 
-        from memlean import fitting
-
         variants = [SwiGLU(8, 16), SwiGLU(8, 16, drop=0.1), SwiGLU(8, 16, norm_layer=nn.LayerNorm),
                     SwiGLU(8, 16, act_layer=nn.GELU)]
-        model = nn.Sequential(*variants)
-        model.train()
-        step = fitting._Step(model, (torch.randn(4, 8),), lambda y: y.sum(), None,
-                             torch.device("cpu"))
-        recorded = step.run(record=True, dataflow=True).recorder
-        with mock.patch.object(fitting, "_SLICE_MIN_BYTES", 0):
-            found = fitting._gated_mlps(recorded, recorded)
+        found = gated_mlps_of(variants)
         self.assertEqual([g.modules[0] for _, g, _ in found], [variants[0], variants[3]])
         for _, g, _ in found:
             m = g.modules[0]
