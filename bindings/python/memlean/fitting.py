@@ -370,6 +370,8 @@ class _Call:
     parent: object = None  # the _Call it runs inside (None: the outermost)
     input_id: int = 0  # id() of its argument when that is one tensor, positional; else 0
     output_id: int = 0  # id() of its output when that is one tensor; else 0
+    input_view: tuple = ()  # _view of that argument, of that output (else ())
+    output_view: tuple = ()
     # (id, nbytes) of the buffers of its tree that a checkpoint would rewind and that its
     # forward changed: a checkpoint of it keeps a copy of each until its backward.
     changed_buffers: tuple = ()
@@ -403,6 +405,15 @@ class _Identities:
         return identity, storage.nbytes()
 
 
+def _view(t: torch.Tensor) -> tuple:
+    """(storage offset, shape, strides) of t: where in its storage it lies; () for a tensor
+    without strides (sparse, nested)."""
+    try:
+        return t.storage_offset(), tuple(t.shape), tuple(t.stride())
+    except (RuntimeError, NotImplementedError):
+        return ()
+
+
 class _Dataflow(TorchDispatchMode):
     """Numbers the ops of the forward and notes which storages each reads (every tensor
     argument) and writes (the arguments its schema marks as written: an in-place op's self,
@@ -419,18 +430,27 @@ class _Dataflow(TorchDispatchMode):
         # keyword arguments where it is one of _FUNCTIONAL_ACTS, e.g. F.gelu's approximate,
         # else None)
         self.ops = {}
+        # op number -> _view of each of its tensor arguments (those of `read`), for the ops a
+        # gated MLP's own forward may make (_VIEWED_OPS): which half of a packed gate-and-up
+        # output each takes.
+        self.views = {}
         self.packing = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.seq += 1
         seq = self.seq
-        read = []
+        read, views = [], []
+        viewed = func in _FUNCTIONAL_ACTS or func is torch.ops.aten.mul.Tensor
         for t in _tensors((args, kwargs)):
             identity, _ = self.identities.key(t)
             if identity is not None:
                 self.reads.setdefault(identity, []).append(seq)
                 read.append(identity)
+                if viewed:
+                    views.append(_view(t))
+        if viewed:
+            self.views[seq] = tuple(views)
         for i, arg in enumerate(func._schema.arguments):
             if arg.alias_info is None or not arg.alias_info.is_write:
                 continue
@@ -507,7 +527,8 @@ class _Recorder:
         call = _Call(module, self.atom, seq_begin=self._seq(),
                      inputs=tuple(map(self.identities.key, tensors)),
                      parent=self.stack[-1][0] if self.stack else None,
-                     input_id=id(args[0]) if single else 0)
+                     input_id=id(args[0]) if single else 0,
+                     input_view=_view(args[0]) if single else ())
         rewound = rewound_buffers([module], _module_buffers(module))
         self.stack.append((call, [t._version for t in tensors],
                            [(b, b._version) for b in rewound]))
@@ -529,6 +550,7 @@ class _Recorder:
         call.mutates_input = any(t._version != v for t, v in zip(tensors, versions))
         call.outputs = tuple(map(self.identities.key, _tensors(output)))
         call.output_id = id(output) if isinstance(output, torch.Tensor) else 0
+        call.output_view = _view(output) if isinstance(output, torch.Tensor) else ()
         self.calls.append(call)
         self._next_atom()
 
@@ -1241,9 +1263,10 @@ class _GatedSlice(_Run):
 
     ACTION = "recomputes in hidden-feature slices"
 
-    def __init__(self, module, parent, gate, acts, up, down):
+    def __init__(self, module, parent, gate, acts, up, down, gate_first=True):
         super().__init__((module,), parent)
         self.gate, self.acts, self.up, self.down = gate, tuple(acts), up, down
+        self.gate_first = gate_first  # (up None: which half of gate's output is the gate's)
         self.fine = False
         self.finer = False
 
@@ -1251,7 +1274,8 @@ class _GatedSlice(_Run):
         if not (self.modules[0].training and len(args) == 1 and not kwargs
                 and sliced.applies(args[0], mlp=True)):
             return None  # (eval, CUDA, autocast, other dtypes: its own forward)
-        return sliced.run_sliced_gated_mlp(args[0], self.gate, self.acts, self.up, self.down)
+        return sliced.run_sliced_gated_mlp(args[0], self.gate, self.acts, self.up, self.down,
+                                           gate_first=self.gate_first)
 
     def path(self, paths) -> str:
         return paths.get(id(self.modules[0]), "?")
@@ -1465,13 +1489,14 @@ _FUNCTIONAL_ACTS = {
 def _gated_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> list:
     """The gated MLPs of the recorded forward: (index of its call, _GatedSlice, indices of
     its call and its children's calls) for every module called once, one positional tensor
-    in, whose whole forward is down(act(gate(x)) * up(x)) as the dataflow shows it: three
-    nn.Linear children and elementwise activations (sliced.gated_parts), gate and up called
-    on its input, the activations in turn on gate's output, its own ops nothing but one
-    multiplication of the activations' output and up's, whose result down takes (through
-    modules that pass it on, timm's Dropout(0) and Identity), and down's output returned
-    (through such modules too); hidden tensors of 1 MiB or more; none of its modules in
-    exclude."""
+    in, whose whole forward is down(act(gate(x)) * up(x)) as the dataflow shows it, with
+    gate and up two nn.Linear children (_separate_gated) or one that packs both
+    (_packed_gated: timm's GluMlp), the activations elementwise children or one op of its
+    own forward (F.silu, F.relu, F.gelu: _FUNCTIONAL_ACTS), its own ops otherwise nothing
+    but one multiplication (and, packed, the views that split gate's output), whose result
+    down takes through modules that pass it on (timm's Dropout(0) and Identity), and down's
+    output returned (through such modules too); hidden tensors of 1 MiB or more; none of its
+    modules in exclude."""
     flow = eager.dataflow
     if flow is None or not _same_forward(eager, current):
         return []
@@ -1490,79 +1515,152 @@ def _gated_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
             continue
         ks.sort(key=lambda k: eager.calls[k].seq_begin)
         calls, mods = [eager.calls[k] for k in ks], [current.calls[k].module for k in ks]
-        # Its children, called in this order: gate and up (gate: the Linear whose output the
-        # activations take), the activations after gate ([gate, acts..., up], [up, gate,
-        # acts...]) or after both ([gate, up, acts...]: timm's SwiGLU), then modules that
-        # pass the product on (nn.Dropout(0), nn.Identity: timm's drop1 and norm), down, and
-        # modules that pass its output on (drop2); or gate, up, ..., down with the activation
-        # one op of its own forward (F.silu, F.relu, F.gelu: _FUNCTIONAL_ACTS).
+        # down: the last Linear child, after it only modules that pass its output on (drop2)
         tail = len(mods)
-        while tail > 3 and sliced._passes(mods[tail - 1]):
+        while tail > 2 and sliced._passes(mods[tail - 1]):
             tail -= 1
         d = tail - 1
-        linears = [i for i in range(tail) if isinstance(mods[i], torch.nn.Linear)]
-        if len(linears) != 3 or linears[0] != 0 or linears[2] != d:
-            continue
         inner = [(c.seq_begin, c.seq_end) for c in calls]
         own = [s for s in range(parent.seq_begin + 1, parent.seq_end)
                if not any(b < s < e for b, e in inner) and not flow.ops.get(s, (0,) * 5)[3]]
-        if not own or any(s not in flow.ops for s in own):
+        if (not own or any(s not in flow.ops for s in own) or calls[d].output_id
+                != parent.output_id or not all(calls[i].input_id == calls[d].output_id
+                                               for i in range(tail, len(mods)))):
             continue
-        if linears[1] == 1:  # gate is the one whose output the next child takes
-            g = 1 if calls[2].input_id and calls[2].input_id == calls[1].output_id else 0
-            u, k = 1 - g, 2
-        else:
-            g, u, k = 0, linears[1], 1
-        acts, taken = [], calls[g].output_id
-        while k < d and k != u and taken and calls[k].input_id == taken:
-            acts.append(k)
-            taken = calls[k].output_id
-            k += 1
-        if linears[1] != 1:
-            if k != u or not acts:
-                continue
-            k = u + 1
-        between = list(range(k, d))
-        functional = None
-        if not acts:  # the activation is an op of its own: which gate's output it takes
-            g = next((i for i in (0, 1) if calls[i].outputs and len(own) == 2
-                      and flow.ops[own[0]][1] == (calls[i].outputs[0][0],)), None)
-            functional = _FUNCTIONAL_ACTS.get(flow.ops[own[0]][0]) if g is not None else None
-            if functional is None:
-                continue
-            u, act_modules = 1 - g, [functional(flow.ops[own[0]][4])]
-            act_out = flow.ops[own[0]][2][0] if flow.ops[own[0]][2] else None
-            own = own[1:]
-        else:
-            act_modules = [mods[i] for i in acts]
-            act_out = calls[acts[-1]].outputs[0][0] if calls[acts[-1]].outputs else None
-        if not all(sliced._passes(mods[i]) for i in between) or not all(
-                calls[i].input_id == calls[d].output_id for i in range(tail, len(mods))):
+        linears = [i for i in range(tail) if isinstance(mods[i], torch.nn.Linear)]
+        if linears[:1] != [0] or linears[-1:] != [d] or len(linears) not in (2, 3):
             continue
-        gate, up, down = mods[g], mods[u], mods[d]
-        if not sliced.gated_parts(gate, act_modules, up, down):
+        parts = (_separate_gated if len(linears) == 3 else _packed_gated)(
+            flow, parent, calls, mods, own, d)
+        if parts is None:
             continue
-        chained = calls[g].input_id == calls[u].input_id == parent.input_id and all(
-            calls[i].input_id == calls[j].output_id and calls[i].input_id
-            for j, i in zip([g] + acts, acts))
-        if not chained or calls[d].output_id != parent.output_id:
-            continue
-        if len(own) != 1:
-            continue
-        func, read, made = flow.ops[own[0]][:3]
-        up_out = calls[u].outputs[0][0] if calls[u].outputs else None
-        if (func is not torch.ops.aten.mul.Tensor or sorted(map(str, read)) != sorted(
-                map(str, (act_out, up_out))) or not calls[d].inputs
-                or made[:1] != (calls[d].inputs[0][0],)
-                or any(calls[i].inputs[:1] != calls[d].inputs[:1] for i in between)):
-            continue
+        gate, acts, up, gate_first, g = parts
         wide = max(n for _, n in calls[g].outputs[:1]) if calls[g].outputs else 0
-        if wide < _SLICE_MIN_BYTES:
+        if wide < _SLICE_MIN_BYTES or not sliced.gated_parts(gate, acts, up, mods[d]):
             continue
         gated = _GatedSlice(module, parent.parent.module if parent.parent else None, gate,
-                            act_modules, up, down)
+                            acts, up, mods[d], gate_first)
         found.append((p, gated, {p, *ks}))
     return found
+
+
+def _functional_act(flow, s):
+    """The module computing op number s when it is one of _FUNCTIONAL_ACTS, else None."""
+    make = _FUNCTIONAL_ACTS.get(flow.ops[s][0])
+    return make(flow.ops[s][4]) if make is not None else None
+
+
+def _product_taken(flow, calls, s, d, between) -> bool:
+    """Whether op number s is a multiplication whose result down (calls[d]) takes, through
+    the children `between` that pass it on."""
+    func, made = flow.ops[s][0], flow.ops[s][2]
+    return (func is torch.ops.aten.mul.Tensor and bool(calls[d].inputs)
+            and made[:1] == (calls[d].inputs[0][0],) and all(
+                sliced._passes(c_m[1]) and c_m[0].inputs[:1] == calls[d].inputs[:1]
+                for c_m in between))
+
+
+def _separate_gated(flow, parent, calls, mods, own, d):
+    """(gate, acts, up, True, gate's index) of a gated MLP whose children are gate, up and
+    down (nn.Linear: mods[0], another, mods[d]), called in this order: the activations after
+    gate ([gate, acts..., up], [up, gate, acts...]) or after both ([gate, up, acts...]:
+    timm's SwiGLU), then children that pass the product on; or gate, up, ..., down with
+    the activation one op of its own forward. Else None."""
+    linears = [i for i in range(d + 1) if isinstance(mods[i], torch.nn.Linear)]
+    if linears[1] == 1:  # gate is the one whose output the next child takes
+        g = 1 if calls[2].input_id and calls[2].input_id == calls[1].output_id else 0
+        u, k = 1 - g, 2
+    else:
+        g, u, k = 0, linears[1], 1
+    acts, taken = [], calls[g].output_id
+    while k < d and k != u and taken and calls[k].input_id == taken:
+        acts.append(k)
+        taken = calls[k].output_id
+        k += 1
+    if linears[1] != 1:
+        if k != u or not acts:
+            return None
+        k = u + 1
+    if not acts:  # the activation is an op of its own: which gate's output it takes
+        g = next((i for i in (0, 1) if calls[i].outputs and len(own) == 2
+                  and flow.ops[own[0]][1] == (calls[i].outputs[0][0],)), None)
+        act = _functional_act(flow, own[0]) if g is not None else None
+        if act is None:
+            return None
+        u, act_modules = 1 - g, [act]
+        act_out = flow.ops[own[0]][2][0] if flow.ops[own[0]][2] else None
+        own = own[1:]
+    else:
+        act_modules = [mods[i] for i in acts]
+        act_out = calls[acts[-1]].outputs[0][0] if calls[acts[-1]].outputs else None
+    chained = calls[g].input_id == calls[u].input_id == parent.input_id and all(
+        calls[i].input_id == calls[j].output_id and calls[i].input_id
+        for j, i in zip([g] + acts, acts))
+    up_out = calls[u].outputs[0][0] if calls[u].outputs else None
+    between = [(calls[i], mods[i]) for i in range(k, d)]
+    if (not chained or len(own) != 1 or not _product_taken(flow, calls, own[0], d, between)
+            or sorted(map(str, flow.ops[own[0]][1])) != sorted(map(str, (act_out, up_out)))):
+        return None
+    return mods[g], act_modules, mods[u], True, g
+
+
+def _packed_gated(flow, parent, calls, mods, own, d):
+    """(gate, acts, None, gate_first, 0) of a gated MLP whose first child, an nn.Linear,
+    makes gate's and up's outputs as two halves of its own (timm's GluMlp, SwiGLUPacked;
+    `g, u = w12(x).chunk(2, -1)`): the activations (children called in turn on one half, or
+    one op of its own forward on it), children that pass the product of their output and the
+    other half on, down (mods[d]). Its own ops besides the activation and the product only
+    view gate's output (split, chunk). Else None."""
+    first = calls[0]
+    if (not first.input_id or first.input_id != parent.input_id or not first.outputs
+            or len(first.output_view) != 3):
+        return None
+    whole, (offset, shape, strides) = first.outputs[0][0], first.output_view
+    if not shape or shape[-1] % 2 or strides[-1] != 1:
+        return None
+    hidden = shape[-1] // 2
+
+    def half(view):
+        """0, 1: the first or second half of gate's output that view is; else None."""
+        if len(view) != 3 or view[1] != shape[:-1] + (hidden,) or view[2] != strides:
+            return None
+        return {offset: 0, offset + hidden: 1}.get(view[0])
+
+    acts, k = [], 1
+    while k < d and not sliced._passes(mods[k]) and (
+            calls[k].input_id == calls[k - 1].output_id if acts
+            else calls[k].inputs[:1] and calls[k].inputs[0][0] == whole
+            and half(calls[k].input_view) is not None):
+        acts.append(k)
+        k += 1
+    if acts:
+        g_half = half(calls[acts[0]].input_view)
+        act_modules = [mods[i] for i in acts]
+        act_out = calls[acts[-1]].outputs[0][0] if calls[acts[-1]].outputs else None
+        rest = own
+    else:  # one op of its own forward on a half
+        ss = [s for s in own if flow.ops[s][0] in _FUNCTIONAL_ACTS]
+        if len(ss) != 1 or flow.ops[ss[0]][1] != (whole,) or len(flow.views[ss[0]]) != 1:
+            return None
+        g_half = half(flow.views[ss[0]][0])
+        act_modules = [_functional_act(flow, ss[0])]
+        act_out = flow.ops[ss[0]][2][0] if flow.ops[ss[0]][2] else None
+        rest = [s for s in own if s != ss[0]]
+    products = [s for s in rest if flow.ops[s][0] is torch.ops.aten.mul.Tensor]
+    if g_half is None or act_out is None or len(products) != 1:
+        return None
+    s = products[0]
+    operands = dict(zip(flow.ops[s][1], flow.views.get(s, ())))
+    between = [(calls[i], mods[i]) for i in range(k, d)]
+    if (sorted(map(str, flow.ops[s][1])) != sorted(map(str, (act_out, whole)))
+            or half(operands.get(whole, ())) != 1 - g_half
+            or not _product_taken(flow, calls, s, d, between)):
+        return None
+    # The other ops: views of gate's output (they read it alone and make it alone).
+    if any(flow.ops[o][1] != (whole,) or set(flow.ops[o][2]) != {whole}
+           for o in rest if o != s):
+        return None
+    return mods[0], act_modules, None, g_half == 0, 0
 
 
 def _inside(chains) -> set:

@@ -567,21 +567,29 @@ def sliced_mlp(x: torch.Tensor, modules: Sequence[nn.Module],
 
 def gated_parts(gate, acts, up, down):
     """Whether gate, up and down are nn.Linears of a gated MLP (gate and up map x's features
-    to the same hidden ones, down maps them back) and acts elementwise activations (or
-    modules that pass their input on), none hooked."""
+    to the same hidden ones, down maps them back; up None: gate packs both, its output twice
+    down's input features) and acts elementwise activations (or modules that pass their
+    input on), none hooked."""
+    if up is None:
+        return (_linear(gate) and _linear(down) and gate.out_features == 2 * down.in_features
+                and all(_passes(m) or elementwise(m) for m in acts))
     return (all(map(_linear, (gate, up, down))) and gate.in_features == up.in_features
             and gate.out_features == up.out_features == down.in_features
             and all(_passes(m) or elementwise(m) for m in acts))
 
 
 class _SlicedGatedMlp(torch.autograd.Function):
+    # spec["rows"]: (gate's first row in wg, up's first row in wu); wu and bu None: up's rows
+    # packed in wg and bg (timm's GluMlp), whose one gradient takes both ranges.
     @staticmethod
     def forward(ctx, x, spec, wg, bg, wu, bu, wd, bd):
         acts, bounds = spec["acts"], spec["bounds"]
+        og, ou = spec["rows"]
+        wu_, bu_ = (wg, bg) if wu is None else (wu, bu)
         rows, out, flat = _rows_and_bias(x, wd, bd)
         for j0, j1 in bounds:
-            m = _activate(acts, F.linear(rows, wg[j0:j1], _slice(bg, j0, j1)))
-            m.mul_(F.linear(rows, wu[j0:j1], _slice(bu, j0, j1)))
+            m = _activate(acts, F.linear(rows, wg[og + j0:og + j1], _slice(bg, og + j0, og + j1)))
+            m.mul_(F.linear(rows, wu_[ou + j0:ou + j1], _slice(bu_, ou + j0, ou + j1)))
             flat.addmm_(m, wd[:, j0:j1].t())
             del m
         ctx.spec = spec
@@ -593,19 +601,24 @@ class _SlicedGatedMlp(torch.autograd.Function):
     def backward(ctx, grad):
         x, wg, bg, wu, bu, wd, bd = ctx.saved_tensors
         acts = ctx.spec["acts"]
+        og, ou = ctx.spec["rows"]
         need_x, _, need_wg, need_bg, need_wu, need_bu, need_wd, need_bd = ctx.needs_input_grad
         rows = x.reshape(-1, x.shape[-1])
         g = grad.reshape(-1, grad.shape[-1])
         grad_x = torch.zeros_like(rows) if need_x else None
         grad_wg = torch.zeros_like(wg) if need_wg else None
         grad_bg = torch.zeros_like(bg) if need_bg and bg is not None else None
-        grad_wu = torch.zeros_like(wu) if need_wu else None
-        grad_bu = torch.zeros_like(bu) if need_bu and bu is not None else None
+        packed = wu is None
+        if packed:  # up's rows in wg, their gradients in wg's
+            wu, bu, grad_wu, grad_bu = wg, bg, grad_wg, grad_bg
+        else:
+            grad_wu = torch.zeros_like(wu) if need_wu else None
+            grad_bu = torch.zeros_like(bu) if need_bu and bu is not None else None
         grad_wd = torch.zeros_like(wd) if need_wd else None
         grad_bd = g.sum(0) if need_bd and bd is not None else None
         for j0, j1 in ctx.spec["bounds"]:
-            h = F.linear(rows, wg[j0:j1], _slice(bg, j0, j1)).requires_grad_()
-            u = F.linear(rows, wu[j0:j1], _slice(bu, j0, j1))
+            h = F.linear(rows, wg[og + j0:og + j1], _slice(bg, og + j0, og + j1)).requires_grad_()
+            u = F.linear(rows, wu[ou + j0:ou + j1], _slice(bu, ou + j0, ou + j1))
             with torch.enable_grad():
                 a = _activate(acts, h.clone() if ctx.spec["writes"] else h)
             if grad_wd is not None:
@@ -616,47 +629,77 @@ class _SlicedGatedMlp(torch.autograd.Function):
             del u, grad_m
             grad_h = grad_a if not acts else torch.autograd.grad(a, h, grad_a)[0]
             del a, h, grad_a
-            for grad_w, grad_b, w, gradient in ((grad_wg, grad_bg, wg, grad_h),
-                                                (grad_wu, grad_bu, wu, grad_u)):
+            for grad_w, grad_b, w, o, gradient in ((grad_wg, grad_bg, wg, og, grad_h),
+                                                   (grad_wu, grad_bu, wu, ou, grad_u)):
                 if grad_w is not None:
-                    torch.mm(gradient.t(), rows, out=grad_w[j0:j1])
+                    torch.mm(gradient.t(), rows, out=grad_w[o + j0:o + j1])
                 if grad_b is not None:
-                    torch.sum(gradient, 0, out=grad_b[j0:j1])
+                    torch.sum(gradient, 0, out=grad_b[o + j0:o + j1])
                 if grad_x is not None:
-                    grad_x.addmm_(gradient, w[j0:j1])
+                    grad_x.addmm_(gradient, w[o + j0:o + j1])
             del grad_h, grad_u
         if grad_x is not None:
             grad_x = grad_x.view(x.shape)
+        if packed:  # (wu and bu were None: no gradients of their own)
+            grad_wu = grad_bu = None
         return grad_x, None, grad_wg, grad_bg, grad_wu, grad_bu, grad_wd, grad_bd
 
 
-def run_sliced_gated_mlp(x, gate, acts, up, down, slices=None):
+def run_sliced_gated_mlp(x, gate, acts, up, down, slices=None, gate_first=True):
     """sliced_gated_mlp for parts checked already (gated_parts)."""
+    if up is None:
+        hidden = gate.out_features // 2
+        spec = _mlp_spec(x, acts, hidden, slices)
+        spec["rows"] = (0, hidden) if gate_first else (hidden, 0)
+        return _SlicedGatedMlp.apply(x, spec, gate.weight, gate.bias, None, None,
+                                     down.weight, down.bias)
     spec = _mlp_spec(x, acts, gate.out_features, slices)
+    spec["rows"] = (0, 0)
     return _SlicedGatedMlp.apply(x, spec, gate.weight, gate.bias, up.weight, up.bias,
                                  down.weight, down.bias)
 
 
-def sliced_gated_mlp(x: torch.Tensor, gate: nn.Module, act: Sequence[nn.Module], up: nn.Module,
-                     down: nn.Module, slices: Optional[int] = None) -> torch.Tensor:
+def _packed(gate, acts, down, gate_first):
+    """down(act(g) * u) where g, u = gate(x).chunk(2, -1) (gate_first; else u, g = ...)."""
+
+    def forward(x):
+        first, second = gate(x).chunk(2, dim=-1)
+        g, u = (first, second) if gate_first else (second, first)
+        return down(_in_turn(g, acts) * u)
+
+    return forward
+
+
+def sliced_gated_mlp(x: torch.Tensor, gate: nn.Module, act: Sequence[nn.Module],
+                     up: Optional[nn.Module], down: nn.Module, slices: Optional[int] = None,
+                     *, gate_first: bool = True) -> torch.Tensor:
     """down(act(gate(x)) * up(x)) (a SwiGLU or GeGLU MLP; act: the activation modules in
     order, e.g. [nn.SiLU()]), computed slice by slice of the hidden features and recomputed
     that way in backward, which keeps x (and the parameters) alone. gate, up, down:
-    nn.Linear without hooks. Where the sliced path does not apply (not a CPU float32/float64
-    tensor, autocast, torch.compile) it computes the formula with the modules."""
+    nn.Linear without hooks. up None: gate packs both, its output's first half the gate's
+    and second half up's where gate_first (else the other way round: timm's GluMlp with
+    gate_last=True), i.e. down(act(g) * u) with g, u = gate(x).chunk(2, dim=-1). Where the
+    sliced path does not apply (not a CPU float32/float64 tensor, autocast, torch.compile)
+    it computes the formula with the modules."""
     acts = list(act) if isinstance(act, (list, tuple)) else [act]
     if not gated_parts(gate, acts, up, down):
         raise ValueError("memlean.sliced_gated_mlp: gate, up and down must be nn.Linear "
                          "without hooks (gate and up of the same shape, down taking their "
-                         "features) and act elementwise activation modules; got "
+                         "features; or up None and gate with twice down's input features) "
+                         "and act elementwise activation modules; got "
                          f"{[type(m).__name__ for m in (gate, *acts, up, down)]}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"memlean.sliced_gated_mlp: x must be a tensor, got "
                         f"{type(x).__name__}")
-    _check_slices("memlean.sliced_gated_mlp", slices, gate.out_features)
+    if not isinstance(gate_first, bool):
+        raise TypeError(f"memlean.sliced_gated_mlp: gate_first must be a bool, got "
+                        f"{type(gate_first).__name__}")
+    _check_slices("memlean.sliced_gated_mlp", slices, down.in_features)
     if not applies(x, mlp=True):
+        if up is None:
+            return _packed(gate, acts, down, gate_first)(x)
         return down(_in_turn(gate(x), acts) * up(x))
     if x.shape[-1] != gate.in_features:
         raise ValueError(f"memlean.sliced_gated_mlp: x has {x.shape[-1]} features in its last "
                          f"dimension, the MLP takes {gate.in_features}")
-    return run_sliced_gated_mlp(x, gate, acts, up, down, slices)
+    return run_sliced_gated_mlp(x, gate, acts, up, down, slices, gate_first)

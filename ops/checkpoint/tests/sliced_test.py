@@ -514,5 +514,91 @@ def test_gated_mlp_where_it_does_not_apply_and_bad_input():
         g.sum().backward()
 
 
+# Packed: one Linear makes gate and up (timm's GluMlp, SwiGLUPacked: EVA-02, DINOv2 giant).
+
+
+def packed_in_turn(x, lins, act, gate_first):
+    first, second = lins[0](x).chunk(2, dim=-1)
+    g, u = (first, second) if gate_first else (second, first)
+    return lins[1](act(g) * u)
+
+
+@pytest.mark.parametrize("slices", [1, 3, 10])
+@pytest.mark.parametrize("gate_first", [True, False])
+@pytest.mark.parametrize("act,bias,shape", [
+    (nn.SiLU, True, (3, 7, 6)),
+    (nn.Sigmoid, False, (4, 6)),  # (GluMlp's default)
+    (lambda: memlean.Swish(variant="inplace"), True, (2, 3, 6)),
+])
+def test_packed_gated_mlp_equals_the_formula(act, bias, shape, gate_first, slices):
+    # Against float64 autograd of `g, u = fc1(x).chunk(2, -1); fc2(act(g) * u)` (or u first):
+    # the output and the gradients of the input and both weights and biases, float64 (1e-12)
+    # and float32 (1e-5); fc1's one gradient holds both halves' rows. (The in-place Swish: its
+    # formula with nn.SiLU, autograd refusing an in-place op on a chunk.)
+    torch.manual_seed(0)
+    lins = nn.ModuleList([nn.Linear(6, 20, bias=bias), nn.Linear(10, 5, bias=bias)])
+    x = torch.randn(shape)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        mine, ref = copy.deepcopy(lins).to(dtype), copy.deepcopy(lins).double()
+        xs = x.to(dtype).clone().requires_grad_()
+        x64 = x.double().clone().requires_grad_()
+        y = memlean.sliced_gated_mlp(xs, mine[0], act(), None, mine[1], slices=slices,
+                                     gate_first=gate_first).mul_(1.5)
+        ref_act = act() if not isinstance(act(), memlean.Swish) else nn.SiLU()
+        y64 = packed_in_turn(x64, ref, ref_act, gate_first) * 1.5
+        torch.testing.assert_close(y.double(), y64, rtol=tol, atol=tol)
+        g = torch.randn(y64.shape, dtype=torch.float64)
+        y.backward(g.to(dtype))
+        y64.backward(g)
+        torch.testing.assert_close(xs.grad.double(), x64.grad, rtol=tol, atol=tol)
+        for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad.double(), q.grad, rtol=tol, atol=tol, msg=name)
+
+
+def test_packed_gated_mlp_frozen_parameters_and_bytes():
+    # A frozen packed weight gets no gradient, the others theirs; after the forward the
+    # sliced MLP holds its output alone (the formula: fc1's output, the activation's and the
+    # product, 2 + 1 + 1 hidden tensors), and it peaks under half of the formula.
+    torch.manual_seed(0)
+    lins = nn.ModuleList([nn.Linear(6, 20), nn.Linear(10, 5)])
+    ref = copy.deepcopy(lins)
+    for m in (lins, ref):
+        m[0].weight.requires_grad_(False)
+    x = torch.randn(4, 6, requires_grad=True)
+    memlean.sliced_gated_mlp(x, lins[0], nn.SiLU(), None, lins[1], slices=3).sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    packed_in_turn(x_ref, ref, nn.SiLU(), True).sum().backward()
+    assert lins[0].weight.grad is None
+    for a, b in ((x.grad, x_ref.grad), (lins[0].bias.grad, ref[0].bias.grad),
+                 (lins[1].weight.grad, ref[1].weight.grad)):
+        torch.testing.assert_close(a, b)
+    lins = nn.ModuleList([nn.Linear(64, 512), nn.Linear(256, 64)])
+    x = torch.randn(8, 128, 64, requires_grad=True)
+    kept, peaks = kept_and_peaks(
+        lambda x, mods, slices: memlean.sliced_gated_mlp(x, mods[0], nn.SiLU(), None, mods[1],
+                                                         slices=slices),
+        lins, x, in_turn=lambda x, mods: packed_in_turn(x, mods, nn.SiLU(), True))
+    hidden = 8 * 128 * 256 * 4
+    assert kept["in turn"] >= kept["sliced"] + 4 * hidden
+    assert peaks["sliced"] < peaks["in turn"] / 2, peaks
+
+
+def test_packed_gated_mlp_where_it_does_not_apply_and_bad_input():
+    torch.manual_seed(0)
+    lins, x = nn.ModuleList([nn.Linear(6, 20), nn.Linear(10, 5)]), torch.randn(3, 6)
+    for gate_first in (True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.testing.assert_close(
+                memlean.sliced_gated_mlp(x, lins[0], nn.SiLU(), None, lins[1],
+                                         gate_first=gate_first),
+                packed_in_turn(x, lins, nn.SiLU(), gate_first))
+    with pytest.raises(ValueError, match="or up None and gate with twice down's input"):
+        memlean.sliced_gated_mlp(x, lins[0], nn.SiLU(), None, nn.Linear(20, 5))
+    with pytest.raises(TypeError, match="gate_first must be a bool, got str"):
+        memlean.sliced_gated_mlp(x, lins[0], nn.SiLU(), None, lins[1], gate_first="last")
+    with pytest.raises(ValueError, match="slices must be an int in 1..10, got 11"):
+        memlean.sliced_gated_mlp(x, lins[0], nn.SiLU(), None, lins[1], slices=11)
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

@@ -192,6 +192,40 @@ class GatedVariant(nn.Module):
         return out + x if self.how == "residual" else out
 
 
+class PackedVariant(nn.Module):
+    """A gated MLP whose one Linear w12 makes gate and up (xformers' and many Llama ports'
+    packed SwiGLU), its forward `how`: "chunk" `a, b = w12(x).chunk(2, -1); w3(F.silu(a) * b)`;
+    "split" the same with torch.split; "slices" with h[..., :n] and h[..., n:]; "gate last"
+    `w3(a * F.silu(b))`; not a gated MLP: "same half" `w3(F.silu(a) * a)`, "interleaved"
+    h[..., ::2] and h[..., 1::2], "add" (+ for *), "scaled" (the product doubled)."""
+
+    def __init__(self, d, hidden, how):
+        super().__init__()
+        self.how = how
+        self.w12, self.w3 = nn.Linear(d, 2 * hidden), nn.Linear(hidden, d)
+
+    def forward(self, x):
+        h = self.w12(x)
+        n = h.shape[-1] // 2
+        if self.how == "split":
+            a, b = torch.split(h, n, dim=-1)
+        elif self.how == "slices":
+            a, b = h[..., :n], h[..., n:]
+        elif self.how == "interleaved":
+            a, b = h[..., ::2], h[..., 1::2]
+        else:
+            a, b = h.chunk(2, dim=-1)
+        if self.how == "gate last":
+            return self.w3(a * F.silu(b))
+        if self.how == "same half":
+            return self.w3(F.silu(a) * a)
+        if self.how == "add":
+            return self.w3(F.silu(a) + b)
+        if self.how == "scaled":
+            return self.w3(F.silu(a) * b * 2)
+        return self.w3(F.silu(a) * b)
+
+
 def gated_mlps_of(modules):
     """fit's gated MLPs (_gated_mlps, any size) in one recorded step of nn.Sequential(modules)
     on a batch of 4 rows of 8 features."""
@@ -1339,6 +1373,56 @@ class FitTest(unittest.TestCase):
                 return self.head(x)
 
         self.made_at_least_trains_alike(Blocks, mlps=3)
+
+    def test_packed_gated_mlps_are_found_by_their_dataflow(self):
+        # A gated MLP whose one Linear makes gate and up as two halves of its output (timm's
+        # GluMlp: EVA-02 tiny and small, DINOv2 giant, gMixer; packed SwiGLUs written by
+        # hand) is found where the dataflow shows the activation on one half and the
+        # product with the other, whichever half is the gate's and however the halves are
+        # cut (chunk, split, slicing); not the same half twice, interleaved halves, a sum, a
+        # scaled product, nor timm's GluMlp with a dropout or a LayerNorm on the product.
+        # Fitted at their least (sliced), stacks of them train as their float64 twin.
+        hows = ["chunk", "split", "slices", "gate last", "same half", "interleaved", "add",
+                "scaled"]
+        found = gated_mlps_of([PackedVariant(8, 16, how) for how in hows])
+        self.assertEqual([g.modules[0].how for _, g, _ in found],
+                         ["chunk", "split", "slices", "gate last"])
+        for _, g, _ in found:
+            m = g.modules[0]
+            self.assertEqual((g.gate, g.up, g.down, g.gate_first),
+                             (m.w12, None, m.w3, m.how != "gate last"))
+            self.assertEqual([type(a) for a in g.acts], [nn.SiLU])
+
+        class Stack(nn.Module):
+            def __init__(self, make, d=64):
+                super().__init__()
+                self.mlps = nn.ModuleList([make(d, i) for i in range(3)])
+                self.head = nn.Linear(d, 10)
+
+            def forward(self, x):
+                for mlp in self.mlps:
+                    x = x + mlp(x)
+                return self.head(x)
+
+        self.made_at_least_trains_alike(
+            lambda: Stack(lambda d, i: PackedVariant(d, 2 * d, ["chunk", "gate last"][i % 2])),
+            mlps=3)
+        import optional_deps
+
+        if not optional_deps.available("timm"):
+            self.skipTest("timm: this environment is made without it (MEMLEAN_WITHOUT)")
+        from timm.layers import GluMlp, SwiGLUPacked
+
+        variants = [SwiGLUPacked(8, 32), GluMlp(8, 32), GluMlp(8, 32, drop=0.1),
+                    SwiGLUPacked(8, 32, norm_layer=nn.LayerNorm)]
+        found = gated_mlps_of(variants)
+        self.assertEqual([g.modules[0] for _, g, _ in found], variants[:2])
+        for (_, g, _), first in zip(found, (True, False)):
+            m = g.modules[0]
+            self.assertEqual((g.gate, g.up, g.down, g.acts, g.gate_first),
+                             (m.fc1, None, m.fc2, (m.act,), first))
+        self.made_at_least_trains_alike(
+            lambda: Stack(lambda d, i: (SwiGLUPacked if i % 2 else GluMlp)(d, 4 * d)), mlps=3)
 
     def test_sliced_gated_mlps_below_what_checkpoints_reach(self):
         # A GPT stack's SwiGLU MLPs, sliced over their hidden features below the least that
