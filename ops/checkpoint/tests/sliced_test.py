@@ -447,6 +447,25 @@ def gated_in_turn(x, lins, act):
     return lins[2](act(lins[0](x)) * lins[1](x))
 
 
+def matches_float64(lins, x, sliced, formula):
+    """sliced(x, lins) (float64 to 1e-12, float32 to 1e-5), its output written in place by
+    the caller (as `y += x` does), equals formula(x, lins) in float64 autograd: the output
+    and the gradients of x and of every parameter."""
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        mine, ref = copy.deepcopy(lins).to(dtype), copy.deepcopy(lins).double()
+        xs = x.to(dtype).clone().requires_grad_()
+        x64 = x.double().clone().requires_grad_()
+        y = sliced(xs, mine).mul_(1.5)
+        y64 = formula(x64, ref) * 1.5
+        torch.testing.assert_close(y.double(), y64, rtol=tol, atol=tol)
+        g = torch.randn(y64.shape, dtype=torch.float64)
+        y.backward(g.to(dtype))
+        y64.backward(g)
+        torch.testing.assert_close(xs.grad.double(), x64.grad, rtol=tol, atol=tol)
+        for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad.double(), q.grad, rtol=tol, atol=tol, msg=name)
+
+
 @pytest.mark.parametrize("slices", [1, 3, 20])
 @pytest.mark.parametrize("act,bias,shape", [
     (nn.SiLU, True, (3, 7, 6)),
@@ -459,20 +478,9 @@ def test_gated_mlp_equals_the_formula(act, bias, shape, slices):
     # the output written in place by the caller, as for sliced_mlp.
     torch.manual_seed(0)
     lins, x = gated(bias=bias), torch.randn(shape)
-    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
-        mine, ref = copy.deepcopy(lins).to(dtype), copy.deepcopy(lins).double()
-        xs = x.to(dtype).clone().requires_grad_()
-        x64 = x.double().clone().requires_grad_()
-        y = memlean.sliced_gated_mlp(xs, mine[0], act(), mine[1], mine[2],
-                                     slices=slices).mul_(1.5)
-        y64 = gated_in_turn(x64, ref, act()) * 1.5
-        torch.testing.assert_close(y.double(), y64, rtol=tol, atol=tol)
-        g = torch.randn(y64.shape, dtype=torch.float64)
-        y.backward(g.to(dtype))
-        y64.backward(g)
-        torch.testing.assert_close(xs.grad.double(), x64.grad, rtol=tol, atol=tol)
-        for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad.double(), q.grad, rtol=tol, atol=tol, msg=name)
+    matches_float64(lins, x, lambda xs, mine: memlean.sliced_gated_mlp(
+        xs, mine[0], act(), mine[1], mine[2], slices=slices),
+        lambda x64, ref: gated_in_turn(x64, ref, act()))
 
 
 def test_gated_mlp_keeps_only_its_input_and_peaks_lower():
@@ -538,21 +546,10 @@ def test_packed_gated_mlp_equals_the_formula(act, bias, shape, gate_first, slice
     torch.manual_seed(0)
     lins = nn.ModuleList([nn.Linear(6, 20, bias=bias), nn.Linear(10, 5, bias=bias)])
     x = torch.randn(shape)
-    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
-        mine, ref = copy.deepcopy(lins).to(dtype), copy.deepcopy(lins).double()
-        xs = x.to(dtype).clone().requires_grad_()
-        x64 = x.double().clone().requires_grad_()
-        y = memlean.sliced_gated_mlp(xs, mine[0], act(), None, mine[1], slices=slices,
-                                     gate_first=gate_first).mul_(1.5)
-        ref_act = act() if not isinstance(act(), memlean.Swish) else nn.SiLU()
-        y64 = packed_in_turn(x64, ref, ref_act, gate_first) * 1.5
-        torch.testing.assert_close(y.double(), y64, rtol=tol, atol=tol)
-        g = torch.randn(y64.shape, dtype=torch.float64)
-        y.backward(g.to(dtype))
-        y64.backward(g)
-        torch.testing.assert_close(xs.grad.double(), x64.grad, rtol=tol, atol=tol)
-        for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad.double(), q.grad, rtol=tol, atol=tol, msg=name)
+    ref_act = act() if not isinstance(act(), memlean.Swish) else nn.SiLU()
+    matches_float64(lins, x, lambda xs, mine: memlean.sliced_gated_mlp(
+        xs, mine[0], act(), None, mine[1], slices=slices, gate_first=gate_first),
+        lambda x64, ref: packed_in_turn(x64, ref, ref_act, gate_first))
 
 
 def test_packed_gated_mlp_frozen_parameters_and_bytes():
