@@ -26,6 +26,7 @@
 
 #include "ops/checkpoint/internal/checkpoint.h"
 #include "third_party/torch/compat.h"
+#include "third_party/torch/once_differentiable.h"
 #include "third_party/torch/tensors.h"
 
 namespace memlean {
@@ -423,21 +424,9 @@ variable_list CheckpointBackward::apply(variable_list&& grad_outputs) {
 }
 
 void CheckpointBackward::mark_once_differentiable(variable_list& grads) const {
-  variable_list inputs;
-  std::vector<size_t> where;
-  for (size_t i = 0; i < grads.size(); ++i) {
-    if (grads[i].defined() && grads[i].is_floating_point()) {
-      inputs.push_back(grads[i].detach().requires_grad_(true));
-      where.push_back(i);
-    }
-  }
-  if (inputs.empty()) return;
-  auto error = torch_compat::make_node<torch::autograd::DelayedError>(
-      state_.segment.name + ": double backward (a backward with create_graph) through a "
-      "checkpoint whose function called FSDP2 modules is not supported",
-      static_cast<int64_t>(inputs.size()));
-  variable_list wrapped = error->apply(std::move(inputs));
-  for (size_t j = 0; j < where.size(); ++j) grads[where[j]] = wrapped[j];
+  memlean::mark_once_differentiable(
+      grads, state_.segment.name + ": double backward (a backward with create_graph) through a "
+      "checkpoint whose function called FSDP2 modules is not supported");
 }
 
 }  // namespace

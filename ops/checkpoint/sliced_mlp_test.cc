@@ -1,0 +1,284 @@
+// memlean::sliced_mlp and memlean::sliced_gated_mlp against float64 autograd through the
+// layers in turn; exact bytes kept; frozen parameters; where they do not apply; bad input;
+// double backward.
+#include "ops/checkpoint/sliced_mlp.h"
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <string>
+#include <vector>
+
+#include "runtime/memstats/live_bytes.h"
+#include "testing/expect_error.h"
+
+namespace memlean {
+namespace {
+
+using ::memlean::testing::expect_error;
+
+// An MLP's tensors: fc1 (or gate), up (gated, separate), fc2 (or down).
+struct Mlp {
+  at::Tensor w1, b1, wu, bu, w2, b2;
+
+  std::vector<at::Tensor> all() const {
+    std::vector<at::Tensor> out;
+    for (const auto& t : {w1, b1, wu, bu, w2, b2}) {
+      if (t.defined()) out.push_back(t);
+    }
+    return out;
+  }
+
+  Mlp to(at::ScalarType dtype) const {
+    Mlp m;
+    at::Tensor* to_[] = {&m.w1, &m.b1, &m.wu, &m.bu, &m.w2, &m.b2};
+    const at::Tensor* from[] = {&w1, &b1, &wu, &bu, &w2, &b2};
+    for (int i = 0; i < 6; ++i) {
+      if (from[i]->defined()) *to_[i] = from[i]->detach().to(dtype).requires_grad_(true);
+    }
+    return m;
+  }
+};
+
+std::optional<at::Tensor> opt(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+enum class Kind { kPlain, kGated, kPacked };
+
+Mlp make(Kind kind, int64_t in, int64_t hidden, int64_t out, bool bias) {
+  at::manual_seed(0);
+  Mlp m;
+  const int64_t first = kind == Kind::kPacked ? 2 * hidden : hidden;
+  m.w1 = at::randn({first, in}, at::kDouble) * 0.4;
+  if (bias) m.b1 = at::randn({first}, at::kDouble) * 0.1;
+  if (kind == Kind::kGated) {
+    m.wu = at::randn({hidden, in}, at::kDouble) * 0.4;
+    if (bias) m.bu = at::randn({hidden}, at::kDouble) * 0.1;
+  }
+  m.w2 = at::randn({out, hidden}, at::kDouble) * 0.3;
+  if (bias) m.b2 = at::randn({out}, at::kDouble) * 0.1;
+  return m;
+}
+
+// The layers in turn, autograd's: the reference.
+at::Tensor in_turn(Kind kind, const at::Tensor& x, const Mlp& m, const SliceActivation& act,
+                   bool gate_first) {
+  const auto a = [&](const at::Tensor& h) { return act ? act(h) : h; };
+  if (kind == Kind::kPlain) return at::linear(a(at::linear(x, m.w1, m.b1)), m.w2, m.b2);
+  at::Tensor g, u;
+  if (kind == Kind::kGated) {
+    g = at::linear(x, m.w1, m.b1);
+    u = at::linear(x, m.wu, m.bu);
+  } else {
+    const auto halves = at::linear(x, m.w1, m.b1).chunk(2, -1);
+    g = halves[gate_first ? 0 : 1];
+    u = halves[gate_first ? 1 : 0];
+  }
+  return at::linear(a(g) * u, m.w2, m.b2);
+}
+
+at::Tensor sliced(Kind kind, const at::Tensor& x, const Mlp& m, const SliceActivation& act,
+                  bool gate_first, SlicedMlpOptions options) {
+  if (kind == Kind::kPlain) return sliced_mlp(x, m.w1, opt(m.b1), act, m.w2, opt(m.b2), options);
+  return sliced_gated_mlp(x, m.w1, opt(m.b1), act, m.wu, opt(m.bu), m.w2, opt(m.b2), gate_first,
+                          options);
+}
+
+SliceActivation gelu() {
+  return [](const at::Tensor& h) { return at::gelu(h); };
+}
+SliceActivation silu() {
+  return [](const at::Tensor& h) { return at::silu(h); };
+}
+SliceActivation relu_() {  // writes its input
+  return [](const at::Tensor& h) { return h.relu_(); };
+}
+SliceActivation relu() {
+  return [](const at::Tensor& h) { return at::relu(h); };
+}
+
+struct Case {
+  Kind kind;
+  bool bias;
+  bool gate_first;
+  std::vector<int64_t> shape;
+};
+
+// Output (the caller writes it in place, as `y += x` does) and every gradient equal to
+// float64 autograd through the layers in turn: float64 to 1e-12, float32 to 1e-5.
+void expect_equal_to_in_turn(const Case& c, const SliceActivation& act, bool writes,
+                             const SliceActivation& ref_act, int64_t slices) {
+  const int64_t in = c.shape.back(), hidden = 10;
+  const Mlp base = make(c.kind, in, hidden, 5, c.bias);
+  at::manual_seed(1);
+  const at::Tensor x0 = at::randn(c.shape, at::kDouble);
+  for (const auto& [dtype, tol] : {std::pair<at::ScalarType, double>{at::kDouble, 1e-12},
+                                   {at::kFloat, 1e-5}}) {
+    const Mlp mine = base.to(dtype), ref = base.to(at::kDouble);
+    const at::Tensor x = x0.to(dtype).clone().requires_grad_(true);
+    const at::Tensor x64 = x0.clone().requires_grad_(true);
+    SlicedMlpOptions options;
+    options.slices = slices;
+    options.act_writes_input = writes;
+    at::Tensor y = sliced(c.kind, x, mine, act, c.gate_first, options).mul_(1.5);
+    at::Tensor y64 = in_turn(c.kind, x64, ref, ref_act, c.gate_first) * 1.5;
+    ASSERT_EQ(y.sizes(), y64.sizes());
+    EXPECT_TRUE(at::allclose(y.to(at::kDouble), y64, tol, tol));
+    const at::Tensor g = at::randn(y64.sizes(), at::kDouble);
+    y.backward(g.to(dtype));
+    y64.backward(g);
+    EXPECT_TRUE(at::allclose(x.grad().to(at::kDouble), x64.grad(), tol, tol)) << "x";
+    const auto a = mine.all(), b = ref.all();
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      ASSERT_TRUE(a[i].grad().defined()) << "parameter " << i;
+      EXPECT_TRUE(at::allclose(a[i].grad().to(at::kDouble), b[i].grad(), tol, tol))
+          << "parameter " << i << ": " << (a[i].grad().to(at::kDouble) - b[i].grad()).abs().max();
+    }
+  }
+}
+
+TEST(SlicedMlp, EqualsTheLayersInTurn) {
+  for (const int64_t slices : {1, 3, 10}) {
+    for (const auto& shape : {std::vector<int64_t>{4, 6}, {2, 3, 6}, {2, 2, 3, 6}}) {
+      for (const bool bias : {true, false}) {
+        const Case c{Kind::kPlain, bias, true, shape};
+        expect_equal_to_in_turn(c, gelu(), false, gelu(), slices);
+        expect_equal_to_in_turn(c, nullptr, false, nullptr, slices);  // no activation
+        // An activation writing its input, against the same one out of place.
+        expect_equal_to_in_turn(c, relu_(), true, relu(), slices);
+      }
+    }
+  }
+}
+
+TEST(SlicedMlp, GatedAndPackedEqualTheFormula) {
+  for (const int64_t slices : {1, 4, 10}) {
+    for (const bool bias : {true, false}) {
+      expect_equal_to_in_turn({Kind::kGated, bias, true, {3, 5, 6}}, silu(), false, silu(),
+                              slices);
+      for (const bool first : {true, false}) {
+        expect_equal_to_in_turn({Kind::kPacked, bias, first, {4, 6}}, silu(), false, silu(),
+                                slices);
+        expect_equal_to_in_turn({Kind::kPacked, bias, first, {2, 3, 6}}, relu_(), true, relu(),
+                                slices);
+      }
+    }
+  }
+}
+
+TEST(SlicedMlp, FrozenParametersGetNoGradient) {
+  for (const Kind kind : {Kind::kPlain, Kind::kPacked}) {
+    Mlp m = make(kind, 6, 8, 6, true).to(at::kDouble);
+    Mlp ref = m.to(at::kDouble);
+    for (Mlp* p : {&m, &ref}) {
+      p->w1.requires_grad_(false);
+      p->b2.requires_grad_(false);
+    }
+    const at::Tensor x = at::randn({5, 6}, at::kDouble).requires_grad_(true);
+    const at::Tensor xr = x.detach().clone().requires_grad_(true);
+    sliced(kind, x, m, gelu(), true, {3, false}).sum().backward();
+    in_turn(kind, xr, ref, gelu(), true).sum().backward();
+    EXPECT_FALSE(m.w1.grad().defined());
+    EXPECT_FALSE(m.b2.grad().defined());
+    EXPECT_TRUE(at::allclose(x.grad(), xr.grad(), 1e-12, 1e-12));
+    EXPECT_TRUE(at::allclose(m.w2.grad(), ref.w2.grad(), 1e-12, 1e-12));
+    EXPECT_TRUE(at::allclose(m.b1.grad(), ref.b1.grad(), 1e-12, 1e-12));
+  }
+}
+
+// Exact bytes: after its forward the sliced MLP holds its output alone (its input is the
+// caller's); the layers in turn hold the hidden tensors too (fc1's output, which GELU saves,
+// and GELU's, which fc2 saves: two of 8 x 128 x 256 floats). Forward and backward together
+// peak under half of the layers in turn.
+TEST(SlicedMlp, KeepsItsOutputAloneAndPeaksUnderHalf) {
+  if (!LiveBytes::available()) GTEST_SKIP() << "another memory reporter is active";
+  const Mlp m = make(Kind::kPlain, 64, 256, 64, true).to(at::kFloat);
+  const at::Tensor x = at::randn({8, 128, 64}).requires_grad_(true);
+  int64_t kept[2], peak[2];
+  for (int s = 0; s < 2; ++s) {
+    LiveBytes live;
+    {
+      at::Tensor y = s == 0 ? sliced(Kind::kPlain, x, m, gelu(), true, {8, false})
+                            : in_turn(Kind::kPlain, x, m, gelu(), true);
+      kept[s] = live.live();
+      if (s == 0) EXPECT_EQ(kept[s], static_cast<int64_t>(y.storage().nbytes()));
+      y.backward(at::ones_like(y));
+    }
+    peak[s] = live.peak();
+    x.mutable_grad().reset();
+    for (const auto& t : m.all()) t.mutable_grad().reset();
+  }
+  const int64_t hidden = 8 * 128 * 256 * 4;
+  EXPECT_GE(kept[1], kept[0] + 2 * hidden);
+  EXPECT_LT(peak[0], peak[1] / 2) << peak[0] << " vs " << peak[1];
+}
+
+TEST(SlicedMlp, WhereItDoesNotApplyTheLayersInTurn) {
+  const Mlp m = make(Kind::kPacked, 6, 8, 5, true).to(at::kFloat);
+  const at::Tensor x = at::randn({3, 6});
+  EXPECT_FALSE(sliced_mlp_applies(x.to(at::kBFloat16)));
+  EXPECT_TRUE(sliced_mlp_applies(x));
+  {
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    EXPECT_FALSE(sliced_mlp_applies(x));
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+  }
+  const Mlp b = make(Kind::kPacked, 6, 8, 5, true).to(at::kBFloat16);
+  for (const bool first : {true, false}) {
+    const at::Tensor xb = x.to(at::kBFloat16);
+    // (an in-place activation on a chunk: run on a copy, as autograd refuses writing a chunk)
+    EXPECT_TRUE(at::equal(sliced(Kind::kPacked, xb, b, relu_(), first, {0, true}),
+                          in_turn(Kind::kPacked, xb, b, relu(), first)));
+  }
+}
+
+TEST(SlicedMlp, BadInputIsNamed) {
+  const Mlp m = make(Kind::kPlain, 6, 8, 5, true).to(at::kFloat);
+  const at::Tensor x = at::randn({3, 6});
+  expect_error([&] { sliced_mlp(at::randn({3, 5}), m.w1, m.b1, gelu(), m.w2, m.b2); },
+               "memlean::sliced_mlp: w1 takes 6 features, its input has 5");
+  expect_error([&] { sliced_mlp(x, m.w1, m.b1, gelu(), m.w2.t(), m.b2); },
+               "w2 takes 5 features, its input has 8");
+  expect_error([&] { sliced_mlp(x, m.w1, at::randn({7}), gelu(), m.w2, m.b2); },
+               "b1 must be a 1-d tensor of 8 elements");
+  expect_error([&] { sliced_mlp(x, m.w1[0], m.b1, gelu(), m.w2, m.b2); },
+               "w1 must be a 2-d tensor");
+  expect_error([&] { sliced_mlp(at::Tensor(), m.w1, m.b1, gelu(), m.w2, m.b2); },
+               "x must be a tensor of 1 or more dimensions, got an undefined tensor");
+  expect_error([&] { sliced_mlp(x, m.w1, m.b1, gelu(), m.w2, m.b2, {9, false}); },
+               "options.slices must be in 1..8 (the hidden features) or 0 (the default), got 9");
+  expect_error([&] { sliced_mlp(x.to(at::kDouble), m.w1, m.b1, gelu(), m.w2, m.b2); },
+               "weight wg/w1 must be a plain Double tensor");
+  expect_error([&] {
+    sliced_gated_mlp(x, at::randn({7, 6}), std::nullopt, silu(), at::Tensor(), std::nullopt,
+                     at::randn({5, 3}), std::nullopt);
+  }, "wg has an odd number of rows, 7");
+  expect_error([&] {
+    sliced_gated_mlp(x, at::randn({8, 6}), std::nullopt, silu(), at::Tensor(), at::randn({4}),
+                     at::randn({5, 4}), std::nullopt);
+  }, "bu is given but wu is undefined");
+  expect_error([&] {
+    sliced_gated_mlp(x, at::randn({8, 6}), std::nullopt, silu(), at::randn({7, 6}),
+                     std::nullopt, at::randn({5, 8}), std::nullopt);
+  }, "wu makes 7 features, wg 8");
+}
+
+// A backward with create_graph gives the first gradients; differentiating them raises.
+TEST(SlicedMlp, DoubleBackwardIsRefused) {
+  const Mlp m = make(Kind::kPlain, 6, 8, 5, true).to(at::kDouble);
+  const at::Tensor x = at::randn({3, 6}, at::kDouble).requires_grad_(true);
+  const at::Tensor y = sliced(Kind::kPlain, x, m, gelu(), true, {2, false});
+  const at::Tensor gx = torch::autograd::grad({y.square().sum()}, {x}, {}, true, true)[0];
+  const at::Tensor xr = x.detach().clone().requires_grad_(true);
+  const at::Tensor gr =
+      torch::autograd::grad({in_turn(Kind::kPlain, xr, m, gelu(), true).square().sum()}, {xr})[0];
+  EXPECT_TRUE(at::allclose(gx, gr, 1e-12, 1e-12));
+  expect_error([&] { gx.sum().backward(); }, "differentiate twice");
+}
+
+}  // namespace
+}  // namespace memlean
