@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from memlean import _C
 from memlean.batchnorm import batch_norm as _lean_batch_norm
 from memlean.conv import conv2d as _lean_conv2d
 from memlean.swish import Swish
@@ -395,7 +396,9 @@ def run_sliced(x, modules, roles, channels, slices=None):
 # the sum over slices of hidden features of fc2's columns times that slice. The forward adds
 # the slices' parts into the output one slice at a time (the hidden tensors, 4x the width of
 # x in a ViT, never exist whole), and the backward recomputes each slice, takes its
-# gradients and drops it before the next: backward keeps x alone.
+# gradients and drops it before the next: backward keeps x alone. The Function is C++'s
+# (memlean::sliced_mlp, ops/checkpoint/sliced_mlp.h: one implementation for both languages),
+# run with the Python activation modules.
 
 
 def _passes(module) -> bool:
@@ -439,86 +442,24 @@ def _activate(acts, h):
     return h
 
 
-def _rows_and_bias(x, w, b):
-    """(x as rows of features, the output in x's shape with the last Linear's features,
-    that output as rows, which the slices' parts are added into: the last Linear's bias, or
-    zeros). The Function returns the output itself, not a view made in its forward, which
-    autograd would forbid writing in place (a caller's `y += x`)."""
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.empty(tuple(x.shape[:-1]) + (w.shape[0],), dtype=x.dtype, device=x.device)
-    flat = out.view(rows.shape[0], w.shape[0])
-    if b is None:
-        flat.zero_()
-    else:
-        flat.copy_(b.expand_as(flat))
-    return rows, out, flat
-
-
-def _mlp_spec(x, acts, features, slices):
-    """What a sliced MLP's forward and backward share: its activations, the slices' bounds
-    over the hidden features (slices None: mlp_slices'), whether an activation writes its
-    input (the backward then recomputes it on a copy)."""
+def _slices_of(x, features, slices):
+    """slices, or where None mlp_slices' for x's rows and `features` hidden features."""
     if slices is None:
         rows = x.numel() // max(1, x.shape[-1])
         slices = mlp_slices(rows * features * x.element_size(), features)
-    bounds = [(features * i // slices, features * (i + 1) // slices) for i in range(slices)]
-    return {"acts": list(acts), "bounds": bounds, "writes": any(writes(m) for m in acts)}
+    return slices
 
 
-class _SlicedMlp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, spec, w1, b1, w2, b2):
-        acts, bounds = spec["acts"], spec["bounds"]
-        rows, out, flat = _rows_and_bias(x, w2, b2)
-        for j0, j1 in bounds:
-            a = _activate(acts, F.linear(rows, w1[j0:j1], _slice(b1, j0, j1)))
-            flat.addmm_(a, w2[:, j0:j1].t())
-            del a
-        ctx.spec = spec
-        ctx.save_for_backward(x, w1, b1, w2, b2)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        x, w1, b1, w2, b2 = ctx.saved_tensors
-        acts = ctx.spec["acts"]
-        need_x, _, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad
-        rows = x.reshape(-1, x.shape[-1])
-        g = grad.reshape(-1, grad.shape[-1])
-        grad_x = torch.zeros_like(rows) if need_x else None
-        grad_w1 = torch.zeros_like(w1) if need_w1 else None
-        grad_b1 = torch.zeros_like(b1) if need_b1 and b1 is not None else None
-        grad_w2 = torch.zeros_like(w2) if need_w2 else None
-        grad_b2 = g.sum(0) if need_b2 and b2 is not None else None
-        through_h = need_x or need_w1 or (need_b1 and b1 is not None)
-        for j0, j1 in ctx.spec["bounds"]:
-            h = F.linear(rows, w1[j0:j1], _slice(b1, j0, j1)).requires_grad_()
-            with torch.enable_grad():
-                # (An activation that writes its input, e.g. fit's in-place Swish, gets a copy:
-                # h is the leaf whose gradient is taken.)
-                a = _activate(acts, h.clone() if ctx.spec["writes"] else h)
-            if grad_w2 is not None:
-                grad_w2[:, j0:j1] = g.t() @ a.detach()
-            if through_h:
-                grad_a = g @ w2[:, j0:j1]
-                if not acts:  # no activation (only modules that pass it on)
-                    grad_h = grad_a
-                else:
-                    grad_h, = torch.autograd.grad(a, h, grad_a)
-                del a, h, grad_a
-                if grad_w1 is not None:
-                    torch.mm(grad_h.t(), rows, out=grad_w1[j0:j1])
-                if grad_b1 is not None:
-                    torch.sum(grad_h, 0, out=grad_b1[j0:j1])
-                if grad_x is not None:
-                    grad_x.addmm_(grad_h, w1[j0:j1])
-                del grad_h
-            else:
-                del a, h
-        if grad_x is not None:
-            grad_x = grad_x.view(x.shape)
-        return grad_x, None, grad_w1, grad_b1, grad_w2, grad_b2
+def _sliced(x, gate, acts, up, down, gated, gate_first, slices):
+    """memlean::sliced_mlp (C++, ops/checkpoint/sliced_mlp.h; _C.sliced_mlp) with the
+    activation modules' class forwards on each slice (an activation that writes its input,
+    e.g. fit's in-place Swish, runs on a copy in the backward, whose gradient it takes)."""
+    features = down.in_features
+    act = (lambda h: _activate(acts, h)) if acts else None
+    return _C.sliced_mlp(x, gate.weight, gate.bias, act, None if up is None else up.weight,
+                         None if up is None else up.bias, down.weight, down.bias, gated,
+                         gate_first, _slices_of(x, features, slices),
+                         any(writes(m) for m in acts))
 
 
 def mlp_slices(hidden_bytes: int, features: int) -> int:
@@ -529,8 +470,7 @@ def mlp_slices(hidden_bytes: int, features: int) -> int:
 
 def run_sliced_mlp(x, fc1, acts, fc2, slices=None):
     """sliced_mlp for parts checked already (mlp_parts)."""
-    spec = _mlp_spec(x, acts, fc1.out_features, slices)
-    return _SlicedMlp.apply(x, spec, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+    return _sliced(x, fc1, list(acts), None, fc2, False, True, slices)
 
 
 def sliced_mlp(x: torch.Tensor, modules: Sequence[nn.Module],
@@ -578,85 +518,9 @@ def gated_parts(gate, acts, up, down):
             and all(_passes(m) or elementwise(m) for m in acts))
 
 
-class _SlicedGatedMlp(torch.autograd.Function):
-    # spec["rows"]: (gate's first row in wg, up's first row in wu); wu and bu None: up's rows
-    # packed in wg and bg (timm's GluMlp), whose one gradient takes both ranges.
-    @staticmethod
-    def forward(ctx, x, spec, wg, bg, wu, bu, wd, bd):
-        acts, bounds = spec["acts"], spec["bounds"]
-        og, ou = spec["rows"]
-        wu_, bu_ = (wg, bg) if wu is None else (wu, bu)
-        rows, out, flat = _rows_and_bias(x, wd, bd)
-        for j0, j1 in bounds:
-            m = _activate(acts, F.linear(rows, wg[og + j0:og + j1], _slice(bg, og + j0, og + j1)))
-            m.mul_(F.linear(rows, wu_[ou + j0:ou + j1], _slice(bu_, ou + j0, ou + j1)))
-            flat.addmm_(m, wd[:, j0:j1].t())
-            del m
-        ctx.spec = spec
-        ctx.save_for_backward(x, wg, bg, wu, bu, wd, bd)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        x, wg, bg, wu, bu, wd, bd = ctx.saved_tensors
-        acts = ctx.spec["acts"]
-        og, ou = ctx.spec["rows"]
-        need_x, _, need_wg, need_bg, need_wu, need_bu, need_wd, need_bd = ctx.needs_input_grad
-        rows = x.reshape(-1, x.shape[-1])
-        g = grad.reshape(-1, grad.shape[-1])
-        grad_x = torch.zeros_like(rows) if need_x else None
-        grad_wg = torch.zeros_like(wg) if need_wg else None
-        grad_bg = torch.zeros_like(bg) if need_bg and bg is not None else None
-        packed = wu is None
-        if packed:  # up's rows in wg, their gradients in wg's
-            wu, bu, grad_wu, grad_bu = wg, bg, grad_wg, grad_bg
-        else:
-            grad_wu = torch.zeros_like(wu) if need_wu else None
-            grad_bu = torch.zeros_like(bu) if need_bu and bu is not None else None
-        grad_wd = torch.zeros_like(wd) if need_wd else None
-        grad_bd = g.sum(0) if need_bd and bd is not None else None
-        for j0, j1 in ctx.spec["bounds"]:
-            h = F.linear(rows, wg[og + j0:og + j1], _slice(bg, og + j0, og + j1)).requires_grad_()
-            u = F.linear(rows, wu[ou + j0:ou + j1], _slice(bu, ou + j0, ou + j1))
-            with torch.enable_grad():
-                a = _activate(acts, h.clone() if ctx.spec["writes"] else h)
-            if grad_wd is not None:
-                grad_wd[:, j0:j1] = g.t() @ (a.detach() * u)
-            grad_m = g @ wd[:, j0:j1]
-            grad_u = grad_m * a.detach()
-            grad_a = grad_m.mul_(u)
-            del u, grad_m
-            grad_h = grad_a if not acts else torch.autograd.grad(a, h, grad_a)[0]
-            del a, h, grad_a
-            for grad_w, grad_b, w, o, gradient in ((grad_wg, grad_bg, wg, og, grad_h),
-                                                   (grad_wu, grad_bu, wu, ou, grad_u)):
-                if grad_w is not None:
-                    torch.mm(gradient.t(), rows, out=grad_w[o + j0:o + j1])
-                if grad_b is not None:
-                    torch.sum(gradient, 0, out=grad_b[o + j0:o + j1])
-                if grad_x is not None:
-                    grad_x.addmm_(gradient, w[o + j0:o + j1])
-            del grad_h, grad_u
-        if grad_x is not None:
-            grad_x = grad_x.view(x.shape)
-        if packed:  # (wu and bu were None: no gradients of their own)
-            grad_wu = grad_bu = None
-        return grad_x, None, grad_wg, grad_bg, grad_wu, grad_bu, grad_wd, grad_bd
-
-
 def run_sliced_gated_mlp(x, gate, acts, up, down, slices=None, gate_first=True):
     """sliced_gated_mlp for parts checked already (gated_parts)."""
-    if up is None:
-        hidden = gate.out_features // 2
-        spec = _mlp_spec(x, acts, hidden, slices)
-        spec["rows"] = (0, hidden) if gate_first else (hidden, 0)
-        return _SlicedGatedMlp.apply(x, spec, gate.weight, gate.bias, None, None,
-                                     down.weight, down.bias)
-    spec = _mlp_spec(x, acts, gate.out_features, slices)
-    spec["rows"] = (0, 0)
-    return _SlicedGatedMlp.apply(x, spec, gate.weight, gate.bias, up.weight, up.bias,
-                                 down.weight, down.bias)
+    return _sliced(x, gate, list(acts), up, down, True, gate_first, slices)
 
 
 def _packed(gate, acts, down, gate_first):

@@ -20,6 +20,7 @@
 #include "ops/checkpoint/lean_batchnorm.h"
 #include "ops/checkpoint/lean_conv.h"
 #include "ops/checkpoint/sequential.h"
+#include "ops/checkpoint/sliced_mlp.h"
 
 namespace memlean::python {
 namespace {
@@ -117,6 +118,41 @@ void init_checkpoint(pybind11::module_& m) {
         py::arg("dilation"), py::arg("groups"));
   m.def("lean_conv2d_applies", &memlean::lean_conv2d_applies, py::arg("input"),
         py::arg("weight"), py::arg("groups"));
+  // memlean.sliced_mlp's and memlean.sliced_gated_mlp's core (sliced_mlp.h): `act` a Python
+  // callable run on each slice of the hidden features (None: no activation), called from the
+  // autograd engine's threads too (the recompute), so it takes the GIL; gated with wu None:
+  // gate and up packed in wg.
+  m.def(
+      "sliced_mlp",
+      [](const at::Tensor& x, const at::Tensor& wg, const std::optional<at::Tensor>& bg,
+         const py::object& act, const std::optional<at::Tensor>& wu,
+         const std::optional<at::Tensor>& bu, const at::Tensor& wd,
+         const std::optional<at::Tensor>& bd, bool gated, bool gate_first, int64_t slices,
+         bool act_writes_input) {
+        SliceActivation activation;
+        if (!act.is_none()) {
+          activation = [run = hold(act)](const at::Tensor& h) {
+            py::gil_scoped_acquire gil;
+            return keeping_python_errors([&] {
+              py::object out = (*run)(py::reinterpret_steal<py::object>(THPVariable_Wrap(h)));
+              TORCH_CHECK_TYPE(THPVariable_Check(out.ptr()), "memlean.sliced_mlp: the ",
+                               "activation returned a ", Py_TYPE(out.ptr())->tp_name,
+                               ", not a tensor");
+              return THPVariable_Unpack(out.ptr());
+            });
+          };
+        }
+        SlicedMlpOptions options;
+        options.slices = slices;
+        options.act_writes_input = act_writes_input;
+        py::gil_scoped_release no_gil;
+        if (!gated) return memlean::sliced_mlp(x, wg, bg, activation, wd, bd, options);
+        return memlean::sliced_gated_mlp(x, wg, bg, activation, wu.value_or(at::Tensor()), bu,
+                                         wd, bd, gate_first, options);
+      },
+      py::arg("x"), py::arg("wg"), py::arg("bg"), py::arg("act"), py::arg("wu"), py::arg("bu"),
+      py::arg("wd"), py::arg("bd"), py::arg("gated"), py::arg("gate_first"), py::arg("slices"),
+      py::arg("act_writes_input"));
   // memlean::unversioned_changes (checkpoint.h): which buffers run() changed unseen by a
   // checkpoint (through .data), one flag each; memlean.fit's check, as memlean::fit's.
   m.def(
