@@ -11,6 +11,8 @@
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/linear.h>
 
 #include <algorithm>
 #include <chrono>
@@ -28,6 +30,7 @@
 #include "ops/checkpoint/checkpoint.h"
 #include "ops/checkpoint/lean_batchnorm.h"
 #include "ops/checkpoint/lean_conv.h"
+#include "ops/checkpoint/sliced_mlp.h"
 #include "ops/fit/budget.h"
 #include "ops/fit/planner.h"
 #include "ops/fit/search.h"
@@ -447,6 +450,165 @@ std::optional<std::pair<torch::nn::AnyModule, std::string>> lean_layer(
   return std::nullopt;
 }
 
+// ---- MLPs sliced (step 2 of fit): Linear, elementwise activations, Linear -----------------
+
+constexpr int64_t kSliceMinBytes = int64_t{1} << 20;  // the least hidden tensor sliced
+
+// Whether `layer` passes its input on unchanged in training: torch::nn::Identity, or a
+// torch::nn::Dropout with p == 0.
+bool passes_input_on(const torch::nn::AnyModule& layer) {
+  const auto module = layer.ptr();
+  if (std::dynamic_pointer_cast<torch::nn::IdentityImpl>(module)) return true;
+  const auto dropout = std::dynamic_pointer_cast<torch::nn::DropoutImpl>(module);
+  return dropout && dropout->options.p() == 0;
+}
+
+// For an elementwise activation layer (its output at each element depends on its input there
+// alone): whether it writes its input (an inplace option, memlean's in-place Swish). Else none.
+std::optional<bool> elementwise_writes(const torch::nn::AnyModule& layer) {
+  const auto m = layer.ptr();
+  using namespace torch::nn;  // NOLINT(build/namespaces): the activation layers' names
+  if (std::dynamic_pointer_cast<SiLUImpl>(m) || std::dynamic_pointer_cast<GELUImpl>(m) ||
+      std::dynamic_pointer_cast<TanhImpl>(m) || std::dynamic_pointer_cast<SigmoidImpl>(m) ||
+      std::dynamic_pointer_cast<MishImpl>(m)) {
+    return false;
+  }
+  if (const auto s = std::dynamic_pointer_cast<memlean::SwishImpl>(m)) {
+    return s->options.variant() == SwishVariant::kInplace;
+  }
+  if (const auto r = std::dynamic_pointer_cast<ReLUImpl>(m)) return r->options.inplace();
+  if (const auto r = std::dynamic_pointer_cast<ReLU6Impl>(m)) return r->options.inplace();
+  if (const auto r = std::dynamic_pointer_cast<LeakyReLUImpl>(m)) return r->options.inplace();
+  if (const auto r = std::dynamic_pointer_cast<ELUImpl>(m)) return r->options.inplace();
+  if (const auto r = std::dynamic_pointer_cast<SELUImpl>(m)) return r->options.inplace();
+  if (const auto r = std::dynamic_pointer_cast<CELUImpl>(m)) return r->options.inplace();
+  if (const auto r = std::dynamic_pointer_cast<HardtanhImpl>(m)) return r->options.inplace();
+  return std::nullopt;
+}
+
+// fc1 of a sliced MLP in the plan's Sequential: it computes fc2(acts(fc1(x))) with
+// memlean::sliced_mlp in training where that applies (else the three in turn), holding fc1's
+// tensors under their names; the layers after it (SlicedMlpPartImpl) pass its output on.
+class SlicedMlpHeadImpl : public LeanLayer<torch::nn::LinearImpl> {
+ public:
+  SlicedMlpHeadImpl(std::shared_ptr<torch::nn::LinearImpl> fc1,
+                    std::vector<torch::nn::AnyModule> acts,
+                    std::shared_ptr<torch::nn::LinearImpl> fc2, bool act_writes_input)
+      : LeanLayer(std::move(fc1), "memlean::fit::SlicedMlp"),
+        acts_(std::move(acts)),
+        fc2_(std::move(fc2)),
+        act_writes_input_(act_writes_input) {}
+
+  at::Tensor forward(const at::Tensor& x) {
+    if (!is_training() || !sliced_mlp_applies(x) || x.size(-1) != layer_->options.in_features()) {
+      at::Tensor h = layer_->forward(x);
+      for (auto& act : acts_) h = act.forward(h);
+      return fc2_->forward(h);
+    }
+    SlicedMlpOptions options;
+    options.act_writes_input = act_writes_input_;
+    return sliced_mlp(
+        x, layer_->weight, if_defined(layer_->bias),
+        [acts = acts_](const at::Tensor& h) mutable {
+          at::Tensor a = h;
+          for (auto& act : acts) a = act.forward(a);
+          return a;
+        },
+        fc2_->weight, if_defined(fc2_->bias), options);
+  }
+
+ private:
+  std::vector<torch::nn::AnyModule> acts_;
+  std::shared_ptr<torch::nn::LinearImpl> fc2_;
+  bool act_writes_input_;
+};
+
+// A layer of a sliced MLP after its first (SlicedMlpHeadImpl computed it): passes its input
+// on, holding the layer's tensors under their names and following its training mode.
+class SlicedMlpPartImpl : public LeanLayer<torch::nn::Module> {
+ public:
+  explicit SlicedMlpPartImpl(std::shared_ptr<torch::nn::Module> layer)
+      : LeanLayer(std::move(layer), "memlean::fit::SlicedMlpPart") {}
+  at::Tensor forward(const at::Tensor& x) { return x; }
+};
+
+// What one attempt of fit's search found (fit(), below).
+struct Attempt {
+  std::optional<FitPlan> plan;  // the fastest plan measured to fit, if any
+  int64_t least_measured = 0;   // else: the least peak measured, the planner's least
+  int64_t least_predicted = 0;  // predicted, its checkpoints
+  size_t least_checkpoints = 0;
+  size_t swaps = 0, sliced = 0;  // layers swapped, MLPs sliced
+  // Per layer (the walk's): what it keeps for backward, its output's bytes, its forward time.
+  std::vector<int64_t> saved, output_bytes;
+  std::vector<double> seconds;
+};
+
+// The model with its MLPs sliced (step 2 of fit), their [fc1, fc2 + 1) runs and actions.
+struct SlicedMlps {
+  torch::nn::Sequential model{nullptr};
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  std::vector<FitAction> actions;
+};
+
+// Each run of layers fc1 (torch::nn::Linear), elementwise activations (or layers that pass
+// their input on), fc2 (torch::nn::Linear taking fc1's features) where fc1 at least doubles its
+// input's features and its output (`walked`: the first attempt's walk) is 1 MiB or more,
+// sliced: SlicedMlpHeadImpl in fc1's place, SlicedMlpPartImpl in the others'. An action per
+// run: what its layers but fc2 kept for backward (predicted: the sliced MLP keeps its input,
+// which fc1 kept too), and fc1's and the activations' forward time (what backward recomputes).
+SlicedMlps slice_mlps(const torch::nn::Sequential& model, const std::vector<std::string>& names,
+                      const Attempt& walked) {
+  SlicedMlps out;
+  const std::vector<torch::nn::AnyModule> layers(model->begin(), model->end());
+  const auto n = static_cast<int64_t>(layers.size());
+  if (static_cast<int64_t>(walked.output_bytes.size()) != n ||
+      static_cast<int64_t>(walked.saved.size()) != n) {
+    return out;
+  }
+  std::vector<torch::nn::AnyModule> replaced = layers;
+  const auto linear = [&](int64_t i) {
+    return std::dynamic_pointer_cast<torch::nn::LinearImpl>(layers[i].ptr());
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    const auto fc1 = linear(i);
+    if (!fc1 || fc1->options.out_features() < 2 * fc1->options.in_features() ||
+        walked.output_bytes[i] < kSliceMinBytes) {
+      continue;
+    }
+    std::vector<torch::nn::AnyModule> acts;
+    bool writes = false;
+    int64_t k = i + 1;
+    for (; k < n && !linear(k); ++k) {
+      if (passes_input_on(layers[k])) continue;
+      const auto w = elementwise_writes(layers[k]);
+      if (!w) break;
+      acts.push_back(layers[k]);
+      writes = writes || *w;
+    }
+    const auto fc2 = k < n ? linear(k) : nullptr;
+    if (!fc2 || fc2->options.in_features() != fc1->options.out_features()) continue;
+    replaced[i] = torch::nn::AnyModule(std::make_shared<SlicedMlpHeadImpl>(fc1, acts, fc2, writes));
+    for (int64_t j = i + 1; j <= k; ++j) {
+      replaced[j] = torch::nn::AnyModule(std::make_shared<SlicedMlpPartImpl>(layers[j].ptr()));
+    }
+    int64_t saved = 0;
+    double seconds = 0;
+    for (int64_t j = i; j < k; ++j) {
+      saved += walked.saved[j];
+      seconds += walked.seconds[j];
+    }
+    out.runs.emplace_back(i, k + 1);
+    out.actions.push_back({path_of(i, k + 1, names), "sliced mlp", saved, seconds});
+    i = k;
+  }
+  if (!out.runs.empty()) {
+    out.model = torch::nn::Sequential();
+    for (int64_t i = 0; i < n; ++i) out.model->push_back(names[i], replaced[i]);
+  }
+  return out;
+}
+
 // beta of a layer fit may swap for memlean's in-place or memory-efficient Swish:
 // torch::nn::SiLU (beta 1) and memlean::Swish of another variant than in-place.
 std::optional<double> swish_beta(const torch::nn::AnyModule& layer) {
@@ -598,11 +760,14 @@ std::string FitPlan::str() const {
   std::ostringstream out;
   double seconds = 0;
   for (const auto& a : actions) seconds += a.recompute_seconds;
-  const size_t swaps = actions.size() - checkpointed.size();
+  const size_t swaps = actions.size() - checkpointed.size() - sliced.size();
   out << "memlean::fit: " << checkpointed.size()
       << (checkpointed.size() == 1 ? " checkpoint" : " checkpoints");
   if (swaps > 0) {
     out << ", " << swaps << (swaps == 1 ? " layer swapped" : " layers swapped");
+  }
+  if (!sliced.empty()) {
+    out << ", " << sliced.size() << (sliced.size() == 1 ? " MLP sliced" : " MLPs sliced");
   }
   if (actions.empty()) out << " (the eager step fits the budget)";
   out << "\n";
@@ -617,7 +782,8 @@ std::string FitPlan::str() const {
                   static_cast<int>(wa), "action", "saves", "recompute");
     out << line;
     for (const auto& a : actions) {
-      const bool checkpoint = a.action == "checkpoint";
+      // (a checkpoint's and a sliced MLP's saving is the planner's; they recompute)
+      const bool checkpoint = a.action == "checkpoint" || a.action == "sliced mlp";
       char recompute[32];
       std::snprintf(recompute, sizeof(recompute), "%.3g ms", a.recompute_seconds * 1e3);
       const std::string saves =
@@ -639,7 +805,7 @@ std::string FitPlan::str() const {
       << "  eager      " << describe_bytes(eager_peak_bytes) << "  measured, before any change\n"
       << "  fixed      " << describe_bytes(fixed_bytes)
       << "  parameters, buffers, optimizer state, input\n";
-  if (!checkpointed.empty()) {
+  if (!checkpointed.empty() || !sliced.empty()) {
     char line[96];
     std::snprintf(line, sizeof(line), "  recompute  %.3g ms per step (forward times, measured once)\n",
                   seconds * 1e3);
@@ -659,6 +825,10 @@ std::string FitPlan::to_json() const {
       << ", \"recompute_seconds\": " << memstats::json_number(seconds) << ", \"checkpointed\": [";
   for (size_t i = 0; i < checkpointed.size(); ++i) {
     out << (i ? ", " : "") << "[" << checkpointed[i].first << ", " << checkpointed[i].second << "]";
+  }
+  out << "], \"sliced\": [";
+  for (size_t i = 0; i < sliced.size(); ++i) {
+    out << (i ? ", " : "") << "[" << sliced[i].first << ", " << sliced[i].second << "]";
   }
   out << "], \"actions\": [";
   for (size_t i = 0; i < actions.size(); ++i) {
@@ -787,177 +957,225 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   std::vector<std::string> names;
   for (const auto& item : model->named_children()) names.push_back(item.key());
   names.resize(n);
-  // memlean's in-place Swish saves its output (its input's storage): a later layer that
-  // writes that storage in place (a ReLU(inplace), directly or through layers that hand on
-  // a view of it) would make autograd's version check fire in backward. Such a Swish is not
-  // made in place, and the walk runs again (rare: once per such layer).
-  std::vector<bool> not_in_place(n, false);
-  LayerWalk walk;
-  do {
-    walk = walk_layers(model, example_input, device, not_in_place);
-    if (walk.written_in_place >= 0) not_in_place[walk.written_in_place] = true;
-  } while (walk.written_in_place >= 0);
-  const auto& layers = walk.layers;
-  const auto& swapped = walk.swapped;
-  const auto& input_bytes = walk.input_bytes;
-  const auto& writes_input = walk.writes_input;
-  const auto& passes_input = walk.passes_input;
-  const auto& seconds = walk.seconds;
-  const auto& kept = walk.kept;
-  const auto& freed = walk.freed;
-  const auto& output_bytes = walk.output_bytes;
-  const auto& forward_start = walk.forward_start;
-  const auto& forward_peak = walk.forward_peak;
-  torch::nn::Sequential work = model;
-  std::vector<FitAction> swaps;
-  int64_t empty_peak = result.eager_peak_bytes;  // the step without checkpoints
-  const auto is_swapped = [](const std::string& action) { return !action.empty(); };
-  if (std::any_of(swapped.begin(), swapped.end(), is_swapped)) {
-    work = torch::nn::Sequential();
-    for (int64_t i = 0; i < n; ++i) work->push_back(names[i], layers[i]);
-    step.model = work;
-    empty_peak = step.measure([&work](const at::Tensor& x) { return work->forward(x); });
-    const int64_t saving = std::max<int64_t>(0, result.eager_peak_bytes - empty_peak);
-    int64_t total = 0;
-    for (const int64_t b : input_bytes) total += b;
+  // One attempt plans on `base`: the model, or (2., below) the model with its MLPs sliced,
+  // whose actions (`sliced`) the plans carry after the swaps.
+  const auto attempt = [&](const torch::nn::Sequential& base, const SlicedMlps& sliced) {
+    Attempt out;
+    step.model = base;
+    // memlean's in-place Swish saves its output (its input's storage): a later layer that
+    // writes that storage in place (a ReLU(inplace), directly or through layers that hand on
+    // a view of it) would make autograd's version check fire in backward. Such a Swish is not
+    // made in place, and the walk runs again (rare: once per such layer).
+    std::vector<bool> not_in_place(n, false);
+    LayerWalk walk;
+    do {
+      walk = walk_layers(base, example_input, device, not_in_place);
+      if (walk.written_in_place >= 0) not_in_place[walk.written_in_place] = true;
+    } while (walk.written_in_place >= 0);
+    const auto& layers = walk.layers;
+    const auto& swapped = walk.swapped;
+    const auto& input_bytes = walk.input_bytes;
+    const auto& writes_input = walk.writes_input;
+    const auto& passes_input = walk.passes_input;
+    const auto& seconds = walk.seconds;
+    const auto& kept = walk.kept;
+    const auto& freed = walk.freed;
+    const auto& output_bytes = walk.output_bytes;
+    const auto& forward_start = walk.forward_start;
+    const auto& forward_peak = walk.forward_peak;
+    out.output_bytes = output_bytes;
+    out.seconds = seconds;
+    torch::nn::Sequential work = base;
+    std::vector<FitAction> swaps;
+    out.sliced = sliced.runs.size();
+    // The step without checkpoints: the eager step's, or the sliced one's (measured).
+    int64_t empty_peak = result.eager_peak_bytes;
+    if (!sliced.runs.empty()) {
+      torch::nn::Sequential run = base;
+      empty_peak = step.measure([&run](const at::Tensor& x) { return run->forward(x); });
+    }
+    const auto is_swapped = [](const std::string& action) { return !action.empty(); };
+    if (std::any_of(swapped.begin(), swapped.end(), is_swapped)) {
+      work = torch::nn::Sequential();
+      for (int64_t i = 0; i < n; ++i) work->push_back(names[i], layers[i]);
+      step.model = work;
+      const int64_t before = empty_peak;
+      empty_peak = step.measure([&work](const at::Tensor& x) { return work->forward(x); });
+      const int64_t saving = std::max<int64_t>(0, before - empty_peak);
+      int64_t total = 0;
+      for (const int64_t b : input_bytes) total += b;
+      for (int64_t i = 0; i < n; ++i) {
+        if (swapped[i].empty()) continue;
+        swaps.push_back({path_of(i, i + 1, names), swapped[i],
+                         total > 0 ? saving * input_bytes[i] / total : 0, 0.0});
+      }
+    }
+    out.swaps = swaps.size();
+    swaps.insert(swaps.end(), sliced.actions.begin(), sliced.actions.end());
+    if (empty_peak <= planned) {  // (never the eager step: it does not fit)
+      FitPlan f = result;
+      f.actions = swaps;
+      f.sliced = sliced.runs;
+      f.peak_bytes = f.predicted_peak_bytes = empty_peak;
+      FitPlanAccess::set_runner(f, work);
+      out.plan = std::move(f);
+      return out;
+    }
+    Problem problem;
+    int64_t atoms = 0;
     for (int64_t i = 0; i < n; ++i) {
-      if (swapped[i].empty()) continue;
-      swaps.push_back({path_of(i, i + 1, names), swapped[i],
-                       total > 0 ? saving * input_bytes[i] / total : 0, 0.0});
+      problem.atom_saved_bytes.push_back(std::max<int64_t>(0, kept[i] - freed[i + 1]));
+      atoms += problem.atom_saved_bytes.back();
     }
-    if (empty_peak <= planned) {
-      result.actions = swaps;
-      result.peak_bytes = result.predicted_peak_bytes = empty_peak;
-      FitPlanAccess::set_runner(result, work);
-      snapshot.restore();
-      return result;
+    out.saved = problem.atom_saved_bytes;
+    problem.base_bytes = std::max<int64_t>(0, empty_peak - atoms);
+    // Backward's own bytes at each layer above base and what layers 0..i saved (activation
+    // gradients, temporaries, the parameter gradients made by then): where checkpointed steps
+    // peak, in the backward of early, wide layers.
+    // And what backward brings to each layer (its output's gradient, the parameter gradients
+    // made by then): the bytes above base and what layers 0..i saved when it reaches layer i.
+    std::vector<int64_t> brought(n, 0);
+    {
+      const Step::BackwardLevels levels = step.backward_levels();
+      int64_t through = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        through += problem.atom_saved_bytes[i];
+        problem.atom_backward_extra_bytes.push_back(
+            std::max<int64_t>(0, levels.highest[i] - problem.base_bytes - through));
+        if (levels.entry[i] >= 0) brought[i] = levels.entry[i] - problem.base_bytes - through;
+      }
     }
-  }
-  Problem problem;
-  int64_t atoms = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    problem.atom_saved_bytes.push_back(std::max<int64_t>(0, kept[i] - freed[i + 1]));
-    atoms += problem.atom_saved_bytes.back();
-  }
-  problem.base_bytes = std::max<int64_t>(0, empty_peak - atoms);
-  // Backward's own bytes at each layer above base and what layers 0..i saved (activation
-  // gradients, temporaries, the parameter gradients made by then): where checkpointed steps
-  // peak, in the backward of early, wide layers.
-  // And what backward brings to each layer (its output's gradient, the parameter gradients
-  // made by then): the bytes above base and what layers 0..i saved when it reaches layer i.
-  std::vector<int64_t> brought(n, 0);
-  {
-    const Step::BackwardLevels levels = step.backward_levels();
-    int64_t through = 0;
+    // 3. Checkpoints. Candidates: every run [b, e) of layers. Checkpointed, it keeps its input
+    // (which layer b may not have saved: freed_b more bytes) and its output where layer e or layer e - 1 saved
+    // it (the output's bytes less freed_e; freed_e = 0 does not say which: an activation that
+    // saves its output, such as Tanh, keeps it in the checkpoint's place only when the next run
+    // is checkpointed too, else the prediction is that output's bytes high, never low). While it
+    // is recomputed and backward runs through it, besides base, the kept bytes before it and its
+    // layers' saved bytes: its input where layer b did not save it (input_bytes); then first its
+    // recomputed output where no layer saved it (freed_e: one that layer e - 1 or e saved is
+    // among the saved bytes already), what its forward held above what it left at its highest
+    // (an intermediate alive while a layer makes its output), what backward brings to it (the
+    // gradient of its output and the parameter gradients made by then; above base, which may
+    // count more than was alive there) and the copy of its layers' buffers that
+    // memlean::checkpoint puts back after the recompute (BufferRestore): recompute_extra_bytes;
+    // later backward's own bytes there (the per-layer extras). A run that ends at the last
+    // layer saves nothing at the peak (its backward comes first, right after it is
+    // recomputed): not a candidate.
+    std::vector<int64_t> output_kept(n, 0);
     for (int64_t i = 0; i < n; ++i) {
-      through += problem.atom_saved_bytes[i];
-      problem.atom_backward_extra_bytes.push_back(
-          std::max<int64_t>(0, levels.highest[i] - problem.base_bytes - through));
-      if (levels.entry[i] >= 0) brought[i] = levels.entry[i] - problem.base_bytes - through;
+      output_kept[i] = std::max<int64_t>(0, output_bytes[i] - freed[i + 1]);
     }
-  }
-  // Candidates: every run [b, e) of layers. Checkpointed, it keeps its input (which layer b
-  // may not have saved: freed_b more bytes) and its output where layer e or layer e - 1 saved
-  // it (the output's bytes less freed_e; freed_e = 0 does not say which: an activation that
-  // saves its output, such as Tanh, keeps it in the checkpoint's place only when the next run
-  // is checkpointed too, else the prediction is that output's bytes high, never low). While it
-  // is recomputed and backward runs through it, besides base, the kept bytes before it and its
-  // layers' saved bytes: its input where layer b did not save it (input_bytes); then first its
-  // recomputed output where no layer saved it (freed_e: one that layer e - 1 or e saved is
-  // among the saved bytes already), what its forward held above what it left at its highest
-  // (an intermediate alive while a layer makes its output), what backward brings to it (the
-  // gradient of its output and the parameter gradients made by then; above base, which may
-  // count more than was alive there) and the copy of its layers' buffers that
-  // memlean::checkpoint puts back after the recompute (BufferRestore): recompute_extra_bytes;
-  // later backward's own bytes there (the per-layer extras). A run that ends at the last
-  // layer saves nothing at the peak (its backward comes first, right after it is
-  // recomputed): not a candidate.
-  std::vector<int64_t> output_kept(n, 0);
-  for (int64_t i = 0; i < n; ++i) {
-    output_kept[i] = std::max<int64_t>(0, output_bytes[i] - freed[i + 1]);
-  }
-  std::vector<std::vector<at::Tensor>> layer_buffers(n);
-  for (int64_t i = 0; i < n; ++i) layer_buffers[i] = layers[i].ptr()->buffers();
-  auto buffer_copy_bytes = [&](int64_t b, int64_t e) {  // as BufferRestore clones them
-    std::vector<at::Tensor> run;
-    for (int64_t i = b; i < e; ++i) {
-      run.insert(run.end(), layer_buffers[i].begin(), layer_buffers[i].end());
+    std::vector<std::vector<at::Tensor>> layer_buffers(n);
+    for (int64_t i = 0; i < n; ++i) layer_buffers[i] = layers[i].ptr()->buffers();
+    auto buffer_copy_bytes = [&](int64_t b, int64_t e) {  // as BufferRestore clones them
+      std::vector<at::Tensor> run;
+      for (int64_t i = b; i < e; ++i) {
+        run.insert(run.end(), layer_buffers[i].begin(), layer_buffers[i].end());
+      }
+      int64_t total = 0;
+      for (const auto& t : unique_tensors(run)) total += static_cast<int64_t>(t.nbytes());
+      return total;
+    };
+    // A layer holding a buffer changed behind autograd's back (unversioned) is in no
+    // checkpointed run.
+    std::vector<bool> holds_unversioned(n, false);
+    for (int64_t i = 0; i < n && !unversioned.empty(); ++i) {
+      for (const auto& b : layer_buffers[i]) {
+        if (unversioned.count(b.unsafeGetTensorImpl()) > 0) holds_unversioned[i] = true;
+      }
     }
-    int64_t total = 0;
-    for (const auto& t : unique_tensors(run)) total += static_cast<int64_t>(t.nbytes());
-    return total;
-  };
-  // A layer holding a buffer changed behind autograd's back (unversioned) is in no
-  // checkpointed run.
-  std::vector<bool> holds_unversioned(n, false);
-  for (int64_t i = 0; i < n && !unversioned.empty(); ++i) {
-    for (const auto& b : layer_buffers[i]) {
-      if (unversioned.count(b.unsafeGetTensorImpl()) > 0) holds_unversioned[i] = true;
+    auto writes_run_input = [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        if (writes_input[i]) return true;
+        if (!passes_input[i]) return false;
+      }
+      return false;
+    };
+    // A run holding part of a sliced MLP (its head computes the MLP with all its layers'
+    // parameters; memlean::checkpoint takes only the run's).
+    auto splits_a_sliced_mlp = [&](int64_t b, int64_t e) {
+      return std::any_of(sliced.runs.begin(), sliced.runs.end(), [&](const auto& r) {
+        return b < r.second && e > r.first && (b > r.first || e < r.second);
+      });
+    };
+    for (Candidate c : chain_candidates(problem.atom_saved_bytes, output_kept, seconds)) {
+      if (c.end == n || writes_run_input(c.begin, c.end) || splits_a_sliced_mlp(c.begin, c.end) ||
+          std::any_of(holds_unversioned.begin() + c.begin, holds_unversioned.begin() + c.end,
+                      [](bool held) { return held; })) {
+        continue;
+      }
+      c.freed_bytes = std::max<int64_t>(0, c.freed_bytes - freed[c.begin]);
+      c.input_bytes = freed[c.begin];
+      int64_t recompute = freed[c.end];
+      const int64_t highest =
+          *std::max_element(forward_peak.begin() + c.begin, forward_peak.begin() + c.end);
+      recompute += std::max<int64_t>(0, highest - forward_start[c.end]);
+      c.recompute_extra_bytes =
+          std::max<int64_t>(0, recompute + brought[c.end - 1]) + buffer_copy_bytes(c.begin, c.end);
+      problem.candidates.push_back(c);
     }
-  }
-  auto writes_run_input = [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      if (writes_input[i]) return true;
-      if (!passes_input[i]) return false;
-    }
-    return false;
-  };
-  for (Candidate c : chain_candidates(problem.atom_saved_bytes, output_kept, seconds)) {
-    if (c.end == n || writes_run_input(c.begin, c.end) ||
-        std::any_of(holds_unversioned.begin() + c.begin, holds_unversioned.begin() + c.end,
-                    [](bool held) { return held; })) {
-      continue;
-    }
-    c.freed_bytes = std::max<int64_t>(0, c.freed_bytes - freed[c.begin]);
-    c.input_bytes = freed[c.begin];
-    int64_t recompute = freed[c.end];
-    const int64_t highest =
-        *std::max_element(forward_peak.begin() + c.begin, forward_peak.begin() + c.end);
-    recompute += std::max<int64_t>(0, highest - forward_start[c.end]);
-    c.recompute_extra_bytes =
-        std::max<int64_t>(0, recompute + brought[c.end - 1]) + buffer_copy_bytes(c.begin, c.end);
-    problem.candidates.push_back(c);
-  }
 
-  auto make = [&](const Plan& p) {
-    FitPlan f;
-    f.budget_bytes = budget_bytes;
-    f.margin_bytes = margin;
-    f.eager_peak_bytes = result.eager_peak_bytes;
-    f.fixed_bytes = result.fixed_bytes;
-    f.predicted_peak_bytes = p.predicted_peak_bytes;
-    f.actions = swaps;
-    for (const int c : p.chosen) {
-      const Candidate& cand = problem.candidates[c];
-      f.checkpointed.emplace_back(cand.begin, cand.end);
-      f.actions.push_back({path_of(cand.begin, cand.end, names), "checkpoint", cand.freed_bytes,
-                           cand.seconds});
+    auto make = [&](const Plan& p) {
+      FitPlan f;
+      f.budget_bytes = budget_bytes;
+      f.margin_bytes = margin;
+      f.eager_peak_bytes = result.eager_peak_bytes;
+      f.fixed_bytes = result.fixed_bytes;
+      f.predicted_peak_bytes = p.predicted_peak_bytes;
+      f.actions = swaps;
+      f.sliced = sliced.runs;
+      for (const int c : p.chosen) {
+        const Candidate& cand = problem.candidates[c];
+        f.checkpointed.emplace_back(cand.begin, cand.end);
+        f.actions.push_back({path_of(cand.begin, cand.end, names), "checkpoint", cand.freed_bytes,
+                             cand.seconds});
+      }
+      FitPlanAccess::set_runner(f, work);
+      return f;
+    };
+
+    // The search both languages run (search.h): plan, measure, tighten, bisect back up.
+    SearchOptions search_options;
+    search_options.resolution = options.resolution;
+    const SearchResult found = search(
+        problem, planned, /*floor_bytes=*/0, empty_peak,
+        [&](const Plan& p) {
+          const FitPlan f = make(p);
+          return step.measure([&f](const at::Tensor& x) { return f.forward(x); });
+        },
+        search_options);
+    if (found.fastest) {
+      out.plan = make(*found.fastest);
+      out.plan->peak_bytes = found.fastest_peak_bytes;
     }
-    FitPlanAccess::set_runner(f, work);
-    return f;
+    out.least_measured = found.least_measured_peak_bytes;
+    out.least_predicted = found.least.predicted_peak_bytes;
+    out.least_checkpoints = found.least.chosen.size();
+    return out;
   };
 
-  // The search both languages run (search.h): plan, measure, tighten, bisect back up.
-  SearchOptions search_options;
-  search_options.resolution = options.resolution;
-  const SearchResult found = search(
-      problem, planned, /*floor_bytes=*/0, empty_peak,
-      [&](const Plan& p) {
-        const FitPlan f = make(p);
-        return step.measure([&f](const at::Tensor& x) { return f.forward(x); });
-      },
-      search_options);
-  if (found.fastest) {
-    FitPlan f = make(*found.fastest);
-    f.peak_bytes = found.fastest_peak_bytes;
+  // 1. and 3. with every layer as it is (but the swaps); if no plan fits, 2., and again.
+  Attempt tried = attempt(model, {});
+  if (!tried.plan) {
+    // 2. MLPs sliced (memlean::sliced_mlp): a Linear that widens its input at least twice,
+    // elementwise activations, a Linear back, whose hidden tensor is 1 MiB or more, becomes
+    // one layer that computes the three slice by slice of the hidden features and recomputes
+    // them so in backward, keeping its input alone (SlicedMlpHead; the others pass its output
+    // on), when checkpoints alone do not reach the budget (as memlean.fit does).
+    const SlicedMlps sliced = slice_mlps(model, names, tried);
+    if (!sliced.runs.empty()) {
+      Attempt again = attempt(sliced.model, sliced);
+      if (again.plan || again.least_measured < tried.least_measured) tried = std::move(again);
+    }
+  }
+  if (tried.plan) {
     snapshot.restore();
-    return f;
+    return std::move(*tried.plan);
   }
 
   // The step as it was (the empty plan, where it fits) bounds the least named.
-  const int64_t measured = std::min(found.least_measured_peak_bytes, result.eager_peak_bytes);
+  const int64_t measured = std::min(tried.least_measured, result.eager_peak_bytes);
   const int64_t best = measured + (device.is_cpu() ? 0 : 2 * cuda_margin(measured));
-  const Plan& least = found.least;
   snapshot.restore();
   std::ostringstream msg;
   msg << "memlean::fit: no choice of checkpoints fits budget_bytes = " << describe_bytes(budget_bytes)
@@ -966,11 +1184,14 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     msg << ": " << describe_bytes(measured) << ", plus twice the margin fit keeps on CUDA";
   }
   msg << "; the planner's least predicted peak is "
-      << describe_bytes(least.predicted_peak_bytes) << ", with " << least.chosen.size()
-      << (least.chosen.size() == 1 ? " checkpointed run" : " checkpointed runs") << " of the "
+      << describe_bytes(tried.least_predicted) << ", with " << tried.least_checkpoints
+      << (tried.least_checkpoints == 1 ? " checkpointed run" : " checkpointed runs") << " of the "
       << n << " layers";
-  if (!swaps.empty()) {
-    msg << ", " << swaps.size() << (swaps.size() == 1 ? " layer swapped" : " layers swapped");
+  if (tried.swaps > 0) {
+    msg << ", " << tried.swaps << (tried.swaps == 1 ? " layer swapped" : " layers swapped");
+  }
+  if (tried.sliced > 0) {
+    msg << ", " << tried.sliced << (tried.sliced == 1 ? " MLP sliced" : " MLPs sliced");
   }
   msg << "); the eager step peaks at " << describe_bytes(result.eager_peak_bytes)
       << ", of which " << describe_bytes(result.fixed_bytes)

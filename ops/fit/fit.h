@@ -44,7 +44,13 @@
 // measures one step under each plan; while the measured step exceeds the budget it plans again
 // with the planner's budget lowered by the excess (then the least-peak plan); once a plan fits
 // it bisects back up for a faster one, and returns the
-// fastest plan measured to fit. It never returns a plan whose measured step exceeds the
+// fastest plan measured to fit. When no plan of checkpoints fits, it slices the MLPs (a
+// torch::nn::Linear that at least doubles its input's features, elementwise activations, a
+// Linear back, whose hidden tensor is 1 MiB or more: computed and recomputed slice by slice
+// of the hidden features with memlean::sliced_mlp, ops/checkpoint/sliced_mlp.h, keeping the
+// MLP's input alone; the plan's Sequential holds them as one layer in fc1's place and layers
+// that pass its output on in the others', each under its own name) and searches again. It
+// never returns a plan whose measured step exceeds the
 // budget: when none fits it throws FitError, naming the least peak measured. Everything the
 // measurement steps touch is restored exactly before fit() returns or throws: parameters,
 // buffers, gradients, the optimizer's state (its state objects are the same ones) and the
@@ -96,13 +102,16 @@ struct FitOptions {
 // One change: a swapped Swish layer or a checkpointed run.
 struct FitAction {
   std::string path;    // "layers 3-5", "layer 2", with the layers' names when they have some
-  // "checkpoint", "inplace swish", "memory_efficient swish", "lean batchnorm" or
-  // "lean depthwise conv"
+  // "checkpoint", "sliced mlp", "inplace swish", "memory_efficient swish", "lean batchnorm"
+  // or "lean depthwise conv"
   std::string action;
-  // A checkpoint: predicted, the run's kept bytes minus its output. A swap: measured, the
-  // eager peak less the swapped step's, split among the swapped layers by their inputs' bytes.
+  // A checkpoint: predicted, the run's kept bytes minus its output. A sliced MLP: predicted,
+  // what its layers but the last kept for backward. A swap: measured, the step's peak before
+  // it less the swapped step's, split among the swapped layers by their inputs' bytes.
   int64_t bytes_saved = 0;
-  double recompute_seconds = 0;    // a checkpoint: the run's forward time, measured once; else 0
+  // A checkpoint: the run's forward time, measured once; a sliced MLP: its first Linear's and
+  // activations' (recomputed in backward); else 0.
+  double recompute_seconds = 0;
 };
 
 // What fit() chose, and the runner of the Sequential under it.
@@ -116,8 +125,12 @@ class FitPlan {
   int64_t eager_peak_bytes = 0;      // measured: one step before any change
   int64_t margin_bytes = 0;          // how far below budget_bytes fit planned: on CUDA
                                      // cuda_margin(budget_bytes) (budget.h), on the CPU 0
-  std::vector<FitAction> actions;    // the swaps, then the checkpoints, each in forward order
+  std::vector<FitAction> actions;    // the swaps, the sliced MLPs, then the checkpoints, each
+                                     // in forward order
   std::vector<std::pair<int64_t, int64_t>> checkpointed;  // [begin, end) runs, in order
+  // [fc1, fc2 + 1) runs of layers computed as one sliced MLP (memlean::sliced_mlp), in order:
+  // model()'s layer fc1 computes them, the others pass its output on.
+  std::vector<std::pair<int64_t, int64_t>> sliced;
 
   // The plan's Sequential on x: each run [b, e) of `checkpointed` through memlean::checkpoint
   // (its layers' parameters and buffers given, so a BatchNorm updates its statistics once),
@@ -128,6 +141,7 @@ class FitPlan {
   std::string str() const;
   // {"budget_bytes": ..., "peak_bytes": ..., "predicted_peak_bytes": ..., "fixed_bytes": ...,
   //  "eager_peak_bytes": ..., "margin_bytes": ..., "recompute_seconds": ..., "checkpointed": [[b, e], ...],
+  //  "sliced": [[b, e], ...],
   //  "actions": [{"path": ..., "action": ..., "bytes_saved": ..., "recompute_seconds": ...}]}
   std::string to_json() const;
 

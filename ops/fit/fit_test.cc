@@ -12,6 +12,7 @@
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/container/functional.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -1068,6 +1069,102 @@ TEST(Fit, TheTableAndTheJson) {
   const auto [b, e] = plan.checkpointed.front();
   EXPECT_NE(j.find("\"checkpointed\": [[" + std::to_string(b) + ", " + std::to_string(e) + "]"),
             std::string::npos);
+}
+
+// ---- MLPs sliced: Linear, elementwise activations, Linear (memlean::sliced_mlp) ----------
+
+// Two MLPs (64 -> 1024 -> 64; 8 x 128 rows of float64: hidden tensors of 8 MiB, sliced in 8),
+// then a head. `sliceable`: their activations are GELU, ReLU(inplace) with a
+// Dropout(0), which fit may slice; else the same functions as torch::nn::Functional layers,
+// which it does not know (the same bytes and values).
+torch::nn::Sequential make_mlps(bool sliceable) {
+  at::set_num_threads(1);
+  at::manual_seed(0);
+  namespace nn = torch::nn;
+  const auto act = [&](bool in_place) {
+    if (!sliceable) {
+      return in_place ? nn::AnyModule(nn::Functional([](const at::Tensor& h) { return at::relu(h); }))
+                      : nn::AnyModule(nn::Functional([](const at::Tensor& h) { return at::gelu(h); }));
+    }
+    return in_place ? nn::AnyModule(nn::ReLU(nn::ReLUOptions().inplace(true)))
+                    : nn::AnyModule(nn::GELU());
+  };
+  nn::Sequential m;
+  m->push_back("fc1", nn::Linear(64, 1024));
+  m->push_back("act1", act(false));
+  m->push_back("fc2", nn::Linear(1024, 64));
+  m->push_back("tanh", nn::Tanh());
+  m->push_back("fc3", nn::Linear(64, 1024));
+  m->push_back("act2", act(true));
+  m->push_back("drop", nn::Dropout(0.0));
+  m->push_back("fc4", nn::Linear(1024, 64));
+  m->push_back("head", nn::Linear(64, 10));
+  m->to(at::kDouble);
+  m->train();
+  return m;
+}
+
+struct MlpBench : Bench {
+  explicit MlpBench(bool sliceable) : Bench(make_mlps(sliceable)) {
+    x = at::randn({8, 128, 64}, at::kDouble);
+    y = at::randn({8, 128, 10}, at::kDouble);
+  }
+};
+
+// Below the least that checkpoints reach, fit slices both MLPs: a least at most 0.8x of the
+// twin's whose activations it does not know (the same step otherwise); every budget from
+// there to the eager peak met (measured here too), the plan's Sequential under the model's
+// parameter names, the table and the JSON naming the sliced runs.
+TEST(Fit, MlpsAreSlicedBelowTheLeastThatCheckpointsReach) {
+  MlpBench sliceable(true), opaque(false);
+  sliceable.train_step();
+  opaque.train_step();
+  const int64_t least = one_byte_budget(sliceable).least_peak_bytes;
+  const int64_t without = one_byte_budget(opaque).least_peak_bytes;
+  const int64_t eager =
+      fit(sliceable.model, sliceable.x, int64_t{1} << 40, sliceable.options()).eager_peak_bytes;
+  std::printf("least %s sliced, %s with checkpoints alone, eager %s\n",
+              describe_bytes(least).c_str(), describe_bytes(without).c_str(),
+              describe_bytes(eager).c_str());
+  EXPECT_LT(least, without * 4 / 5);
+  ASSERT_LT(without, eager);
+  int sliced = 0;
+  for (const int64_t budget : {least, (least + without) / 2, without, (without + eager) / 2}) {
+    const FitPlan plan = fit(sliceable.model, sliceable.x, budget, sliceable.options());
+    EXPECT_LE(plan.peak_bytes, budget) << plan.str();
+    const int64_t again =
+        measure_step(sliceable, [&plan](const at::Tensor& x) { return plan.forward(x); });
+    EXPECT_LE(again, budget) << plan.str();
+    if (plan.sliced.empty()) continue;
+    ++sliced;
+    const std::vector<std::pair<int64_t, int64_t>> runs{{0, 3}, {4, 8}};
+    EXPECT_EQ(plan.sliced, runs);
+    EXPECT_EQ(plan.model()->named_parameters().keys(), sliceable.model->named_parameters().keys());
+    const std::string t = plan.str(), j = plan.to_json();
+    EXPECT_NE(t.find("2 MLPs sliced"), std::string::npos) << t;
+    EXPECT_NE(t.find("layers 4-7 (fc3 .. fc4)  sliced mlp"), std::string::npos) << t;
+    EXPECT_NE(j.find("\"sliced\": [[0, 3], [4, 8]]"), std::string::npos) << j;
+  }
+  EXPECT_GE(sliced, 2);  // (the two budgets below `without` at least)
+}
+
+// Training through a sliced plan equals training the unfitted twin (float64: gradients after
+// two backward passes, the in-place ReLU's MLP included); in eval mode the plan's Sequential
+// gives the model's output.
+TEST(Fit, ASlicedPlanTrainsAsTheModel) {
+  MlpBench s(true);
+  s.train_step();
+  const FitPlan plan = fit(s.model, s.x, one_byte_budget(s).least_peak_bytes, s.options());
+  ASSERT_FALSE(plan.sliced.empty()) << plan.str();
+  auto twin = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(s.model->clone());
+  torch::nn::Sequential twin_model(twin);
+  s.sgd.zero_grad();
+  expect_trained_alike(plan, s, twin_model, 1e-10, 1e-12);
+  at::NoGradGuard no_grad;
+  plan.model()->eval();
+  s.model->eval();
+  EXPECT_TRUE(at::allclose(plan.forward(s.x), s.model->forward(s.x), 1e-12, 1e-14));
+  plan.model()->train();
 }
 
 // ---- On CUDA: the budget as torch's own counters count it --------------------------------
