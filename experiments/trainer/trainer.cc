@@ -5,6 +5,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/functional.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/optimizer.h>
 #include <torch/optim/sgd.h>
@@ -28,6 +30,7 @@
 #include "experiments/trainer/data.h"
 #include "ops/fit/budget.h"
 #include "ops/fit/fit.h"
+#include "ops/swish/module.h"
 #include "runtime/memstats/nn.h"
 #include "runtime/memstats/report.h"
 #include "third_party/torch/devices.h"
@@ -88,17 +91,45 @@ struct FitChain {
   std::function<at::Tensor(const at::Tensor&)> prepare = [](const at::Tensor& x) { return x; };
 };
 
+// models::activate(x, activation) as a layer: memlean::Swish of that variant, torch::nn::SiLU,
+// or (silu_inplace) a function layer overwriting its input.
+torch::nn::AnyModule activation_layer(models::Activation activation) {
+  using models::Activation;
+  switch (activation) {
+    case Activation::kNaive:
+    case Activation::kMemoryEfficient:
+    case Activation::kInplace:
+      return torch::nn::AnyModule(memlean::Swish(SwishOptions(1.0).variant(
+          activation == Activation::kNaive             ? SwishVariant::kNaive
+          : activation == Activation::kMemoryEfficient ? SwishVariant::kMemoryEfficient
+                                                       : SwishVariant::kInplace)));
+    case Activation::kSilu:
+      return torch::nn::AnyModule(torch::nn::SiLU());
+    case Activation::kSiluInplace:
+      break;
+  }
+  return torch::nn::AnyModule(torch::nn::Functional(
+      [activation](const at::Tensor& x) { return models::activate(x, activation); }));
+}
+
 FitChain fit_chain(const std::shared_ptr<models::Model>& model) {
   using namespace models;  // NOLINT(build/namespaces)
   FitChain f;
+  using Modules = std::vector<std::shared_ptr<torch::nn::Module>>;
+  if (const auto mlp = std::dynamic_pointer_cast<MlpImpl>(model)) {
+    // Its layers, not its stages (fc1 and the activation are one stage): fit may then swap
+    // the activation and slice the MLP (its hidden tensor is the step's largest).
+    f.chain->push_back("fc1", mlp->fc1);
+    f.chain->push_back("activation", activation_layer(mlp->options.activation()));
+    f.chain->push_back("fc2", mlp->fc2);
+    f.prepare = [](const at::Tensor& x) { return x.dim() == 2 ? x : x.flatten(1); };
+    return f;
+  }
   const torch::nn::Sequential stages = model->stages();
   std::vector<std::string> names;
   for (const auto& item : stages->named_children()) names.push_back(item.key());
   for (size_t i = 0; i < stages->size(); ++i) f.chain->push_back(names.at(i), stages->begin()[i]);
-  using Modules = std::vector<std::shared_ptr<torch::nn::Module>>;
-  if (std::dynamic_pointer_cast<MlpImpl>(model)) {
-    f.prepare = [](const at::Tensor& x) { return x.dim() == 2 ? x : x.flatten(1); };
-  } else if (auto d = std::dynamic_pointer_cast<DenseNetBCImpl>(model)) {
+  if (auto d = std::dynamic_pointer_cast<DenseNetBCImpl>(model)) {
     f.chain->push_back("head", Stage("relu+pool+classifier", Modules{d->classifier.ptr()},
                                      [c = d->classifier](const at::Tensor& x) mutable {
                                        return c(at::adaptive_avg_pool2d(x.relu_(), {1, 1}).flatten(1));
@@ -226,6 +257,7 @@ Result train(const Config& c, std::ostream& progress_out, ProgressMode mode,
     r.fit_table = plan->str();
     r.fit_json = plan->to_json();
     r.fit_checkpoints = static_cast<int64_t>(plan->checkpointed.size());
+    r.fit_sliced = static_cast<int64_t>(plan->sliced.size());
     r.fit_peak_bytes = plan->peak_bytes;
     if (plan_out != nullptr) *plan_out << r.fit_table << "\n" << std::flush;
     forward = [p = &*plan, prepare = f.prepare](const at::Tensor& x) {
@@ -299,9 +331,11 @@ std::string summary(const Config& c, const Result& r) {
   out << line;
   if (!r.fit_json.empty()) {
     out << "memory budget " << fit::describe_bytes(c.memory_budget) << ": memlean::fit checkpoints "
-        << r.fit_checkpoints << (r.fit_checkpoints == 1 ? " run" : " runs")
-        << " of layers; its measured step peaks at " << fit::describe_bytes(r.fit_peak_bytes)
-        << "\n\n";
+        << r.fit_checkpoints << (r.fit_checkpoints == 1 ? " run" : " runs") << " of layers";
+    if (r.fit_sliced > 0) {
+      out << " and slices " << r.fit_sliced << (r.fit_sliced == 1 ? " MLP" : " MLPs");
+    }
+    out << "; its measured step peaks at " << fit::describe_bytes(r.fit_peak_bytes) << "\n\n";
   }
 
   // Phase table: rows = phases, columns = steps (the value at each phase's end), and the

@@ -30,7 +30,7 @@ struct Result {
   memstats::Categories categories, categories_end;
   // --memory_budget: memlean::fit's plan (FitPlan::str() and to_json()); empty when off.
   std::string fit_table, fit_json;
-  int64_t fit_checkpoints = 0, fit_peak_bytes = 0;
+  int64_t fit_checkpoints = 0, fit_sliced = 0, fit_peak_bytes = 0;  // (runs, MLPs sliced)
 };
 
 enum class ProgressMode { kBar, kLines, kNone };
