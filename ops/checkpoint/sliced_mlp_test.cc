@@ -205,7 +205,9 @@ TEST(SlicedMlp, KeepsItsOutputAloneAndPeaksUnderHalf) {
       at::Tensor y = s == 0 ? sliced(Kind::kPlain, x, m, gelu(), true, {8, false})
                             : in_turn(Kind::kPlain, x, m, gelu(), true);
       kept[s] = live.live();
-      if (s == 0) EXPECT_EQ(kept[s], static_cast<int64_t>(y.storage().nbytes()));
+      if (s == 0) {
+        EXPECT_EQ(kept[s], static_cast<int64_t>(y.storage().nbytes()));
+      }
       y.backward(at::ones_like(y));
     }
     peak[s] = live.peak();

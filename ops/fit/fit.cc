@@ -500,7 +500,9 @@ class SlicedMlpHeadImpl : public LeanLayer<torch::nn::LinearImpl> {
         act_writes_input_(act_writes_input) {}
 
   at::Tensor forward(const at::Tensor& x) {
-    if (!is_training() || !sliced_mlp_applies(x) || x.size(-1) != layer_->options.in_features()) {
+    // (fc1's training mode: a model()->eval() or the model's own eval() both reach it)
+    if (!layer_->is_training() || !sliced_mlp_applies(x) ||
+        x.size(-1) != layer_->options.in_features()) {
       at::Tensor h = layer_->forward(x);
       for (auto& act : acts_) h = act.forward(h);
       return fc2_->forward(h);
@@ -1162,7 +1164,8 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     // one layer that computes the three slice by slice of the hidden features and recomputes
     // them so in backward, keeping its input alone (SlicedMlpHead; the others pass its output
     // on), when checkpoints alone do not reach the budget (as memlean.fit does).
-    const SlicedMlps sliced = slice_mlps(model, names, tried);
+    // (CPU only: sliced_mlp_applies; elsewhere the sliced layers would run in turn)
+    const SlicedMlps sliced = device.is_cpu() ? slice_mlps(model, names, tried) : SlicedMlps{};
     if (!sliced.runs.empty()) {
       Attempt again = attempt(sliced.model, sliced);
       if (again.plan || again.least_measured < tried.least_measured) tried = std::move(again);
