@@ -1181,7 +1181,8 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   const int64_t best = measured + (device.is_cpu() ? 0 : 2 * cuda_margin(measured));
   snapshot.restore();
   std::ostringstream msg;
-  msg << "memlean::fit: no choice of checkpoints fits budget_bytes = " << describe_bytes(budget_bytes)
+  msg << "memlean::fit: no choice of checkpoints" << (tried.sliced > 0 ? " and sliced MLPs" : "")
+      << " fits budget_bytes = " << describe_bytes(budget_bytes)
       << ": the least peak reached is " << describe_bytes(best) << " (measured";
   if (!device.is_cpu()) {
     msg << ": " << describe_bytes(measured) << ", plus twice the margin fit keeps on CUDA";

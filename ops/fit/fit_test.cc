@@ -1119,7 +1119,11 @@ TEST(Fit, MlpsAreSlicedBelowTheLeastThatCheckpointsReach) {
   MlpBench sliceable(true), opaque(false);
   sliceable.train_step();
   opaque.train_step();
-  const int64_t least = one_byte_budget(sliceable).least_peak_bytes;
+  const FitError error = one_byte_budget(sliceable);
+  const int64_t least = error.least_peak_bytes;
+  EXPECT_NE(std::string(error.what()).find("no choice of checkpoints and sliced MLPs fits"),
+            std::string::npos) << error.what();
+  EXPECT_NE(std::string(error.what()).find(", 2 MLPs sliced)"), std::string::npos) << error.what();
   const int64_t without = one_byte_budget(opaque).least_peak_bytes;
   const int64_t eager =
       fit(sliceable.model, sliceable.x, int64_t{1} << 40, sliceable.options()).eager_peak_bytes;
