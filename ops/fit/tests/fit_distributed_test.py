@@ -6,7 +6,9 @@ with FSDP2 (fully_shard on each block and the root), and train two steps on half
 each. Every step's gradients equal those of one process training the same fitted model on
 the whole batch, and BatchNorm counts each training forward once. The same again with the
 model fitted at its least peak, where fit recomputes channelwise chains slice by slice of
-channels (memlean.sliced_chain) beside its checkpoints.
+channels (memlean.sliced_chain) beside its checkpoints, and with a token net fitted at its
+least peak, where fit slices its MLPs (a plain and a packed gated one) over their hidden
+features.
 
 fit is called before wrapping (docs/fit.md): it measures and changes the plain module.
 Without SyncBatchNorm each rank normalizes with its own half's statistics, so the reference
@@ -31,8 +33,10 @@ STEPS = 2
 LR = 0.1
 DEADLINE_S = 300
 # "+sliced": fitted at its least peak, which channel-sliced recompute reaches (each block's
-# bn1..act2 chain and the stem recomputed slice by slice of channels).
-CONFIGS = ["ddp", "fsdp", "ddp+sliced", "fsdp+sliced"]
+# bn1..act2 chain and the stem recomputed slice by slice of channels). "+mlp": a token net
+# fitted at its least peak, which slicing its MLPs over their hidden features reaches
+# (memlean::sliced_mlp, C++, run with the Python activations: a plain and a packed gated one).
+CONFIGS = ["ddp", "fsdp", "ddp+sliced", "fsdp+sliced", "ddp+mlp", "fsdp+mlp"]
 
 
 class Block(nn.Module):
@@ -83,6 +87,57 @@ class Net(nn.Module):
 N_BN = 1 + 2 * 4  # (Expanding blocks: 1 + 3 * 4)
 
 
+class Mlp(nn.Module):
+    """timm's Mlp: fc1, act, fc2 as children."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, w)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class PackedSwiGLU(nn.Module):
+    """A gated MLP whose one Linear makes gate and up."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.w12, self.w3 = nn.Linear(w, 8 * w), nn.Linear(4 * w, w)
+
+    def forward(self, x):
+        g, u = self.w12(x).chunk(2, dim=-1)
+        return self.w3(F.silu(g) * u)
+
+
+class TokenBlock(nn.Module):
+    def __init__(self, w, i):
+        super().__init__()
+        self.norm = nn.LayerNorm(w)
+        self.mlp = Mlp(w) if i % 2 == 0 else PackedSwiGLU(w)
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class TokenNet(nn.Module):
+    """A BatchNorm stem, then its pixels as tokens through MLP blocks."""
+
+    def __init__(self, w=6, blocks=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Sequential(nn.Conv2d(3, w, 3, padding=1), nn.BatchNorm2d(w))
+        self.blocks = nn.ModuleList(TokenBlock(w, i) for i in range(blocks))
+        self.head = nn.Linear(w, 5)
+        self.to(D)
+
+    def forward(self, x):
+        h = self.stem(x).flatten(2).transpose(1, 2)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h.mean(1))
+
+
 def halves():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(BATCH, 3, 12, 12, generator=g, dtype=D)
@@ -91,18 +146,18 @@ def halves():
     return [(x[r * n:(r + 1) * n], y[r * n:(r + 1) * n]) for r in range(WORLD)]
 
 
-def fitted(sliced=False):
+def fitted(sliced=False, mlp=False):
     """The model, fitted on half a batch to the budget halfway between the least peak fit
     reaches and the eager peak: a plan with checkpoints, swapped SiLUs and the lean BatchNorm
     and depthwise-convolution backwards, the same in every process (memory does not depend
     on the values). sliced: a net of Expanding blocks at its least peak, with channel-sliced
     recompute (its chains are far under the 1 MiB fit slices from and a slice's 1 MiB: both
-    lowered)."""
+    lowered); mlp: a TokenNet at its least peak, its MLPs sliced (the same sizes lowered)."""
     from memlean import fitting, sliced as slicing
 
-    fitting._SLICE_MIN_BYTES = 0 if sliced else 1 << 20
-    slicing.SLICE_BYTES = 16 << 10 if sliced else 1 << 20  # (several slices of these chains)
-    model = Net(block=Expanding) if sliced else Net()
+    fitting._SLICE_MIN_BYTES = 0 if sliced or mlp else 1 << 20
+    slicing.SLICE_BYTES = 16 << 10 if sliced or mlp else 1 << 20  # (several slices of these)
+    model = TokenNet() if mlp else Net(block=Expanding) if sliced else Net()
     x, y = halves()[0]
     loss_fn = lambda out: F.cross_entropy(out, y)  # noqa: E731
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -112,9 +167,14 @@ def fitted(sliced=False):
     except memlean.FitError as e:
         least = e.least_peak_bytes
     eager = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt).eager_peak_bytes
-    plan = memlean.fit(model, x, least if sliced else (least + eager) // 2, loss_fn=loss_fn,
-                       optimizer=opt)
+    plan = memlean.fit(model, x, least if sliced or mlp else (least + eager) // 2,
+                       loss_fn=loss_fn, optimizer=opt)
     actions = {a.action for a in plan.actions}
+    if mlp:
+        sliced_mlps = sorted(a.path for a in plan.actions if a.action == "sliced mlp")
+        assert sliced_mlps == [f"blocks.{i}.mlp{'.(fc1..fc2)' if i % 2 == 0 else ''}"
+                               for i in range(4)], str(plan)
+        return model, plan
     assert {"checkpoint", "lean batchnorm", "lean depthwise conv"} <= actions, str(plan)
     assert ("sliced recompute" in actions) == sliced, str(plan)
     assert actions & {"inplace swish", "memory_efficient swish"}, str(plan)
@@ -123,15 +183,15 @@ def fitted(sliced=False):
 
 def _train(config, mesh, rank):
     x, y = halves()[rank]
-    how, _, sliced = config.partition("+")
-    model, _ = fitted(bool(sliced))
+    how, _, what = config.partition("+")
+    model, _ = fitted(what == "sliced", what == "mlp")
     return train_steps(model, wrap(model, how, mesh), x, y, steps=STEPS, lr=LR)
 
 
-def reference(sliced):
+def reference(sliced, mlp=False):
     """One process, the same fitted model: each step's gradients of the average of the
     halves' losses, and rank 0's BatchNorm statistics (half 0's forward only)."""
-    model, tracker = fitted(sliced)[0], fitted(sliced)[0]
+    model, tracker = fitted(sliced, mlp)[0], fitted(sliced, mlp)[0]
     return train_one_process(model, tracker, halves(), steps=STEPS, lr=LR)
 
 
@@ -142,9 +202,10 @@ def results():
 
 @pytest.mark.parametrize("config", CONFIGS)
 def test_a_fitted_model_trains_under_ddp_and_fsdp2_as_one_process(results, config):
-    sliced = "sliced" in config
-    grads, buffers = reference(sliced)
-    assert_like_one_process(results[config], grads, buffers, STEPS, 1 + 3 * 4 if sliced else N_BN)
+    sliced, mlp = "sliced" in config, "mlp" in config
+    grads, buffers = reference(sliced, mlp)
+    assert_like_one_process(results[config], grads, buffers, STEPS,
+                            1 if mlp else 1 + 3 * 4 if sliced else N_BN)
 
 
 if __name__ == "__main__":
