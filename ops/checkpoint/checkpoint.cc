@@ -313,10 +313,6 @@ class CheckpointBackward : public torch::autograd::Node {
   const SegmentState& state() const { return state_; }
 
  private:
-  // Like Python's @once_differentiable: with create_graph the gradients are returned, but
-  // differentiating them again raises an error (a segment whose backward runs in full).
-  void mark_once_differentiable(variable_list& grads) const;
-
   SegmentState state_;
   std::vector<torch::autograd::SavedVariable> saved_;
   bool released_ = false;
@@ -419,14 +415,12 @@ variable_list CheckpointBackward::apply(variable_list&& grad_outputs) {
   }
   // FSDP2's full backward runs the recomputed graph's backward for its side effects (the
   // gathered parameters' gradients): no double backward through that.
-  if (create_graph && !double_backward) mark_once_differentiable(result);
+  if (create_graph && !double_backward) {
+    memlean::mark_once_differentiable(
+        result, state_.segment.name + ": double backward (a backward with create_graph) "
+        "through a checkpoint whose function called FSDP2 modules is not supported");
+  }
   return result;
-}
-
-void CheckpointBackward::mark_once_differentiable(variable_list& grads) const {
-  memlean::mark_once_differentiable(
-      grads, state_.segment.name + ": double backward (a backward with create_graph) through a "
-      "checkpoint whose function called FSDP2 modules is not supported");
 }
 
 }  // namespace

@@ -993,8 +993,7 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     // The step without checkpoints: the eager step's, or the sliced one's (measured).
     int64_t empty_peak = result.eager_peak_bytes;
     if (!sliced.runs.empty()) {
-      torch::nn::Sequential run = base;
-      empty_peak = step.measure([&run](const at::Tensor& x) { return run->forward(x); });
+      empty_peak = step.measure([&work](const at::Tensor& x) { return work->forward(x); });
     }
     const auto is_swapped = [](const std::string& action) { return !action.empty(); };
     if (std::any_of(swapped.begin(), swapped.end(), is_swapped)) {
@@ -1048,21 +1047,21 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
       }
     }
     // 3. Checkpoints. Candidates: every run [b, e) of layers. Checkpointed, it keeps its input
-    // (which layer b may not have saved: freed_b more bytes) and its output where layer e or layer e - 1 saved
-    // it (the output's bytes less freed_e; freed_e = 0 does not say which: an activation that
-    // saves its output, such as Tanh, keeps it in the checkpoint's place only when the next run
-    // is checkpointed too, else the prediction is that output's bytes high, never low). While it
-    // is recomputed and backward runs through it, besides base, the kept bytes before it and its
-    // layers' saved bytes: its input where layer b did not save it (input_bytes); then first its
-    // recomputed output where no layer saved it (freed_e: one that layer e - 1 or e saved is
-    // among the saved bytes already), what its forward held above what it left at its highest
-    // (an intermediate alive while a layer makes its output), what backward brings to it (the
-    // gradient of its output and the parameter gradients made by then; above base, which may
-    // count more than was alive there) and the copy of its layers' buffers that
-    // memlean::checkpoint puts back after the recompute (BufferRestore): recompute_extra_bytes;
-    // later backward's own bytes there (the per-layer extras). A run that ends at the last
-    // layer saves nothing at the peak (its backward comes first, right after it is
-    // recomputed): not a candidate.
+    // (which layer b may not have saved: freed_b more bytes) and its output where layer e or
+    // layer e - 1 saved it (the output's bytes less freed_e; freed_e = 0 does not say which:
+    // an activation that saves its output, such as Tanh, keeps it in the checkpoint's place
+    // only when the next run is checkpointed too, else the prediction is that output's bytes
+    // high, never low). While it is recomputed and backward runs through it, besides base, the
+    // kept bytes before it and its layers' saved bytes: its input where layer b did not save
+    // it (input_bytes); then first its recomputed output where no layer saved it (freed_e: one
+    // that layer e - 1 or e saved is among the saved bytes already), what its forward held
+    // above what it left at its highest (an intermediate alive while a layer makes its
+    // output), what backward brings to it (the gradient of its output and the parameter
+    // gradients made by then; above base, which may count more than was alive there) and the
+    // copy of its layers' buffers that memlean::checkpoint puts back after the recompute
+    // (BufferRestore): recompute_extra_bytes; later backward's own bytes there (the per-layer
+    // extras). A run that ends at the last layer saves nothing at the peak (its backward comes
+    // first, right after it is recomputed): not a candidate.
     std::vector<int64_t> output_kept(n, 0);
     for (int64_t i = 0; i < n; ++i) {
       output_kept[i] = std::max<int64_t>(0, output_bytes[i] - freed[i + 1]);

@@ -431,8 +431,8 @@ class _Dataflow(TorchDispatchMode):
         # else None)
         self.ops = {}
         # op number -> _view of each of its tensor arguments (those of `read`), for the ops a
-        # gated MLP's own forward may make (_VIEWED_OPS): which half of a packed gate-and-up
-        # output each takes.
+        # gated MLP's own forward may make (a product, one of _FUNCTIONAL_ACTS): which half of
+        # a packed gate-and-up output each takes.
         self.views = {}
         self.packing = False
 

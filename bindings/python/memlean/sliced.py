@@ -523,15 +523,11 @@ def run_sliced_gated_mlp(x, gate, acts, up, down, slices=None, gate_first=True):
     return _sliced(x, gate, list(acts), up, down, True, gate_first, slices)
 
 
-def _packed(gate, acts, down, gate_first):
+def _packed_in_turn(x, gate, acts, down, gate_first):
     """down(act(g) * u) where g, u = gate(x).chunk(2, -1) (gate_first; else u, g = ...)."""
-
-    def forward(x):
-        first, second = gate(x).chunk(2, dim=-1)
-        g, u = (first, second) if gate_first else (second, first)
-        return down(_in_turn(g, acts) * u)
-
-    return forward
+    first, second = gate(x).chunk(2, dim=-1)
+    g, u = (first, second) if gate_first else (second, first)
+    return down(_in_turn(g, acts) * u)
 
 
 def sliced_gated_mlp(x: torch.Tensor, gate: nn.Module, act: Sequence[nn.Module],
@@ -561,7 +557,7 @@ def sliced_gated_mlp(x: torch.Tensor, gate: nn.Module, act: Sequence[nn.Module],
     _check_slices("memlean.sliced_gated_mlp", slices, down.in_features)
     if not applies(x, mlp=True):
         if up is None:
-            return _packed(gate, acts, down, gate_first)(x)
+            return _packed_in_turn(x, gate, acts, down, gate_first)
         return down(_in_turn(gate(x), acts) * up(x))
     if x.shape[-1] != gate.in_features:
         raise ValueError(f"memlean.sliced_gated_mlp: x has {x.shape[-1]} features in its last "
