@@ -22,7 +22,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-constexpr int64_t kSliceBytes = int64_t{1} << 20;  // about one slice per MiB of hidden tensor
 constexpr int64_t kMostSlices = 16;
 
 // What forward and backward share: the activation, the slices' bounds over the hidden
@@ -293,8 +292,14 @@ bool sliced_mlp_applies(const at::Tensor& x) {
          x.numel() > 0 && !at::autocast::is_autocast_enabled(at::kCPU);
 }
 
-int64_t sliced_mlp_slices(int64_t hidden_bytes, int64_t features) {
-  return std::max<int64_t>(1, std::min({features, kMostSlices, hidden_bytes / kSliceBytes}));
+int64_t sliced_mlp_slices(int64_t hidden_bytes, int64_t features, int64_t slice_bytes) {
+  TORCH_CHECK_VALUE(slice_bytes >= 1, "sliced_mlp_slices: slice_bytes must be at least 1, got ",
+                    slice_bytes);
+  TORCH_CHECK_VALUE(hidden_bytes >= 0, "sliced_mlp_slices: hidden_bytes must not be negative, got ",
+                    hidden_bytes);
+  TORCH_CHECK_VALUE(features >= 0, "sliced_mlp_slices: features must not be negative, got ",
+                    features);
+  return std::max<int64_t>(1, std::min({features, kMostSlices, hidden_bytes / slice_bytes}));
 }
 
 at::Tensor sliced_mlp(const at::Tensor& x, const at::Tensor& w1,

@@ -40,9 +40,16 @@ struct SlicedMlpOptions {
 // where this is false.)
 bool sliced_mlp_applies(const at::Tensor& x);
 
+// About this many bytes of the hidden tensor per slice, by default.
+inline constexpr int64_t kSliceBytes = int64_t{1} << 20;
+
 // The default number of slices for a hidden tensor of `hidden_bytes` bytes and `features`
-// features: about one per MiB of it, at most 16 and at most one per feature, at least 1.
-int64_t sliced_mlp_slices(int64_t hidden_bytes, int64_t features);
+// features: about one per `slice_bytes` of it, at most 16 and at most one per feature, at
+// least 1. The one slice-count rule: Python's memlean.sliced_mlp and memlean.sliced_chain (one
+// per channel there) count with it too (their tests pass a smaller `slice_bytes`). c10::Error
+// for a `slice_bytes` below 1 or a negative `hidden_bytes` or `features`.
+int64_t sliced_mlp_slices(int64_t hidden_bytes, int64_t features,
+                          int64_t slice_bytes = kSliceBytes);
 
 // fc2(act(fc1(x))) with fc1 = (w1 [hidden, in], b1 [hidden]) and fc2 = (w2 [out, hidden],
 // b2 [out]): x [..., in] -> [..., out]. Gradients for x and every weight and bias that needs

@@ -269,6 +269,22 @@ TEST(SlicedMlp, BadInputIsNamed) {
   }, "wu makes 7 features, wg 8");
 }
 
+// The default slice count: one per slice_bytes of the hidden tensor, capped at 16 and at the
+// features, never 0.
+TEST(SlicedMlp, SliceCountRule) {
+  constexpr int64_t MiB = int64_t{1} << 20;
+  EXPECT_EQ(sliced_mlp_slices(0, 1024), 1);
+  EXPECT_EQ(sliced_mlp_slices(MiB - 1, 1024), 1);
+  EXPECT_EQ(sliced_mlp_slices(5 * MiB + 7, 1024), 5);
+  EXPECT_EQ(sliced_mlp_slices(100 * MiB, 1024), 16);
+  EXPECT_EQ(sliced_mlp_slices(100 * MiB, 3), 3);
+  EXPECT_EQ(sliced_mlp_slices(100 * MiB, 0), 1);
+  EXPECT_EQ(sliced_mlp_slices(6 << 10, 1024, 1 << 10), 6);
+  expect_error([] { sliced_mlp_slices(MiB, 8, 0); }, "slice_bytes must be at least 1, got 0");
+  expect_error([] { sliced_mlp_slices(-1, 8); }, "hidden_bytes must not be negative, got -1");
+  expect_error([] { sliced_mlp_slices(MiB, -2); }, "features must not be negative, got -2");
+}
+
 // A backward with create_graph gives the first gradients; differentiating them raises.
 TEST(SlicedMlp, DoubleBackwardIsRefused) {
   const Mlp m = make(Kind::kPlain, 6, 8, 5, true).to(at::kDouble);

@@ -315,11 +315,12 @@ SLICE_BYTES = 1 << 20  # about this much of the wide tensor per slice (tests low
 def slices_for(x: torch.Tensor, head: bool, channels: int, wide: int,
                fine: bool = False) -> int:
     """How many slices for a chain whose widest inner tensor has `wide` bytes: about one per
-    SLICE_BYTES (1 MiB) of it, at most 16 and one per channel; with a head, at most one per
+    SLICE_BYTES (1 MiB) of it, at most 16 and one per channel (memlean::sliced_mlp_slices' rule,
+    as for an MLP); with a head, at most one per
     input's size in it (each slice's forward reads the whole input, and its backward adds a
     gradient of all of it), unless `fine`: fewer bytes, more time (memlean.fit passes it
     for a 1x1 head alone, whose input gradient the backward adds in place)."""
-    slices = max(1, min(channels, 16, wide // SLICE_BYTES))
+    slices = _C.sliced_mlp_slices(wide, channels, SLICE_BYTES)
     if head and not fine:
         slices = min(slices, max(1, -(-wide // max(1, x.numel() * x.element_size()))))
     return slices
@@ -464,8 +465,9 @@ def _sliced(x, gate, acts, up, down, gated, gate_first, slices):
 
 def mlp_slices(hidden_bytes: int, features: int) -> int:
     """How many slices for an MLP whose hidden tensor has `hidden_bytes`: about one per
-    SLICE_BYTES (1 MiB) of it, at most 16 and one per hidden feature."""
-    return max(1, min(features, 16, hidden_bytes // SLICE_BYTES))
+    SLICE_BYTES (1 MiB) of it, at most 16 and one per hidden feature (memlean::sliced_mlp_slices,
+    the rule C++'s sliced MLP counts with)."""
+    return _C.sliced_mlp_slices(hidden_bytes, features, SLICE_BYTES)
 
 
 def run_sliced_mlp(x, fc1, acts, fc2, slices=None):

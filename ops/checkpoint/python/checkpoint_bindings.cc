@@ -153,6 +153,9 @@ void init_checkpoint(pybind11::module_& m) {
       py::arg("x"), py::arg("wg"), py::arg("bg"), py::arg("act"), py::arg("wu"), py::arg("bu"),
       py::arg("wd"), py::arg("bd"), py::arg("gated"), py::arg("gate_first"), py::arg("slices"),
       py::arg("act_writes_input"));
+  // The one slice-count rule (sliced_mlp.h): memlean.sliced_mlp's and sliced_chain's too.
+  m.def("sliced_mlp_slices", &memlean::sliced_mlp_slices, py::arg("hidden_bytes"),
+        py::arg("features"), py::arg("slice_bytes"));
   // memlean::unversioned_changes (checkpoint.h): which buffers run() changed unseen by a
   // checkpoint (through .data), one flag each; memlean.fit's check, as memlean::fit's.
   m.def(
