@@ -844,6 +844,239 @@ std::string FitPlan::to_json() const {
   return out.str();
 }
 
+namespace {
+
+// What every attempt of fit's search shares (fit(), below): the step it measures, the example
+// input, the layers' names, the budget it plans against (the budget less the CUDA margin), the
+// eager step's figures and the buffers a step changes unseen by autograd.
+struct FitContext {
+  Step& step;
+  const at::Tensor& input;
+  c10::Device device;
+  const std::vector<std::string>& names;
+  const FitPlan& eager;  // budget_bytes, margin_bytes, eager_peak_bytes, fixed_bytes
+  int64_t planned = 0;
+  int64_t resolution = 1;
+  const std::unordered_set<const c10::TensorImpl*>& unversioned;
+};
+
+// Step 1's walk of `base`. memlean's in-place Swish saves its output (its input's storage): a
+// later layer that writes that storage in place (a ReLU(inplace), directly or through layers
+// that hand on a view of it) would make autograd's version check fire in backward. Such a
+// Swish is not made in place, and the walk runs again (rare: once per such layer).
+LayerWalk walk_safely(const FitContext& ctx, const torch::nn::Sequential& base) {
+  std::vector<bool> not_in_place(base->size(), false);
+  LayerWalk walk;
+  do {
+    walk = walk_layers(base, ctx.input, ctx.device, not_in_place);
+    if (walk.written_in_place >= 0) not_in_place[walk.written_in_place] = true;
+  } while (walk.written_in_place >= 0);
+  return walk;
+}
+
+// The step with step 1's swaps made (and the MLPs sliced, where `sliced` has runs), no
+// checkpoint: the model it runs (ctx.step runs it from here on) and its measured peak.
+struct Swapped {
+  torch::nn::Sequential work{nullptr};
+  int64_t peak = 0;
+  std::vector<FitAction> actions;  // the swaps', then the sliced MLPs'
+  size_t swaps = 0;
+};
+
+Swapped swap_layers(const FitContext& ctx, const torch::nn::Sequential& base, const LayerWalk& walk,
+                    const SlicedMlps& sliced) {
+  Swapped out;
+  out.work = base;
+  ctx.step.model = base;
+  const auto n = static_cast<int64_t>(walk.layers.size());
+  const auto run = [&out](const at::Tensor& x) { return out.work->forward(x); };
+  // The step without checkpoints: the eager step's, or the sliced one's (measured).
+  out.peak = sliced.runs.empty() ? ctx.eager.eager_peak_bytes : ctx.step.measure(run);
+  const auto is_swapped = [](const std::string& action) { return !action.empty(); };
+  if (std::any_of(walk.swapped.begin(), walk.swapped.end(), is_swapped)) {
+    out.work = torch::nn::Sequential();
+    for (int64_t i = 0; i < n; ++i) out.work->push_back(ctx.names[i], walk.layers[i]);
+    ctx.step.model = out.work;
+    const int64_t before = out.peak;
+    out.peak = ctx.step.measure(run);
+    const int64_t saving = std::max<int64_t>(0, before - out.peak);
+    int64_t total = 0;
+    for (const int64_t b : walk.input_bytes) total += b;
+    for (int64_t i = 0; i < n; ++i) {
+      if (walk.swapped[i].empty()) continue;
+      out.actions.push_back({path_of(i, i + 1, ctx.names), walk.swapped[i],
+                             total > 0 ? saving * walk.input_bytes[i] / total : 0, 0.0});
+    }
+  }
+  out.swaps = out.actions.size();
+  out.actions.insert(out.actions.end(), sliced.actions.begin(), sliced.actions.end());
+  return out;
+}
+
+// Step 3's problem for the swapped step (ctx.step runs it; its peak without checkpoints
+// `empty_peak`): what each layer keeps for backward, backward's own bytes there, and the runs
+// of layers a checkpoint may hold, with their costs.
+Problem checkpoint_problem(const FitContext& ctx, const LayerWalk& walk, const SlicedMlps& sliced,
+                           int64_t empty_peak) {
+  const auto n = static_cast<int64_t>(walk.layers.size());
+  const auto& freed = walk.freed;
+  Problem problem;
+  int64_t atoms = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    problem.atom_saved_bytes.push_back(std::max<int64_t>(0, walk.kept[i] - freed[i + 1]));
+    atoms += problem.atom_saved_bytes.back();
+  }
+  problem.base_bytes = std::max<int64_t>(0, empty_peak - atoms);
+  // Backward's own bytes at each layer above base and what layers 0..i saved (activation
+  // gradients, temporaries, the parameter gradients made by then): where checkpointed steps
+  // peak, in the backward of early, wide layers.
+  // And what backward brings to each layer (its output's gradient, the parameter gradients
+  // made by then): the bytes above base and what layers 0..i saved when it reaches layer i.
+  std::vector<int64_t> brought(n, 0);
+  {
+    const Step::BackwardLevels levels = ctx.step.backward_levels();
+    int64_t through = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      through += problem.atom_saved_bytes[i];
+      problem.atom_backward_extra_bytes.push_back(
+          std::max<int64_t>(0, levels.highest[i] - problem.base_bytes - through));
+      if (levels.entry[i] >= 0) brought[i] = levels.entry[i] - problem.base_bytes - through;
+    }
+  }
+  // 3. Checkpoints. Candidates: every run [b, e) of layers. Checkpointed, it keeps its input
+  // (which layer b may not have saved: freed_b more bytes) and its output where layer e or
+  // layer e - 1 saved it (the output's bytes less freed_e; freed_e = 0 does not say which:
+  // an activation that saves its output, such as Tanh, keeps it in the checkpoint's place
+  // only when the next run is checkpointed too, else the prediction is that output's bytes
+  // high, never low). While it is recomputed and backward runs through it, besides base, the
+  // kept bytes before it and its layers' saved bytes: its input where layer b did not save
+  // it (input_bytes); then first its recomputed output where no layer saved it (freed_e: one
+  // that layer e - 1 or e saved is among the saved bytes already), what its forward held
+  // above what it left at its highest (an intermediate alive while a layer makes its
+  // output), what backward brings to it (the gradient of its output and the parameter
+  // gradients made by then; above base, which may count more than was alive there) and the
+  // copy of its layers' buffers that memlean::checkpoint puts back after the recompute
+  // (BufferRestore): recompute_extra_bytes; later backward's own bytes there (the per-layer
+  // extras). A run that ends at the last layer saves nothing at the peak (its backward comes
+  // first, right after it is recomputed): not a candidate.
+  std::vector<int64_t> output_kept(n, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    output_kept[i] = std::max<int64_t>(0, walk.output_bytes[i] - freed[i + 1]);
+  }
+  std::vector<std::vector<at::Tensor>> layer_buffers(n);
+  for (int64_t i = 0; i < n; ++i) layer_buffers[i] = walk.layers[i].ptr()->buffers();
+  auto buffer_copy_bytes = [&](int64_t b, int64_t e) {  // as BufferRestore clones them
+    std::vector<at::Tensor> run;
+    for (int64_t i = b; i < e; ++i) {
+      run.insert(run.end(), layer_buffers[i].begin(), layer_buffers[i].end());
+    }
+    int64_t total = 0;
+    for (const auto& t : unique_tensors(run)) total += static_cast<int64_t>(t.nbytes());
+    return total;
+  };
+  // A layer holding a buffer changed behind autograd's back (unversioned) is in no
+  // checkpointed run.
+  std::vector<bool> holds_unversioned(n, false);
+  for (int64_t i = 0; i < n && !ctx.unversioned.empty(); ++i) {
+    for (const auto& b : layer_buffers[i]) {
+      if (ctx.unversioned.count(b.unsafeGetTensorImpl()) > 0) holds_unversioned[i] = true;
+    }
+  }
+  auto writes_run_input = [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      if (walk.writes_input[i]) return true;
+      if (!walk.passes_input[i]) return false;
+    }
+    return false;
+  };
+  // A run holding part of a sliced MLP (its head computes the MLP with all its layers'
+  // parameters; memlean::checkpoint takes only the run's).
+  auto splits_a_sliced_mlp = [&](int64_t b, int64_t e) {
+    return std::any_of(sliced.runs.begin(), sliced.runs.end(), [&](const auto& r) {
+      return b < r.second && e > r.first && (b > r.first || e < r.second);
+    });
+  };
+  for (Candidate c : chain_candidates(problem.atom_saved_bytes, output_kept, walk.seconds)) {
+    if (c.end == n || writes_run_input(c.begin, c.end) || splits_a_sliced_mlp(c.begin, c.end) ||
+        std::any_of(holds_unversioned.begin() + c.begin, holds_unversioned.begin() + c.end,
+                    [](bool held) { return held; })) {
+      continue;
+    }
+    c.freed_bytes = std::max<int64_t>(0, c.freed_bytes - freed[c.begin]);
+    c.input_bytes = freed[c.begin];
+    int64_t recompute = freed[c.end];
+    const int64_t highest =
+        *std::max_element(walk.forward_peak.begin() + c.begin, walk.forward_peak.begin() + c.end);
+    recompute += std::max<int64_t>(0, highest - walk.forward_start[c.end]);
+    c.recompute_extra_bytes =
+        std::max<int64_t>(0, recompute + brought[c.end - 1]) + buffer_copy_bytes(c.begin, c.end);
+    problem.candidates.push_back(c);
+  }
+  return problem;
+}
+
+// The FitPlan of a plan of checkpoints on the swapped step.
+FitPlan plan_of(const FitContext& ctx, const Problem& problem, const Plan& p,
+                const Swapped& swapped, const SlicedMlps& sliced) {
+  FitPlan f = ctx.eager;
+  f.predicted_peak_bytes = p.predicted_peak_bytes;
+  f.actions = swapped.actions;
+  f.sliced = sliced.runs;
+  for (const int c : p.chosen) {
+    const Candidate& cand = problem.candidates[c];
+    f.checkpointed.emplace_back(cand.begin, cand.end);
+    f.actions.push_back({path_of(cand.begin, cand.end, ctx.names), "checkpoint", cand.freed_bytes,
+                         cand.seconds});
+  }
+  FitPlanAccess::set_runner(f, swapped.work);
+  return f;
+}
+
+// One attempt of fit's search on `base`: the model, or (2., in fit) the model with its MLPs
+// sliced, whose actions (`sliced`) the plans carry after the swaps. 1. the swaps; if the
+// swapped step fits, that plan; else 3. the checkpoints: the search both languages run
+// (search.h): plan, measure, tighten, bisect back up.
+Attempt attempt(const FitContext& ctx, const torch::nn::Sequential& base,
+                const SlicedMlps& sliced) {
+  Attempt out;
+  const LayerWalk walk = walk_safely(ctx, base);
+  out.output_bytes = walk.output_bytes;
+  out.seconds = walk.seconds;
+  out.sliced = sliced.runs.size();
+  const Swapped swapped = swap_layers(ctx, base, walk, sliced);
+  out.swaps = swapped.swaps;
+  if (swapped.peak <= ctx.planned) {  // (never the eager step: it does not fit)
+    FitPlan f = ctx.eager;
+    f.actions = swapped.actions;
+    f.sliced = sliced.runs;
+    f.peak_bytes = f.predicted_peak_bytes = swapped.peak;
+    FitPlanAccess::set_runner(f, swapped.work);
+    out.plan = std::move(f);
+    return out;
+  }
+  const Problem problem = checkpoint_problem(ctx, walk, sliced, swapped.peak);
+  out.saved = problem.atom_saved_bytes;
+  SearchOptions search_options;
+  search_options.resolution = ctx.resolution;
+  const SearchResult found = search(
+      problem, ctx.planned, /*floor_bytes=*/0, swapped.peak,
+      [&](const Plan& p) {
+        const FitPlan f = plan_of(ctx, problem, p, swapped, sliced);
+        return ctx.step.measure([&f](const at::Tensor& x) { return f.forward(x); });
+      },
+      search_options);
+  if (found.fastest) {
+    out.plan = plan_of(ctx, problem, *found.fastest, swapped, sliced);
+    out.plan->peak_bytes = found.fastest_peak_bytes;
+  }
+  out.least_measured = found.least_measured_peak_bytes;
+  out.least_predicted = found.least.predicted_peak_bytes;
+  out.least_checkpoints = found.least.chosen.size();
+  return out;
+}
+
+}  // namespace
+
 FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_t budget_bytes,
             FitOptions options) {
   check_budget(budget_bytes, "budget_bytes");
@@ -959,204 +1192,10 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   std::vector<std::string> names;
   for (const auto& item : model->named_children()) names.push_back(item.key());
   names.resize(n);
-  // One attempt plans on `base`: the model, or (2., below) the model with its MLPs sliced,
-  // whose actions (`sliced`) the plans carry after the swaps.
-  const auto attempt = [&](const torch::nn::Sequential& base, const SlicedMlps& sliced) {
-    Attempt out;
-    step.model = base;
-    // memlean's in-place Swish saves its output (its input's storage): a later layer that
-    // writes that storage in place (a ReLU(inplace), directly or through layers that hand on
-    // a view of it) would make autograd's version check fire in backward. Such a Swish is not
-    // made in place, and the walk runs again (rare: once per such layer).
-    std::vector<bool> not_in_place(n, false);
-    LayerWalk walk;
-    do {
-      walk = walk_layers(base, example_input, device, not_in_place);
-      if (walk.written_in_place >= 0) not_in_place[walk.written_in_place] = true;
-    } while (walk.written_in_place >= 0);
-    const auto& layers = walk.layers;
-    const auto& swapped = walk.swapped;
-    const auto& input_bytes = walk.input_bytes;
-    const auto& writes_input = walk.writes_input;
-    const auto& passes_input = walk.passes_input;
-    const auto& seconds = walk.seconds;
-    const auto& kept = walk.kept;
-    const auto& freed = walk.freed;
-    const auto& output_bytes = walk.output_bytes;
-    const auto& forward_start = walk.forward_start;
-    const auto& forward_peak = walk.forward_peak;
-    out.output_bytes = output_bytes;
-    out.seconds = seconds;
-    torch::nn::Sequential work = base;
-    std::vector<FitAction> swaps;
-    out.sliced = sliced.runs.size();
-    // The step without checkpoints: the eager step's, or the sliced one's (measured).
-    int64_t empty_peak = result.eager_peak_bytes;
-    if (!sliced.runs.empty()) {
-      empty_peak = step.measure([&work](const at::Tensor& x) { return work->forward(x); });
-    }
-    const auto is_swapped = [](const std::string& action) { return !action.empty(); };
-    if (std::any_of(swapped.begin(), swapped.end(), is_swapped)) {
-      work = torch::nn::Sequential();
-      for (int64_t i = 0; i < n; ++i) work->push_back(names[i], layers[i]);
-      step.model = work;
-      const int64_t before = empty_peak;
-      empty_peak = step.measure([&work](const at::Tensor& x) { return work->forward(x); });
-      const int64_t saving = std::max<int64_t>(0, before - empty_peak);
-      int64_t total = 0;
-      for (const int64_t b : input_bytes) total += b;
-      for (int64_t i = 0; i < n; ++i) {
-        if (swapped[i].empty()) continue;
-        swaps.push_back({path_of(i, i + 1, names), swapped[i],
-                         total > 0 ? saving * input_bytes[i] / total : 0, 0.0});
-      }
-    }
-    out.swaps = swaps.size();
-    swaps.insert(swaps.end(), sliced.actions.begin(), sliced.actions.end());
-    if (empty_peak <= planned) {  // (never the eager step: it does not fit)
-      FitPlan f = result;
-      f.actions = swaps;
-      f.sliced = sliced.runs;
-      f.peak_bytes = f.predicted_peak_bytes = empty_peak;
-      FitPlanAccess::set_runner(f, work);
-      out.plan = std::move(f);
-      return out;
-    }
-    Problem problem;
-    int64_t atoms = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      problem.atom_saved_bytes.push_back(std::max<int64_t>(0, kept[i] - freed[i + 1]));
-      atoms += problem.atom_saved_bytes.back();
-    }
-    out.saved = problem.atom_saved_bytes;
-    problem.base_bytes = std::max<int64_t>(0, empty_peak - atoms);
-    // Backward's own bytes at each layer above base and what layers 0..i saved (activation
-    // gradients, temporaries, the parameter gradients made by then): where checkpointed steps
-    // peak, in the backward of early, wide layers.
-    // And what backward brings to each layer (its output's gradient, the parameter gradients
-    // made by then): the bytes above base and what layers 0..i saved when it reaches layer i.
-    std::vector<int64_t> brought(n, 0);
-    {
-      const Step::BackwardLevels levels = step.backward_levels();
-      int64_t through = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        through += problem.atom_saved_bytes[i];
-        problem.atom_backward_extra_bytes.push_back(
-            std::max<int64_t>(0, levels.highest[i] - problem.base_bytes - through));
-        if (levels.entry[i] >= 0) brought[i] = levels.entry[i] - problem.base_bytes - through;
-      }
-    }
-    // 3. Checkpoints. Candidates: every run [b, e) of layers. Checkpointed, it keeps its input
-    // (which layer b may not have saved: freed_b more bytes) and its output where layer e or
-    // layer e - 1 saved it (the output's bytes less freed_e; freed_e = 0 does not say which:
-    // an activation that saves its output, such as Tanh, keeps it in the checkpoint's place
-    // only when the next run is checkpointed too, else the prediction is that output's bytes
-    // high, never low). While it is recomputed and backward runs through it, besides base, the
-    // kept bytes before it and its layers' saved bytes: its input where layer b did not save
-    // it (input_bytes); then first its recomputed output where no layer saved it (freed_e: one
-    // that layer e - 1 or e saved is among the saved bytes already), what its forward held
-    // above what it left at its highest (an intermediate alive while a layer makes its
-    // output), what backward brings to it (the gradient of its output and the parameter
-    // gradients made by then; above base, which may count more than was alive there) and the
-    // copy of its layers' buffers that memlean::checkpoint puts back after the recompute
-    // (BufferRestore): recompute_extra_bytes; later backward's own bytes there (the per-layer
-    // extras). A run that ends at the last layer saves nothing at the peak (its backward comes
-    // first, right after it is recomputed): not a candidate.
-    std::vector<int64_t> output_kept(n, 0);
-    for (int64_t i = 0; i < n; ++i) {
-      output_kept[i] = std::max<int64_t>(0, output_bytes[i] - freed[i + 1]);
-    }
-    std::vector<std::vector<at::Tensor>> layer_buffers(n);
-    for (int64_t i = 0; i < n; ++i) layer_buffers[i] = layers[i].ptr()->buffers();
-    auto buffer_copy_bytes = [&](int64_t b, int64_t e) {  // as BufferRestore clones them
-      std::vector<at::Tensor> run;
-      for (int64_t i = b; i < e; ++i) {
-        run.insert(run.end(), layer_buffers[i].begin(), layer_buffers[i].end());
-      }
-      int64_t total = 0;
-      for (const auto& t : unique_tensors(run)) total += static_cast<int64_t>(t.nbytes());
-      return total;
-    };
-    // A layer holding a buffer changed behind autograd's back (unversioned) is in no
-    // checkpointed run.
-    std::vector<bool> holds_unversioned(n, false);
-    for (int64_t i = 0; i < n && !unversioned.empty(); ++i) {
-      for (const auto& b : layer_buffers[i]) {
-        if (unversioned.count(b.unsafeGetTensorImpl()) > 0) holds_unversioned[i] = true;
-      }
-    }
-    auto writes_run_input = [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        if (writes_input[i]) return true;
-        if (!passes_input[i]) return false;
-      }
-      return false;
-    };
-    // A run holding part of a sliced MLP (its head computes the MLP with all its layers'
-    // parameters; memlean::checkpoint takes only the run's).
-    auto splits_a_sliced_mlp = [&](int64_t b, int64_t e) {
-      return std::any_of(sliced.runs.begin(), sliced.runs.end(), [&](const auto& r) {
-        return b < r.second && e > r.first && (b > r.first || e < r.second);
-      });
-    };
-    for (Candidate c : chain_candidates(problem.atom_saved_bytes, output_kept, seconds)) {
-      if (c.end == n || writes_run_input(c.begin, c.end) || splits_a_sliced_mlp(c.begin, c.end) ||
-          std::any_of(holds_unversioned.begin() + c.begin, holds_unversioned.begin() + c.end,
-                      [](bool held) { return held; })) {
-        continue;
-      }
-      c.freed_bytes = std::max<int64_t>(0, c.freed_bytes - freed[c.begin]);
-      c.input_bytes = freed[c.begin];
-      int64_t recompute = freed[c.end];
-      const int64_t highest =
-          *std::max_element(forward_peak.begin() + c.begin, forward_peak.begin() + c.end);
-      recompute += std::max<int64_t>(0, highest - forward_start[c.end]);
-      c.recompute_extra_bytes =
-          std::max<int64_t>(0, recompute + brought[c.end - 1]) + buffer_copy_bytes(c.begin, c.end);
-      problem.candidates.push_back(c);
-    }
-
-    auto make = [&](const Plan& p) {
-      FitPlan f;
-      f.budget_bytes = budget_bytes;
-      f.margin_bytes = margin;
-      f.eager_peak_bytes = result.eager_peak_bytes;
-      f.fixed_bytes = result.fixed_bytes;
-      f.predicted_peak_bytes = p.predicted_peak_bytes;
-      f.actions = swaps;
-      f.sliced = sliced.runs;
-      for (const int c : p.chosen) {
-        const Candidate& cand = problem.candidates[c];
-        f.checkpointed.emplace_back(cand.begin, cand.end);
-        f.actions.push_back({path_of(cand.begin, cand.end, names), "checkpoint", cand.freed_bytes,
-                             cand.seconds});
-      }
-      FitPlanAccess::set_runner(f, work);
-      return f;
-    };
-
-    // The search both languages run (search.h): plan, measure, tighten, bisect back up.
-    SearchOptions search_options;
-    search_options.resolution = options.resolution;
-    const SearchResult found = search(
-        problem, planned, /*floor_bytes=*/0, empty_peak,
-        [&](const Plan& p) {
-          const FitPlan f = make(p);
-          return step.measure([&f](const at::Tensor& x) { return f.forward(x); });
-        },
-        search_options);
-    if (found.fastest) {
-      out.plan = make(*found.fastest);
-      out.plan->peak_bytes = found.fastest_peak_bytes;
-    }
-    out.least_measured = found.least_measured_peak_bytes;
-    out.least_predicted = found.least.predicted_peak_bytes;
-    out.least_checkpoints = found.least.chosen.size();
-    return out;
-  };
-
+  const FitContext ctx{step, example_input, device, names, result, planned, options.resolution,
+                       unversioned};
   // 1. and 3. with every layer as it is (but the swaps); if no plan fits, 2., and again.
-  Attempt tried = attempt(model, {});
+  Attempt tried = attempt(ctx, model, {});
   if (!tried.plan) {
     // 2. MLPs sliced (memlean::sliced_mlp): a Linear that widens its input at least twice,
     // elementwise activations, a Linear back, whose hidden tensor is 1 MiB or more, becomes
@@ -1166,7 +1205,7 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
     // (CPU only: sliced_mlp_applies; elsewhere the sliced layers would run in turn)
     const SlicedMlps sliced = device.is_cpu() ? slice_mlps(model, names, tried) : SlicedMlps{};
     if (!sliced.runs.empty()) {
-      Attempt again = attempt(sliced.model, sliced);
+      Attempt again = attempt(ctx, sliced.model, sliced);
       if (again.plan || again.least_measured < tried.least_measured) tried = std::move(again);
     }
   }
