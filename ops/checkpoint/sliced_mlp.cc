@@ -52,6 +52,13 @@ at::Tensor activate(const Spec& spec, const at::Tensor& h) {
   return spec.act ? spec.act(h) : h;
 }
 
+// bfloat16 and float16 slices: their partial sums (the output's, the input gradient's) add up
+// in float32 and are rounded once, as one matrix product over all hidden features rounds its
+// float32 accumulator once.
+bool reduced(const at::Tensor& x) {
+  return x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
+}
+
 class SlicedMlpFunction : public torch::autograd::Function<SlicedMlpFunction> {
  public:
   // wu, bu: up (gated, not packed), else undefined; bg, bu, bd undefined where absent.
@@ -65,7 +72,8 @@ class SlicedMlpFunction : public torch::autograd::Function<SlicedMlpFunction> {
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
     shape.push_back(wd.size(0));
     // The output is the Function's own tensor (a caller's `y += x` may write it in place).
-    at::Tensor out = at::empty(shape, x.options());
+    const bool low = reduced(x);
+    at::Tensor out = at::empty(shape, low ? x.options().dtype(at::kFloat) : x.options());
     at::Tensor flat = out.view({rows.size(0), wd.size(0)});
     if (bd.defined()) {
       flat.copy_(bd.expand_as(flat));
@@ -82,8 +90,13 @@ class SlicedMlpFunction : public torch::autograd::Function<SlicedMlpFunction> {
         m.mul_(at::linear(rows, up_w.narrow(0, spec->up_row + j0, w),
                           rows_of(up_b, spec->up_row + j0, w)));
       }
-      flat.addmm_(m, wd.narrow(1, j0, w).t());
+      if (low) {
+        flat.add_(at::mm(m, wd.narrow(1, j0, w).t()));
+      } else {
+        flat.addmm_(m, wd.narrow(1, j0, w).t());
+      }
     }
+    if (low) out = out.to(x.scalar_type());
     ctx->save_for_backward({x, wg, bg_or_empty, wu_or_empty, bu_or_empty, wd, bd_or_empty});
     ctx->saved_data["spec"] = c10::IValue::make_capsule(spec);
     return out;
@@ -105,7 +118,11 @@ class SlicedMlpFunction : public torch::autograd::Function<SlicedMlpFunction> {
     const auto need = [&](size_t i, const at::Tensor& like) {
       return ctx->needs_input_grad(i) && like.defined() ? at::zeros_like(like) : at::Tensor();
     };
-    at::Tensor grad_x = need(0, rows);
+    const bool low = reduced(x);
+    at::Tensor grad_x;  // (float32 for reduced() slices)
+    if (ctx->needs_input_grad(0)) {
+      grad_x = at::zeros(rows.sizes(), rows.options().dtype(low ? at::kFloat : x.scalar_type()));
+    }
     at::Tensor grad_wg = need(1, wg), grad_bg = need(2, bg);
     at::Tensor grad_wu = spec->packed ? grad_wg : need(3, up_w);
     at::Tensor grad_bu = spec->packed ? grad_bg : need(4, up_b);
@@ -165,9 +182,14 @@ class SlicedMlpFunction : public torch::autograd::Function<SlicedMlpFunction> {
           at::Tensor rows_of_grad = grad_bs[k]->narrow(0, o, w);
           at::sum_out(rows_of_grad, gradient, {0});
         }
-        if (grad_x.defined()) grad_x.addmm_(gradient, parts[k].first->narrow(0, o, w));
+        if (grad_x.defined() && low) {
+          grad_x.add_(at::mm(gradient, parts[k].first->narrow(0, o, w)));
+        } else if (grad_x.defined()) {
+          grad_x.addmm_(gradient, parts[k].first->narrow(0, o, w));
+        }
       }
     }
+    if (grad_x.defined() && low) grad_x = grad_x.to(x.scalar_type());
     out[0] = grad_x.defined() ? grad_x.view(x.sizes()) : grad_x;
     out[1] = grad_wg;
     out[2] = grad_bg;
@@ -269,27 +291,36 @@ at::Tensor run(const char* fn, const at::Tensor& x, const at::Tensor& wg, const 
     at::Tensor m = activate(*spec, g);
     return at::linear(gated ? m * u : m, wd, bd);
   }
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"weight wg/w1", &wg},
-                                {"bias bg/b1", &bg}, {"weight wu", &wu}, {"bias bu", &bu},
-                                {"weight wd/w2", &wd}, {"bias bd/b2", &bd}}) {
-    check_same(fn, x, name, *t);
+  // Under CPU autocast, as its linear does: x, the weights and the biases in autocast's dtype
+  // (float64 ones as they are), the weights' copies from its cache (made once in a region, as
+  // the layers in turn make them; their backward gives the float32 weights float32 gradients).
+  at::Tensor args[] = {x, wg, bg, wu, bu, wd, bd};
+  if (at::autocast::is_autocast_enabled(at::kCPU)) {
+    const at::ScalarType dtype = at::autocast::get_autocast_dtype(at::kCPU);
+    for (at::Tensor& t : args) {
+      if (t.defined()) t = at::autocast::cached_cast(dtype, t, c10::DeviceType::CPU);
+    }
+    if (options.slices == 0) spec->bounds = bounds_of(fn, args[0], hidden, 0);
   }
-  const at::Tensor* optional[] = {&bg, &wu, &bu, &bd};
+  const char* names[] = {"x", "weight wg/w1", "bias bg/b1", "weight wu", "bias bu",
+                         "weight wd/w2", "bias bd/b2"};
+  for (int i = 1; i < 7; ++i) check_same(fn, args[0], names[i], args[i]);
+  const int optional[] = {2, 3, 4, 6};  // bg, wu, bu, bd: kBg, kWu, kBu, kBd
   at::Tensor given[4];
   for (int i = 0; i < 4; ++i) {
-    spec->has[i] = optional[i]->defined();
-    given[i] = spec->has[i] ? *optional[i] : at::empty({0}, x.options());
+    spec->has[i] = args[optional[i]].defined();
+    given[i] = spec->has[i] ? args[optional[i]] : at::empty({0}, args[0].options());
   }
-  return SlicedMlpFunction::apply(x, wg, given[kBg], given[kWu], given[kBu], wd, given[kBd],
-                                  spec);
+  return SlicedMlpFunction::apply(args[0], args[1], given[kBg], given[kWu], given[kBu], args[5],
+                                  given[kBd], spec);
 }
 
 }  // namespace
 
 bool sliced_mlp_applies(const at::Tensor& x) {
   return x.defined() && x.device().is_cpu() && x.layout() == at::kStrided && !is_wrapped(x) &&
-         (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) && x.dim() >= 1 &&
-         x.numel() > 0 && !at::autocast::is_autocast_enabled(at::kCPU);
+         (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble || reduced(x)) &&
+         x.dim() >= 1 && x.numel() > 0;
 }
 
 int64_t sliced_mlp_slices(int64_t hidden_bytes, int64_t features, int64_t slice_bytes) {

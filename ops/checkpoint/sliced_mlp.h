@@ -35,9 +35,12 @@ struct SlicedMlpOptions {
   bool act_writes_input = false;
 };
 
-// Where the sliced path runs: x a CPU float32/float64 strided tensor, CPU autocast off. (The
-// functions below check their arguments and then compute the MLP with torch's ops in turn
-// where this is false.)
+// Where the sliced path runs: x a CPU strided tensor of float32, float64, bfloat16 or float16.
+// (The functions below check their arguments and then compute the MLP with torch's ops in
+// turn where this is false.) In a CPU autocast region the MLP computes as at::linear does
+// there: x, weights and biases cast to autocast's dtype (the weights' copies from its cache;
+// float64 ones as they are), the output of that dtype. bfloat16 and float16 slices add their
+// partial sums (the output's, the input gradient's) in float32 and round once.
 bool sliced_mlp_applies(const at::Tensor& x);
 
 // About this many bytes of the hidden tensor per slice, by default.

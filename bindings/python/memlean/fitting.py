@@ -1252,7 +1252,7 @@ class _MlpSlice(_Run):
     def run(self, chain, args, kwargs):
         if not (self.modules[0].training and len(args) == 1 and not kwargs
                 and sliced.applies(args[0], mlp=True)):
-            return None  # (eval, CUDA, autocast, other dtypes: the modules in turn)
+            return None  # (eval, CUDA, other dtypes: the modules in turn)
         return sliced.run_sliced_mlp(args[0], *self.parts)
 
 
@@ -1273,7 +1273,7 @@ class _GatedSlice(_Run):
     def run(self, chain, args, kwargs):
         if not (self.modules[0].training and len(args) == 1 and not kwargs
                 and sliced.applies(args[0], mlp=True)):
-            return None  # (eval, CUDA, autocast, other dtypes: its own forward)
+            return None  # (eval, CUDA, other dtypes: its own forward)
         return sliced.run_sliced_gated_mlp(args[0], self.gate, self.acts, self.up, self.down,
                                            gate_first=self.gate_first)
 

@@ -16,7 +16,9 @@ to float tolerance.
 memlean.fit slices the chains it finds (runs of sibling modules such as timm's inverted
 residual conv_pw, bn1, conv_dw, bn2, aa) when checkpoints alone do not reach the budget
 (docs/fit.md). CPU eager steps: float32/float64 4-d inputs, no autocast, not under
-torch.compile; no double backward."""
+torch.compile; no double backward. (MLPs, sliced over their hidden features by the C++
+memlean::sliced_mlp: CPU inputs of float32, float64, bfloat16 or float16, in a CPU autocast
+region too, computed there in its dtype as nn.Linear is.)"""
 from typing import List, Optional, Sequence
 
 import torch
@@ -299,14 +301,17 @@ def _weights(modules, roles, params, c0, c1):
 
 def applies(x, mlp: bool = False) -> bool:
     """Whether sliced_chain (mlp: sliced_mlp, sliced_gated_mlp) runs sliced for this input,
-    else the modules in turn: a plain CPU tensor of float32 or float64 (4-d for a chain of
-    channels; 2-d or more for an MLP, its last dimension the features), autocast off, not
-    traced by torch.compile."""
-    return bool(isinstance(x, torch.Tensor) and type(x) is torch.Tensor
-                and (x.dim() >= 2 if mlp else x.dim() == 4)
-                and x.dtype in (torch.float32, torch.float64) and x.device.type == "cpu"
-                and not torch.is_autocast_enabled("cpu")
-                and not torch.compiler.is_compiling())
+    else the modules in turn, not traced by torch.compile: for a chain of channels a plain
+    4-d CPU tensor of float32 or float64, autocast off; for an MLP one of 2 or more
+    dimensions, its last the features, that memlean::sliced_mlp takes (a plain CPU tensor of
+    float32, float64, bfloat16 or float16; in a CPU autocast region too)."""
+    if not (isinstance(x, torch.Tensor) and type(x) is torch.Tensor
+            and not torch.compiler.is_compiling()):
+        return False
+    if mlp:
+        return x.dim() >= 2 and _C.sliced_mlp_applies(x)
+    return bool(x.dim() == 4 and x.dtype in (torch.float32, torch.float64)
+                and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu"))
 
 
 SLICE_BYTES = 1 << 20  # about this much of the wide tensor per slice (tests lower it)
@@ -444,10 +449,14 @@ def _activate(acts, h):
 
 
 def _slices_of(x, features, slices):
-    """slices, or where None mlp_slices' for x's rows and `features` hidden features."""
+    """slices, or where None mlp_slices' for x's rows and `features` hidden features (of the
+    dtype the MLP computes in: a CPU autocast region's for other than float64)."""
     if slices is None:
         rows = x.numel() // max(1, x.shape[-1])
-        slices = mlp_slices(rows * features * x.element_size(), features)
+        size = x.element_size()
+        if torch.is_autocast_enabled("cpu") and x.dtype != torch.float64:
+            size = torch.finfo(torch.get_autocast_dtype("cpu")).bits // 8
+        slices = mlp_slices(rows * features * size, features)
     return slices
 
 
@@ -481,9 +490,11 @@ def sliced_mlp(x: torch.Tensor, modules: Sequence[nn.Module],
     features and recomputed that way in backward, which keeps x (and the parameters) alone.
     modules: an nn.Linear, elementwise activation modules (and nn.Identity, nn.Dropout(p=0)),
     an nn.Linear taking the first one's features, then optionally nn.Identity/nn.Dropout(p=0)
-    (timm's Mlp: fc1, act, drop1, norm, fc2, drop2), without hooks. Where the sliced path
-    does not apply (not a CPU float32/float64 tensor, autocast, torch.compile) it runs the
-    modules in turn."""
+    (timm's Mlp: fc1, act, drop1, norm, fc2, drop2), without hooks. x: a CPU tensor of
+    float32, float64, bfloat16 or float16, the modules' dtype; in a CPU autocast region the
+    MLP computes in its dtype as nn.Linear does there (output of that dtype, float32
+    parameters' gradients float32). Where the sliced path does not apply (another device or
+    dtype, torch.compile) it runs the modules in turn."""
     modules = list(modules)
     parts = mlp_parts(modules)
     if parts is None:
@@ -540,9 +551,9 @@ def sliced_gated_mlp(x: torch.Tensor, gate: nn.Module, act: Sequence[nn.Module],
     that way in backward, which keeps x (and the parameters) alone. gate, up, down:
     nn.Linear without hooks. up None: gate packs both, its output's first half the gate's
     and second half up's where gate_first (else the other way round: timm's GluMlp with
-    gate_last=True), i.e. down(act(g) * u) with g, u = gate(x).chunk(2, dim=-1). Where the
-    sliced path does not apply (not a CPU float32/float64 tensor, autocast, torch.compile)
-    it computes the formula with the modules."""
+    gate_last=True), i.e. down(act(g) * u) with g, u = gate(x).chunk(2, dim=-1). Dtypes and
+    autocast as sliced_mlp. Where the sliced path does not apply (another device or dtype,
+    torch.compile) it computes the formula with the modules."""
     acts = list(act) if isinstance(act, (list, tuple)) else [act]
     if not gated_parts(gate, acts, up, down):
         raise ValueError("memlean.sliced_gated_mlp: gate, up and down must be nn.Linear "

@@ -154,6 +154,7 @@ void init_checkpoint(pybind11::module_& m) {
       py::arg("wd"), py::arg("bd"), py::arg("gated"), py::arg("gate_first"), py::arg("slices"),
       py::arg("act_writes_input"));
   // The one slice-count rule (sliced_mlp.h): memlean.sliced_mlp's and sliced_chain's too.
+  m.def("sliced_mlp_applies", &memlean::sliced_mlp_applies, py::arg("x"));
   m.def("sliced_mlp_slices", &memlean::sliced_mlp_slices, py::arg("hidden_bytes"),
         py::arg("features"), py::arg("slice_bytes"));
   // memlean::unversioned_changes (checkpoint.h): which buffers run() changed unseen by a

@@ -20,6 +20,7 @@ and without biases, 2-d to 4-d inputs, 1 to all-features slices, frozen paramete
 it keeps after its forward exactly its output; its peak under half of theirs; where it does
 not apply it is the modules in turn; bad input named; double backward refused.
 """
+import contextlib
 import copy
 
 import pytest
@@ -389,14 +390,129 @@ def test_mlp_keeps_only_its_input_and_peaks_lower():
     assert peaks["sliced"] < peaks["in turn"] / 2, peaks
 
 
+class Wrapped(torch.Tensor):
+    """A tensor subclass: the sliced MLPs leave it to the modules in turn."""
+
+
+def sliced_ran(y) -> bool:
+    """Whether y came out of memlean::sliced_mlp's Function (not the modules in turn)."""
+    return y.grad_fn is not None and "SlicedMlpFunction" in y.grad_fn.name()
+
+
 def test_mlp_where_it_does_not_apply_it_is_the_modules_in_turn():
     torch.manual_seed(0)
     modules = mlp()
     x = torch.randn(3, 6)
+    for other in (x.as_subclass(Wrapped), x.to(torch.int64)):
+        y = memlean.sliced_mlp(other, list(modules)) if other.is_floating_point() else None
+        if y is None:  # (an integer input: nn.Linear's own error, as in turn)
+            with pytest.raises(RuntimeError) as mine:
+                memlean.sliced_mlp(other, list(modules))
+            with pytest.raises(RuntimeError) as theirs:
+                in_turn(other, modules)
+            assert str(mine.value) == str(theirs.value)
+            continue
+        assert not sliced_ran(y)
+        torch.testing.assert_close(y, in_turn(other, modules))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        torch.testing.assert_close(memlean.sliced_mlp(x, list(modules)), in_turn(x, modules))
-    xb, mb = x.bfloat16(), copy.deepcopy(modules).bfloat16()
-    torch.testing.assert_close(memlean.sliced_mlp(xb, list(mb)), in_turn(xb, mb))
+        assert sliced_ran(memlean.sliced_mlp(x, list(modules)))
+
+
+def max_error(t, ref):
+    return (t.double() - ref).abs().max().item()
+
+
+@pytest.mark.parametrize("kind", ["plain", "gated", "packed"])
+@pytest.mark.parametrize("params,region", [
+    (torch.bfloat16, None), (torch.float16, None),  # a model in that dtype
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float16),  # a CPU autocast region
+])
+def test_mlp_in_reduced_precision_and_autocast_is_as_the_modules_in_turn(kind, params, region):
+    # bfloat16 and float16 models, and float32 models in a CPU autocast region: the sliced MLP
+    # runs (its Function, not the modules in turn), its output and every gradient in the dtype
+    # the modules in turn give, no further from float64 autograd (on the same rounded weights
+    # and input) than theirs: within twice their error (its partial sums add up in float32).
+    torch.manual_seed(0)
+    act = nn.GELU()
+    if kind == "plain":
+        lins = nn.ModuleList([nn.Linear(32, 128), nn.Linear(128, 24)])
+
+        def sliced(x, ls):
+            return memlean.sliced_mlp(x, [ls[0], act, ls[1]], slices=4)
+
+        def formula(x, ls):
+            return ls[1](act(ls[0](x)))
+    elif kind == "gated":
+        lins = gated(32, 128, 24)
+
+        def sliced(x, ls):
+            return memlean.sliced_gated_mlp(x, ls[0], act, ls[1], ls[2], slices=4)
+
+        def formula(x, ls):
+            return gated_in_turn(x, ls, act)
+    else:
+        lins = nn.ModuleList([nn.Linear(32, 256), nn.Linear(128, 24)])
+
+        def sliced(x, ls):
+            return memlean.sliced_gated_mlp(x, ls[0], act, None, ls[1], slices=4)
+
+        def formula(x, ls):
+            return packed_in_turn(x, ls, act, True)
+    mine = copy.deepcopy(lins).to(params)
+    turn, ref = copy.deepcopy(mine), copy.deepcopy(mine).double()  # (the rounded weights)
+    x0 = torch.randn(4, 8, 32).to(params)
+    xs, xt = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+    x64 = x0.double().requires_grad_()
+    ctx = (torch.autocast("cpu", dtype=region) if region is not None
+           else contextlib.nullcontext())
+    with ctx:
+        y, yt = sliced(xs, mine), formula(xt, turn)
+    y64 = formula(x64, ref)
+    assert sliced_ran(y)
+    assert y.dtype == yt.dtype == (region or params) and y.shape == y64.shape
+    scale = y64.abs().max().item()
+    assert max_error(y, y64) <= 2 * max_error(yt, y64) + 1e-4 * scale
+    g = torch.randn(y64.shape, dtype=torch.float64)
+    y.backward(g.to(y.dtype))
+    yt.backward(g.to(yt.dtype))
+    y64.backward(g)
+    pairs = [("x", xs.grad, xt.grad, x64.grad)] + [
+        (name, p.grad, q.grad, r.grad) for (name, p), q, r in
+        zip(mine.named_parameters(), turn.parameters(), ref.parameters())]
+    for name, got, theirs, want in pairs:
+        assert got.dtype == theirs.dtype == params, name
+        s = want.abs().max().item()
+        assert max_error(got, want) <= 2 * max_error(theirs, want) + 1e-4 * s, name
+
+
+def test_mlp_in_autocast_keeps_its_output_and_the_casts_alone():
+    # Exact CPU bytes in a bfloat16 autocast region: after the forward the sliced MLP holds its
+    # output, the bfloat16 copy of its input and autocast's bfloat16 copies of the weights
+    # (which the modules in turn hold too), not the two hidden tensors; the step peaks lower.
+    torch.manual_seed(0)
+    modules = mlp(d=64, hidden=256)
+    x = torch.randn(8, 128, 64, requires_grad=True)
+    params = sum(p.numel() for p in modules.parameters())
+    kept, peaks = {}, {}
+    for name in ("sliced", "in turn"):
+        with memstats.track() as t:
+            start = t.current
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = (memlean.sliced_mlp(x, list(modules), slices=8) if name == "sliced"
+                     else in_turn(x, modules))
+                kept[name] = t.current - start
+            assert y.dtype == torch.bfloat16
+            if name == "sliced":
+                assert kept[name] == y.untyped_storage().nbytes() + 2 * x.numel() + 2 * params
+            y.backward(torch.ones_like(y))
+            del y
+            peaks[name] = t.peak - start
+        x.grad = None
+        for p in modules.parameters():
+            p.grad = None
+    hidden = 8 * 128 * 256 * 2
+    assert kept["in turn"] >= kept["sliced"] + 2 * hidden, kept
+    assert peaks["sliced"] < peaks["in turn"] * 3 / 5, peaks
 
 
 def test_mlp_bad_input_is_named():
@@ -501,10 +617,9 @@ def test_gated_mlp_keeps_only_its_input_and_peaks_lower():
 def test_gated_mlp_where_it_does_not_apply_and_bad_input():
     torch.manual_seed(0)
     lins, x = gated(), torch.randn(3, 6)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        torch.testing.assert_close(memlean.sliced_gated_mlp(x, lins[0], nn.SiLU(), lins[1],
-                                                            lins[2]),
-                                   gated_in_turn(x, lins, nn.SiLU()))
+    y = memlean.sliced_gated_mlp(x.as_subclass(Wrapped), lins[0], nn.SiLU(), lins[1], lins[2])
+    assert not sliced_ran(y)
+    torch.testing.assert_close(y, gated_in_turn(x.as_subclass(Wrapped), lins, nn.SiLU()))
     with pytest.raises(ValueError, match="gate, up and down must be nn.Linear"):
         memlean.sliced_gated_mlp(x, lins[0], nn.SiLU(), nn.Linear(6, 19), lins[2])
     with pytest.raises(ValueError, match="gate, up and down must be nn.Linear"):
@@ -584,11 +699,11 @@ def test_packed_gated_mlp_where_it_does_not_apply_and_bad_input():
     torch.manual_seed(0)
     lins, x = nn.ModuleList([nn.Linear(6, 20), nn.Linear(10, 5)]), torch.randn(3, 6)
     for gate_first in (True, False):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            torch.testing.assert_close(
-                memlean.sliced_gated_mlp(x, lins[0], nn.SiLU(), None, lins[1],
-                                         gate_first=gate_first),
-                packed_in_turn(x, lins, nn.SiLU(), gate_first))
+        y = memlean.sliced_gated_mlp(x.as_subclass(Wrapped), lins[0], nn.SiLU(), None, lins[1],
+                                     gate_first=gate_first)
+        assert not sliced_ran(y)
+        torch.testing.assert_close(
+            y, packed_in_turn(x.as_subclass(Wrapped), lins, nn.SiLU(), gate_first))
     with pytest.raises(ValueError, match="or up None and gate with twice down's input"):
         memlean.sliced_gated_mlp(x, lins[0], nn.SiLU(), None, nn.Linear(20, 5))
     with pytest.raises(TypeError, match="gate_first must be a bool, got str"):

@@ -1257,6 +1257,48 @@ class FitTest(unittest.TestCase):
         opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
         self.fitted_at_least_trains_alike(model, twin, x, loss_fn, opt, opt_twin, mlps=3)
 
+    def test_sliced_mlps_in_a_bf16_autocast_step(self):
+        # The same ViT trained in a CPU bfloat16 autocast region (fit called inside one, each
+        # step measured in one of its own): its MLPs are sliced there too (since 2026-11-27,
+        # memlean::sliced_mlp computes in autocast's dtype as nn.Linear does), a lower least
+        # than without MLP slicing, every budget down to it kept in exact bytes; the fitted
+        # step's gradients float32 and no further from float64 autograd than the unfitted
+        # twin's in the same region (twice its error at most; bfloat16's own error is large
+        # here: both miss the LayerNorm biases' gradients by their size).
+        torch.manual_seed(0)
+        model, x = ViT(), torch.randn(16, 128, 48)  # (hidden tensors of 1 MiB in bfloat16)
+        loss_fn = cross_entropy_of(torch.randint(0, 10, (16,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+        def region():
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+
+        with mock.patch.object(memlean.sliced, "SLICE_BYTES", 1 << 16):
+            with mock.patch.object(memlean.sliced, "mlp_parts", lambda modules: None):
+                without, _ = self.least_and_eager(model, x, loss_fn, opt, fit_region=region)
+            least, eager, actions = self.check_budgets(model, (x,), loss_fn, opt, count=4,
+                                                       fit_region=region, step_region=region)
+            self.assertLess(least, 0.85 * without, (least, without))
+            sliced = sorted({a.path for a in actions if a.action == "sliced mlp"})
+            self.assertEqual(sliced, [f"blocks.{i}.mlp.(0..3)" for i in range(3)])
+            twin, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+            with region():
+                plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
+            self.assertIn("sliced mlp", {a.action for a in plan.actions})
+            for m in (model, twin):
+                m.zero_grad(set_to_none=True)
+                with region():
+                    loss = loss_fn(m(x))
+                loss.backward()
+            loss_fn(ref(x.double())).backward()
+            for (name, p), q, r in zip(model.named_parameters(), twin.parameters(),
+                                       ref.parameters()):
+                self.assertEqual(p.grad.dtype, torch.float32)
+                mine, theirs = ((g.double() - r.grad).abs().max().item() for g in (p.grad, q.grad))
+                self.assertLessEqual(mine, 2 * theirs + 1e-3 * r.grad.abs().max().item(), name)
+            plan.undo()
+        self.assertEqual(wrapped_forwards(model), [])
+
     def test_gated_mlps_are_found_by_their_dataflow(self):
         # fit slices a module as a gated MLP only where the recorded forward shows
         # down(act(gate(x)) * up(x)) and nothing else: the SwiGLU and its up-first twin, its
