@@ -1250,7 +1250,7 @@ class _Slice(_Run):
     def run(self, chain, args, kwargs):
         if not (self.modules[0].training and len(args) == 1 and not kwargs
                 and sliced.applies(args[0])):
-            return None  # (eval, CUDA, autocast, other dtypes: the modules in turn)
+            return None  # (eval, CUDA, other dtypes: the modules in turn)
         x = args[0]
         head = self.roles[0] == "head"
         wide = sliced.widest(x, self.modules, self.roles, self.channels)

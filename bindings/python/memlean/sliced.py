@@ -15,10 +15,10 @@ to float tolerance.
 
 memlean.fit slices the chains it finds (runs of sibling modules such as timm's inverted
 residual conv_pw, bn1, conv_dw, bn2, aa) when checkpoints alone do not reach the budget
-(docs/fit.md). CPU eager steps: float32/float64 4-d inputs, no autocast, not under
-torch.compile; no double backward. (MLPs, sliced over their hidden features by the C++
-memlean::sliced_mlp: CPU inputs of float32, float64, bfloat16 or float16, in a CPU autocast
-region too, computed there in its dtype as nn.Linear is.)"""
+(docs/fit.md). CPU eager steps: 4-d inputs of float32, float64, bfloat16 or float16, in a
+CPU autocast region too (the modules compute as they do there), not under torch.compile; no
+double backward. (MLPs, sliced over their hidden features by the C++ memlean::sliced_mlp:
+the same dtypes and autocast.)"""
 from typing import List, Optional, Sequence
 
 import torch
@@ -157,7 +157,8 @@ def _accumulate(grad_x, weight, grad_h, layout):
     (slice, C_in, 1, 1), grad_h the gradient of that slice of its output. In place, so no
     gradient of the whole input is made per slice."""
     n, c_in = grad_x.shape[0], grad_x.shape[1]
-    w = weight.reshape(weight.shape[0], c_in)
+    w = weight.reshape(weight.shape[0], c_in).to(grad_x.dtype)
+    grad_h = grad_h.to(grad_x.dtype)  # (autocast: a bfloat16 gradient, added in x's dtype)
     if layout == torch.channels_last:  # (N*H*W, C) matrices
         grad_x.permute(0, 2, 3, 1).reshape(-1, c_in).addmm_(
             grad_h.permute(0, 2, 3, 1).reshape(-1, w.shape[0]), w)
@@ -219,6 +220,9 @@ class _SlicedChain(torch.autograd.Function):
             out[:, c0:c1] = y
             del y
         ctx.spec, ctx.norms, ctx.layout = spec, norms, layout
+        # The recompute runs in the forward's CPU autocast state (its ops in the same dtypes).
+        ctx.autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+                        torch.is_autocast_cache_enabled())
         ctx.save_for_backward(x, *params)
         return out
 
@@ -234,15 +238,23 @@ class _SlicedChain(torch.autograd.Function):
         # A 1x1 head's input gradient is added into grad_x slice by slice (_accumulate);
         # another head's is made whole per slice and added.
         accumulate = head and need_x and pointwise(modules[0])
+        # A head's input gradient is a sum over slices: for bfloat16 and float16 inputs it adds
+        # up in float32 and is rounded once (summed in x's dtype, each slice's rounding added
+        # up: a MobileNetV3's BatchNorm bias gradient, 0 in float64, came out 7x further from
+        # it than the modules' in turn in a bfloat16 autocast step).
+        total = (torch.float32 if head and x.dtype in (torch.bfloat16, torch.float16)
+                 else x.dtype)
         grad_x = None
         if need_x and not head:
             grad_x = torch.empty_like(x, memory_format=layout)
         elif accumulate:
-            grad_x = torch.zeros_like(x, memory_format=layout)
+            grad_x = torch.zeros_like(x, dtype=total, memory_format=layout)
         grads = [torch.zeros_like(p) if n and p is not None else None
                  for p, n in zip(params, need)]
+        enabled, dtype, cache = ctx.autocast
         for c0, c1 in spec["bounds"]:
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autocast("cpu", dtype=dtype, enabled=enabled,
+                                                     cache_enabled=cache):
                 xs = x.detach() if head else x.detach()[:, c0:c1].contiguous(
                     memory_format=layout)
                 xs.requires_grad_(need_x and not accumulate)
@@ -273,7 +285,7 @@ class _SlicedChain(torch.autograd.Function):
                         _accumulate(grad_x, params[0][c0:c1], g, layout)
                     del g
                 elif head:
-                    grad_x = g if grad_x is None else grad_x.add_(g)
+                    grad_x = g.to(total) if grad_x is None else grad_x.add_(g)
                 elif g is not None:
                     grad_x[:, c0:c1] = g
                 else:
@@ -283,6 +295,8 @@ class _SlicedChain(torch.autograd.Function):
                     g = got.pop(0)
                     if g is not None:
                         grads[k][c0:c1] = g
+        if grad_x is not None and grad_x.dtype != x.dtype:
+            grad_x = grad_x.to(x.dtype)
         return (grad_x, None) + tuple(grads)
 
 
@@ -301,17 +315,19 @@ def _weights(modules, roles, params, c0, c1):
 
 def applies(x, mlp: bool = False) -> bool:
     """Whether sliced_chain (mlp: sliced_mlp, sliced_gated_mlp) runs sliced for this input,
-    else the modules in turn, not traced by torch.compile: for a chain of channels a plain
-    4-d CPU tensor of float32 or float64, autocast off; for an MLP one of 2 or more
-    dimensions, its last the features, that memlean::sliced_mlp takes (a plain CPU tensor of
-    float32, float64, bfloat16 or float16; in a CPU autocast region too)."""
+    else the modules in turn, not traced by torch.compile: a plain CPU tensor of float32,
+    float64, bfloat16 or float16, in a CPU autocast region too; for a chain of channels 4-d,
+    for an MLP of 2 or more dimensions, its last the features (memlean::sliced_mlp's
+    sliced_mlp_applies)."""
     if not (isinstance(x, torch.Tensor) and type(x) is torch.Tensor
             and not torch.compiler.is_compiling()):
         return False
     if mlp:
         return x.dim() >= 2 and _C.sliced_mlp_applies(x)
-    return bool(x.dim() == 4 and x.dtype in (torch.float32, torch.float64)
-                and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu"))
+    return bool(x.dim() == 4 and x.dtype in _CHAIN_DTYPES and x.device.type == "cpu")
+
+
+_CHAIN_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 SLICE_BYTES = 1 << 20  # about this much of the wide tensor per slice (tests lower it)
@@ -348,7 +364,9 @@ def sliced_chain(x: torch.Tensor, modules: Sequence[nn.Module],
     and recomputed that way in backward, which keeps x (and the parameters) alone. modules: an
     optional ungrouped nn.Conv2d, then BatchNorm2d (or timm's BatchNormAct2d), elementwise
     activation and depthwise nn.Conv2d modules, all of one channel count, without hooks.
-    Where the sliced path does not apply (not a CPU float32/float64 4-d tensor, autocast,
+    x: a CPU tensor of float32, float64, bfloat16 or float16; in a CPU autocast region the
+    modules compute as they do there (the convolutions in its dtype), and the backward's
+    recompute too. Where the sliced path does not apply (another device or dtype,
     torch.compile) it runs the modules in turn."""
     modules = list(modules)
     channels = chain_channels(modules)

@@ -26,6 +26,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import memlean
 from memlean import memstats
@@ -49,6 +50,14 @@ def in_turn(x, modules):
     for m in modules:
         x = m(x)
     return x
+
+
+class Wrapped(torch.Tensor):
+    """A tensor subclass: the sliced chains and MLPs leave it to the modules in turn."""
+
+
+def max_error(t, ref):
+    return (t.double() - ref).abs().max().item()
 
 
 def compare(modules, x, slices, dtype=torch.float32, train=True, tol=1e-5, x_grad=True):
@@ -231,15 +240,83 @@ def test_a_1x1_head_makes_no_whole_input_gradient_per_slice(layout, monkeypatch)
     assert peaks["whole per slice"] - peaks["accumulated"] >= x.numel() * 4 // 2, peaks
 
 
+class ConvolutionDtypes(TorchDispatchMode):
+    """The dtypes of the inputs of the forward convolutions run while it is on (below
+    autocast: the dtypes autocast gave them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.convolution.default:
+            self.seen.add(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def chain_ran(y) -> bool:
+    """Whether y came out of sliced_chain's Function (not the modules in turn)."""
+    return y.grad_fn is not None and type(y.grad_fn).__name__ == "_SlicedChainBackward"
+
+
 def test_where_it_does_not_apply_it_is_the_modules_in_turn():
     torch.manual_seed(0)
-    modules = chain()
-    x = torch.randn(2, 5, 8, 8)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        torch.testing.assert_close(memlean.sliced_chain(x, list(modules)), in_turn(x, modules))
-    xb = x.bfloat16()
-    mb = copy.deepcopy(modules).bfloat16()
-    torch.testing.assert_close(memlean.sliced_chain(xb, list(mb)), in_turn(xb, mb))
+    modules, twin = chain(), chain()
+    twin.load_state_dict(modules.state_dict())
+    x = torch.randn(2, 5, 8, 8).as_subclass(Wrapped)
+    y = memlean.sliced_chain(x, list(modules))
+    assert not chain_ran(y)
+    torch.testing.assert_close(y, in_turn(x, twin))
+    assert chain_ran(memlean.sliced_chain(torch.randn(2, 5, 8, 8, requires_grad=True),
+                                          list(modules)))
+
+
+@pytest.mark.parametrize("head", [True, False])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("params,region", [
+    (torch.bfloat16, None),  # a model in that dtype
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float16),  # a CPU autocast region
+])
+def test_chain_in_reduced_precision_and_autocast_is_as_the_modules_in_turn(head, layout, params,
+                                                                           region):
+    # bfloat16 models, and float32 models in a CPU autocast region: the sliced chain runs (its
+    # Function), its recompute in the forward's autocast state; its output, every gradient and
+    # the running statistics in the dtypes the modules in turn give them, no further from
+    # float64 autograd (on the same rounded weights and input) than theirs: within twice
+    # their error (or 1e-3 of the largest value).
+    # 16 slices of 64 channels: a head's input gradient, a sum of 16 parts, adds up in
+    # float32 (summed in bfloat16, its error here was up to 2.4 times the modules').
+    torch.manual_seed(0)
+    modules = chain(head, cin=24, c=64, bias=True)
+    mine = copy.deepcopy(modules).to(params)
+    turn, ref = copy.deepcopy(mine), copy.deepcopy(mine).double()
+    x0 = torch.randn(4, 24 if head else 64, 10, 9).to(params)
+    if layout == "channels_last":
+        x0 = x0.contiguous(memory_format=torch.channels_last)
+    xs, xt = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+    x64 = x0.double().requires_grad_()
+    ctx = (torch.autocast("cpu", dtype=region) if region is not None
+           else contextlib.nullcontext())
+    with ctx:
+        y, yt = memlean.sliced_chain(xs, list(mine), slices=16), in_turn(xt, turn)
+    y64 = in_turn(x64, ref)
+    assert chain_ran(y)
+    assert y.dtype == yt.dtype and y.shape == y64.shape
+    g = torch.randn(y64.shape, dtype=torch.float64)
+    with ConvolutionDtypes() as recompute:
+        y.backward(g.to(y.dtype))
+    assert recompute.seen == {region or params}  # (its convolutions as the forward's)
+    yt.backward(g.to(yt.dtype))
+    y64.backward(g)
+    pairs = [("output", y, yt, y64), ("x", xs.grad, xt.grad, x64.grad)] + [
+        (name, p.grad, q.grad, r.grad) for (name, p), q, r in
+        zip(mine.named_parameters(), turn.parameters(), ref.parameters())] + [
+        (name, b, c, r) for (name, b), c, r in
+        zip(mine.named_buffers(), turn.buffers(), ref.buffers()) if b.is_floating_point()]
+    for name, got, theirs, want in pairs:
+        assert got.dtype == theirs.dtype, name
+        s = want.abs().max().item()
+        assert max_error(got, want) <= 2 * max_error(theirs, want) + 1e-3 * s, name
 
 
 def test_bad_input_is_named():
@@ -390,10 +467,6 @@ def test_mlp_keeps_only_its_input_and_peaks_lower():
     assert peaks["sliced"] < peaks["in turn"] / 2, peaks
 
 
-class Wrapped(torch.Tensor):
-    """A tensor subclass: the sliced MLPs leave it to the modules in turn."""
-
-
 def sliced_ran(y) -> bool:
     """Whether y came out of memlean::sliced_mlp's Function (not the modules in turn)."""
     return y.grad_fn is not None and "SlicedMlpFunction" in y.grad_fn.name()
@@ -416,10 +489,6 @@ def test_mlp_where_it_does_not_apply_it_is_the_modules_in_turn():
         torch.testing.assert_close(y, in_turn(other, modules))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert sliced_ran(memlean.sliced_mlp(x, list(modules)))
-
-
-def max_error(t, ref):
-    return (t.double() - ref).abs().max().item()
 
 
 @pytest.mark.parametrize("kind", ["plain", "gated", "packed"])

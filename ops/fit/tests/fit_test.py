@@ -1184,6 +1184,26 @@ class FitTest(unittest.TestCase):
         plan.undo()
         self.assertEqual(wrapped_forwards(model), [])
 
+    def test_sliced_chains_in_a_bf16_autocast_step(self):
+        # FlatMBNet trained in a CPU bfloat16 autocast region (fit inside one, each step
+        # measured in one of its own): its channel chains are sliced there too (since
+        # 2026-11-27, the chain's recompute runs in the forward's autocast state), a lower
+        # least than checkpoints alone reach, every budget down to it kept in exact bytes.
+        from memlean import fitting
+
+        model, x, loss_fn, opt = classified(FlatMBNet, 32, batch=16)  # (1 MiB in bfloat16)
+
+        def region():
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+
+        with mock.patch.object(fitting, "_slices", lambda *a: []):
+            without, _ = self.least_and_eager(model, x, loss_fn, opt, fit_region=region)
+        least, eager, actions = self.check_budgets(model, (x,), loss_fn, opt, count=4,
+                                                   fit_region=region, step_region=region)
+        self.assertLess(least, 0.9 * without, (least, without))
+        self.assertIn("sliced recompute", {a.action for a in actions})
+        self.assertEqual(wrapped_forwards(model), [])
+
     def test_sliced_chains_whose_head_an_in_place_activation_follows(self):
         # timm's efficientvit_b0 shape: a 1x1 head, no norm (Identity), an in-place Hardswish.
         # Fitted at its least (chains sliced), it trains as its float64 twin; before
