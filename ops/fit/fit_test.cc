@@ -1152,6 +1152,35 @@ TEST(Fit, MlpsAreSlicedBelowTheLeastThatCheckpointsReach) {
   EXPECT_GE(sliced, 2);  // (the two budgets below `without` at least)
 }
 
+// In a CPU bfloat16 autocast step (a LibTorch loop that turns autocast on) fit slices the
+// MLPs too (since 2026-11-27, memlean::sliced_mlp computes there as at::linear does): a least
+// at most 0.8x of the twin's whose activations it does not know, met by the step measured
+// here again after autocast's cache is emptied, as a loop's next step begins.
+TEST(Fit, MlpsAreSlicedInABfloat16AutocastStep) {
+  MlpBench sliceable(true), opaque(false);
+  for (MlpBench* b : {&sliceable, &opaque}) {
+    b->model->to(at::kFloat);
+    b->x = b->x.to(at::kFloat);
+    b->y = b->y.to(at::kFloat);
+  }
+  const CpuAutocast autocast;
+  sliceable.train_step();
+  opaque.train_step();
+  const int64_t least = one_byte_budget(sliceable).least_peak_bytes;
+  const int64_t without = one_byte_budget(opaque).least_peak_bytes;
+  std::printf("bfloat16 autocast: least %s sliced, %s with checkpoints alone\n",
+              describe_bytes(least).c_str(), describe_bytes(without).c_str());
+  EXPECT_LT(least, without * 4 / 5);
+  const FitPlan plan = fit(sliceable.model, sliceable.x, least, sliceable.options());
+  const std::vector<std::pair<int64_t, int64_t>> runs{{0, 3}, {4, 8}};
+  EXPECT_EQ(plan.sliced, runs) << plan.str();
+  at::autocast::clear_cache();
+  const int64_t again =
+      measure_step(sliceable, [&plan](const at::Tensor& x) { return plan.forward(x); });
+  EXPECT_LE(again, least) << plan.str();
+  EXPECT_EQ(again, plan.peak_bytes) << plan.str();
+}
+
 // Training through a sliced plan equals training the unfitted twin (float64: gradients after
 // two backward passes, the in-place ReLU's MLP included); in eval mode the plan's Sequential
 // gives the model's output.
