@@ -191,53 +191,6 @@ TEST(SlicedMlp, FrozenParametersGetNoGradient) {
   }
 }
 
-// Exact bytes: after its forward the sliced MLP holds its output alone (its input is the
-// caller's); the layers in turn hold the hidden tensors too (fc1's output, which GELU saves,
-// and GELU's, which fc2 saves: two of 8 x 128 x 256 floats). Forward and backward together
-// peak under half of the layers in turn.
-TEST(SlicedMlp, KeepsItsOutputAloneAndPeaksUnderHalf) {
-  if (!LiveBytes::available()) GTEST_SKIP() << "another memory reporter is active";
-  const Mlp m = make(Kind::kPlain, 64, 256, 64, true).to(at::kFloat);
-  const at::Tensor x = at::randn({8, 128, 64}).requires_grad_(true);
-  int64_t kept[2], peak[2];
-  for (int s = 0; s < 2; ++s) {
-    LiveBytes live;
-    {
-      at::Tensor y = s == 0 ? sliced(Kind::kPlain, x, m, gelu(), true, {8, false})
-                            : in_turn(Kind::kPlain, x, m, gelu(), true);
-      kept[s] = live.live();
-      if (s == 0) {
-        EXPECT_EQ(kept[s], static_cast<int64_t>(y.storage().nbytes()));
-      }
-      y.backward(at::ones_like(y));
-    }
-    peak[s] = live.peak();
-    x.mutable_grad().reset();
-    for (const auto& t : m.all()) t.mutable_grad().reset();
-  }
-  const int64_t hidden = 8 * 128 * 256 * 4;
-  EXPECT_GE(kept[1], kept[0] + 2 * hidden);
-  EXPECT_LT(peak[0], peak[1] / 2) << peak[0] << " vs " << peak[1];
-}
-
-TEST(SlicedMlp, WhereItDoesNotApplyTheLayersInTurn) {
-  const at::Tensor x = at::randn({3, 6});
-  for (const at::ScalarType dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
-    EXPECT_TRUE(sliced_mlp_applies(x.to(dtype))) << dtype;
-  }
-  EXPECT_FALSE(sliced_mlp_applies(x.to(at::kComplexFloat)));
-  EXPECT_FALSE(sliced_mlp_applies(x.to(at::kMeta)));
-  EXPECT_FALSE(sliced_mlp_applies(x.narrow(0, 0, 0)));
-  EXPECT_FALSE(sliced_mlp_applies(at::Tensor()));
-  // Complex: torch's ops in turn, bitwise.
-  const Mlp c = make(Kind::kPacked, 6, 8, 5, true).to(at::kComplexFloat);
-  const at::Tensor xc = x.to(at::kComplexFloat);
-  for (const bool first : {true, false}) {
-    EXPECT_TRUE(at::equal(sliced(Kind::kPacked, xc, c, nullptr, first, {0, false}),
-                          in_turn(Kind::kPacked, xc, c, nullptr, first)));
-  }
-}
-
 // A CPU autocast region of `dtype` while it lives; leaving it empties autocast's cache of
 // weight copies, as torch.autocast does.
 class AutocastRegion {
@@ -261,6 +214,71 @@ class AutocastRegion {
   bool enabled_;
   at::ScalarType dtype_;
 };
+
+// What the sliced MLP ([0]) and the layers in turn ([1]) hold after the forward (kept) and
+// at their highest through forward and backward (peak), exact CPU bytes, the forward in a CPU
+// autocast region of `autocast` if given; `output`: the sliced one's output's bytes.
+struct Footprints {
+  int64_t kept[2] = {0, 0}, peak[2] = {0, 0}, output = 0;
+};
+
+Footprints footprints(const Mlp& m, const at::Tensor& x,
+                      std::optional<at::ScalarType> autocast) {
+  Footprints f;
+  for (int s = 0; s < 2; ++s) {
+    LiveBytes live;
+    {
+      at::Tensor y;
+      {
+        std::optional<AutocastRegion> region;
+        if (autocast) region.emplace(*autocast);
+        y = s == 0 ? sliced(Kind::kPlain, x, m, gelu(), true, {8, false})
+                   : in_turn(Kind::kPlain, x, m, gelu(), true);
+        f.kept[s] = live.live();
+      }
+      EXPECT_EQ(y.scalar_type(), autocast.value_or(x.scalar_type()));
+      if (s == 0) f.output = static_cast<int64_t>(y.storage().nbytes());
+      y.backward(at::ones_like(y));
+    }
+    f.peak[s] = live.peak();
+    x.mutable_grad().reset();
+    for (const auto& t : m.all()) t.mutable_grad().reset();
+  }
+  return f;
+}
+
+// Exact bytes: after its forward the sliced MLP holds its output alone (its input is the
+// caller's); the layers in turn hold the hidden tensors too (fc1's output, which GELU saves,
+// and GELU's, which fc2 saves: two of 8 x 128 x 256 floats). Forward and backward together
+// peak under half of the layers in turn.
+TEST(SlicedMlp, KeepsItsOutputAloneAndPeaksUnderHalf) {
+  if (!LiveBytes::available()) GTEST_SKIP() << "another memory reporter is active";
+  const Mlp m = make(Kind::kPlain, 64, 256, 64, true).to(at::kFloat);
+  const at::Tensor x = at::randn({8, 128, 64}).requires_grad_(true);
+  const Footprints f = footprints(m, x, std::nullopt);
+  EXPECT_EQ(f.kept[0], f.output);
+  const int64_t hidden = 8 * 128 * 256 * 4;
+  EXPECT_GE(f.kept[1], f.kept[0] + 2 * hidden);
+  EXPECT_LT(f.peak[0], f.peak[1] / 2) << f.peak[0] << " vs " << f.peak[1];
+}
+
+TEST(SlicedMlp, WhereItDoesNotApplyTheLayersInTurn) {
+  const at::Tensor x = at::randn({3, 6});
+  for (const at::ScalarType dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
+    EXPECT_TRUE(sliced_mlp_applies(x.to(dtype))) << dtype;
+  }
+  EXPECT_FALSE(sliced_mlp_applies(x.to(at::kComplexFloat)));
+  EXPECT_FALSE(sliced_mlp_applies(x.to(at::kMeta)));
+  EXPECT_FALSE(sliced_mlp_applies(x.narrow(0, 0, 0)));
+  EXPECT_FALSE(sliced_mlp_applies(at::Tensor()));
+  // Complex: torch's ops in turn, bitwise.
+  const Mlp c = make(Kind::kPacked, 6, 8, 5, true).to(at::kComplexFloat);
+  const at::Tensor xc = x.to(at::kComplexFloat);
+  for (const bool first : {true, false}) {
+    EXPECT_TRUE(at::equal(sliced(Kind::kPacked, xc, c, nullptr, first, {0, false}),
+                          in_turn(Kind::kPacked, xc, c, nullptr, first)));
+  }
+}
 
 double max_error(const at::Tensor& t, const at::Tensor& ref) {
   return (t.to(at::kDouble) - ref).abs().max().item<double>();
@@ -344,30 +362,11 @@ TEST(SlicedMlp, InAutocastKeepsItsOutputAndTheCastsAlone) {
   const at::Tensor x = at::randn({8, 128, 64}).requires_grad_(true);
   int64_t params = 0;
   for (const auto& t : m.all()) params += t.numel();
-  int64_t kept[2], peak[2];
-  for (int s = 0; s < 2; ++s) {
-    LiveBytes live;
-    {
-      at::Tensor y;
-      {
-        AutocastRegion region(at::kBFloat16);
-        y = s == 0 ? sliced(Kind::kPlain, x, m, gelu(), true, {8, false})
-                   : in_turn(Kind::kPlain, x, m, gelu(), true);
-        kept[s] = live.live();
-      }
-      ASSERT_EQ(y.scalar_type(), at::kBFloat16);
-      if (s == 0) {
-        EXPECT_EQ(kept[s], static_cast<int64_t>(y.storage().nbytes()) + 2 * x.numel() + 2 * params);
-      }
-      y.backward(at::ones_like(y));
-    }
-    peak[s] = live.peak();
-    x.mutable_grad().reset();
-    for (const auto& t : m.all()) t.mutable_grad().reset();
-  }
+  const Footprints f = footprints(m, x, at::kBFloat16);
+  EXPECT_EQ(f.kept[0], f.output + 2 * x.numel() + 2 * params);
   const int64_t hidden = 8 * 128 * 256 * 2;
-  EXPECT_GE(kept[1], kept[0] + 2 * hidden);
-  EXPECT_LT(peak[0], peak[1] * 3 / 5) << peak[0] << " vs " << peak[1];
+  EXPECT_GE(f.kept[1], f.kept[0] + 2 * hidden);
+  EXPECT_LT(f.peak[0], f.peak[1] * 3 / 5) << f.peak[0] << " vs " << f.peak[1];
 }
 
 TEST(SlicedMlp, BadInputIsNamed) {
