@@ -7,7 +7,10 @@ compiled); and memlean.fit(compile=True), every plan measured compiled, at the p
 torch.compile reaches with activation_memory_budget 0.5, then compiled. With --runs, also
 memlean.fit(runs=True) (runs of sibling module calls as candidates, eager only) from its own
 least peak to the eager peak. A table and a Pareto figure (peak vs step time, one line per
-method).
+method). With --autocast bf16 (or fp16), every step runs in an autocast region of its own
+(forward, loss, backward and optimizer step: the step memlean.fit measures when called inside
+one, which bounds a loop that leaves the region before backward, as PyTorch's docs advise,
+from above) and every fit is called inside one.
 
 Peak: the budget's definition (memlean/fitting.py), the unique storages of parameters,
 buffers, optimizer state and batch plus the most a step allocates above them, exact on the
@@ -22,7 +25,9 @@ convnext_tiny at batch 8 ('cannot determine truth value of Relational', torch 2.
 
     ./bazelw run //experiments:fit_frontier [-- --quick] [--out=DIR] [--device=auto|cpu|cuda]
         [--models efficientnet_b0,gpt] [--budgets 8] [--no-compile] [--runs] [--paired]
+        [--autocast bf16|fp16]
 """
+import contextlib
 import os
 import time
 
@@ -35,6 +40,15 @@ import memlean
 from experiments import common
 
 COMPILE_BUDGETS = (1.0, 0.5, 0.2, 0.0)
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_autocast = None  # the --autocast dtype of this run (run() sets it), or None
+
+
+def region(device):
+    """The autocast region each step and each fit run in (--autocast), or none."""
+    if _autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=_autocast)
 
 # ---- the GPT-style stack (pre-norm blocks, SwiGLU MLPs, in a ModuleList) ------------------
 
@@ -134,12 +148,15 @@ def storages(tensors):
 
 
 def make_step(model, inputs, loss_fn, opt):
+    device = next(model.parameters()).device
+
     def step():
-        out = model(*inputs)
-        loss = loss_fn(out)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with region(device):
+            out = model(*inputs)
+            loss = loss_fn(out)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     return step
 
 
@@ -200,7 +217,8 @@ def run_model(name, batch, size, device, repeats, budgets, compile_, progress, r
             row("torch.compile", f"activation_memory_budget {b}", peak, s)
         torch._dynamo.reset()
         model, inputs, loss_fn, opt = setup(name, batch, size, device)
-        memlean.fit(model, inputs, least, loss_fn=loss_fn, optimizer=opt)
+        with region(device):
+            memlean.fit(model, inputs, least, loss_fn=loss_fn, optimizer=opt)
         peak, s = measure(torch.compile(model, dynamic=False), inputs, loss_fn, opt, device,
                           repeats)
         row("memlean.fit + torch.compile", f"budget {common.mib(least):.1f} MiB", peak, s,
@@ -215,7 +233,8 @@ def fit_rows(name, batch, size, device, repeats, budgets, eager_peak, row, runs=
     model, inputs, loss_fn, opt = setup(name, batch, size, device)
     t0 = time.perf_counter()
     try:
-        memlean.fit(model, inputs, 1, loss_fn=loss_fn, optimizer=opt, runs=runs)
+        with region(device):
+            memlean.fit(model, inputs, 1, loss_fn=loss_fn, optimizer=opt, runs=runs)
         raise AssertionError("a 1-byte budget fit")
     except memlean.FitError as e:
         least = e.least_peak_bytes
@@ -224,7 +243,8 @@ def fit_rows(name, batch, size, device, repeats, budgets, eager_peak, row, runs=
         budget = eager_peak - (eager_peak - least) * i // (budgets - 1)
         model, inputs, loss_fn, opt = setup(name, batch, size, device)
         t0 = time.perf_counter()
-        plan = memlean.fit(model, inputs, budget, loss_fn=loss_fn, optimizer=opt, runs=runs)
+        with region(device):
+            plan = memlean.fit(model, inputs, budget, loss_fn=loss_fn, optimizer=opt, runs=runs)
         fit_s = time.perf_counter() - t0
         peak, s = measure(model, inputs, loss_fn, opt, device, repeats)
         row("memlean.fit(runs=True)" if runs else "memlean.fit",
@@ -243,11 +263,15 @@ def fit_for_compile(name, batch, size, device, repeats, budget, row):
     setting = f"budget {common.mib(budget):.1f} MiB (compile 0.5's peak)"
     t0 = time.perf_counter()
     try:
-        plan = memlean.fit(model, inputs, budget, loss_fn=loss_fn, optimizer=opt, compile=True)
+        with region(device):
+            plan = memlean.fit(model, inputs, budget, loss_fn=loss_fn, optimizer=opt,
+                               compile=True)
     except memlean.FitError as e:
         budget = e.least_peak_bytes
         setting = f"below its least: at that, {common.mib(budget):.1f} MiB"
-        plan = memlean.fit(model, inputs, budget, loss_fn=loss_fn, optimizer=opt, compile=True)
+        with region(device):
+            plan = memlean.fit(model, inputs, budget, loss_fn=loss_fn, optimizer=opt,
+                               compile=True)
     fit_s = time.perf_counter() - t0
     torch._dynamo.reset()
     peak, s = measure(torch.compile(model, dynamic=False), inputs, loss_fn, opt, device, repeats)
@@ -257,7 +281,9 @@ def fit_for_compile(name, batch, size, device, repeats, budget, row):
 
 
 def run(args):
+    global _autocast
     device = args.device
+    _autocast = AUTOCAST.get(getattr(args, "autocast", None))
     quick = args.quick
     names = getattr(args, "models", None) or (("efficientnet_b0", "gpt") if quick else ALL)
     sizes = QUICK if quick else FULL
@@ -281,11 +307,13 @@ def run(args):
             r["vs eager time"] = round(r[key] / eager[key], 3)
         rows += got
         notes.append(f"{name}: least fit peak {common.mib(least):.1f} MiB (probe {probe_s:.1f} s)")
+    in_region = (f" Every step ran in a {_autocast} autocast region of its own, every fit "
+                 f"inside one." if _autocast is not None else "")
     note = ("Exact CPU bytes (parameters, buffers, optimizer state and batch, plus the most a "
             "step allocates above them); time the median of "
             f"{repeats} step(s) after a warm-up step, all methods in one process. Budgets for "
             "memlean.fit are spread evenly from its least peak to the eager peak. "
-            + "; ".join(notes) + "." + common.device_note(device, timed=True))
+            + "; ".join(notes) + "." + in_region + common.device_note(device, timed=True))
     plot = figure(rows, os.path.join(args.out, "fit_frontier.png"), device)
     return [common.Table("fit_frontier", "memlean.fit: peak and step time beside eager, "
                          "per-block checkpointing and torch.compile", rows, note,
@@ -317,6 +345,9 @@ def main(argv=None):
                    help="also memlean.fit(runs=True) at --budgets budgets (eager only)")
     p.add_argument("--paired", action="store_true",
                    help="time eager again after each row; adds 'vs eager time (paired)'")
+    p.add_argument("--autocast", choices=sorted(AUTOCAST), default=None,
+                   help="each step's forward and loss, and every fit, in an autocast region "
+                        "of this dtype")
     args = common.parse_args(p, argv)
     if args.models:
         unknown = [m for m in args.models if m not in ALL]
