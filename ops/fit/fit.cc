@@ -1015,7 +1015,8 @@ Problem checkpoint_problem(const FitContext& ctx, const LayerWalk& walk, const S
   return problem;
 }
 
-// The FitPlan of a plan of checkpoints on the swapped step.
+// The FitPlan of the swapped step (its swaps and sliced MLPs) with the checkpoints of plan p
+// (an empty Plan: none).
 FitPlan plan_of(const FitContext& ctx, const Problem& problem, const Plan& p,
                 const Swapped& swapped, const SlicedMlps& sliced) {
   FitPlan f = ctx.eager;
@@ -1028,7 +1029,7 @@ FitPlan plan_of(const FitContext& ctx, const Problem& problem, const Plan& p,
     f.actions.push_back({path_of(cand.begin, cand.end, ctx.names), "checkpoint", cand.freed_bytes,
                          cand.seconds});
   }
-  FitPlanAccess::set_runner(f, swapped.work);
+  FitPlanAccess::set_runner(f, swapped.work);  // (after the checkpoints: it wraps them)
   return f;
 }
 
@@ -1046,12 +1047,8 @@ Attempt attempt(const FitContext& ctx, const torch::nn::Sequential& base,
   const Swapped swapped = swap_layers(ctx, base, walk, sliced);
   out.swaps = swapped.swaps;
   if (swapped.peak <= ctx.planned) {  // (never the eager step: it does not fit)
-    FitPlan f = ctx.eager;
-    f.actions = swapped.actions;
-    f.sliced = sliced.runs;
-    f.peak_bytes = f.predicted_peak_bytes = swapped.peak;
-    FitPlanAccess::set_runner(f, swapped.work);
-    out.plan = std::move(f);
+    out.plan = plan_of(ctx, Problem{}, Plan{}, swapped, sliced);
+    out.plan->peak_bytes = out.plan->predicted_peak_bytes = swapped.peak;
     return out;
   }
   const Problem problem = checkpoint_problem(ctx, walk, sliced, swapped.peak);
