@@ -346,8 +346,8 @@ def main(argv=None):
     p.add_argument("--paired", action="store_true",
                    help="time eager again after each row; adds 'vs eager time (paired)'")
     p.add_argument("--autocast", choices=sorted(AUTOCAST), default=None,
-                   help="each step's forward and loss, and every fit, in an autocast region "
-                        "of this dtype")
+                   help="each step (forward, loss, backward, optimizer step) and every fit in "
+                        "an autocast region of this dtype")
     args = common.parse_args(p, argv)
     if args.models:
         unknown = [m for m in args.models if m not in ALL]

@@ -235,11 +235,16 @@ void check_same(const char* fn, const at::Tensor& x, const char* name, const at:
                     x.device(), " as x is, got a ", t.scalar_type(), " tensor on ", t.device());
 }
 
+// The slices of the hidden features: options.slices, or where 0 sliced_mlp_slices' for the
+// hidden tensor x makes (x in the dtype the MLP computes in).
 std::vector<std::pair<int64_t, int64_t>> bounds_of(const char* fn, const at::Tensor& x,
-                                                   int64_t hidden, int64_t slices) {
+                                                   int64_t hidden,
+                                                   const SlicedMlpOptions& options) {
+  int64_t slices = options.slices;
   if (slices == 0) {
     const int64_t rows = x.size(-1) > 0 ? x.numel() / x.size(-1) : 0;
-    slices = sliced_mlp_slices(rows * hidden * static_cast<int64_t>(x.element_size()), hidden);
+    slices = sliced_mlp_slices(rows * hidden * static_cast<int64_t>(x.element_size()), hidden,
+                               options.slice_bytes);
   }
   TORCH_CHECK_VALUE(slices >= 1 && slices <= hidden, fn, ": options.slices must be in 1..",
                     hidden, " (the hidden features) or 0 (the default), got ", slices);
@@ -269,15 +274,26 @@ at::Tensor run(const char* fn, const at::Tensor& x, const at::Tensor& wg, const 
     TORCH_CHECK_VALUE(up == hidden, fn, ": wu makes ", up, " features, wg ", hidden);
   }
   check_linear(fn, gated ? "wd" : "w2", wd, gated ? "bd" : "b2", bd, hidden);
+  const bool sliced = sliced_mlp_applies(x);
+  // Under CPU autocast, as its linear does: x, the weights and the biases in autocast's dtype
+  // (float64 ones as they are), the weights' copies from its cache (made once in a region, as
+  // the layers in turn make them; their backward gives the float32 weights float32 gradients).
+  at::Tensor args[] = {x, wg, bg, wu, bu, wd, bd};
+  if (sliced && at::autocast::is_autocast_enabled(at::kCPU)) {
+    const at::ScalarType dtype = at::autocast::get_autocast_dtype(at::kCPU);
+    for (at::Tensor& t : args) {
+      if (t.defined()) t = at::autocast::cached_cast(dtype, t, c10::DeviceType::CPU);
+    }
+  }
   auto spec = c10::make_intrusive<Spec>();
   spec->act = act;
   spec->act_writes_input = options.act_writes_input;
-  spec->bounds = bounds_of(fn, x, hidden, options.slices);
+  spec->bounds = bounds_of(fn, args[0], hidden, options);
   spec->gated = gated;
   spec->packed = packed;
   spec->gate_row = packed && !gate_first ? hidden : 0;
   spec->up_row = packed && gate_first ? hidden : 0;
-  if (!sliced_mlp_applies(x)) {  // torch's ops in turn
+  if (!sliced) {  // torch's ops in turn
     at::Tensor g, u;
     if (packed) {
       const auto halves = at::linear(x, wg, bg).chunk(2, -1);
@@ -290,17 +306,6 @@ at::Tensor run(const char* fn, const at::Tensor& x, const at::Tensor& wg, const 
     }
     at::Tensor m = activate(*spec, g);
     return at::linear(gated ? m * u : m, wd, bd);
-  }
-  // Under CPU autocast, as its linear does: x, the weights and the biases in autocast's dtype
-  // (float64 ones as they are), the weights' copies from its cache (made once in a region, as
-  // the layers in turn make them; their backward gives the float32 weights float32 gradients).
-  at::Tensor args[] = {x, wg, bg, wu, bu, wd, bd};
-  if (at::autocast::is_autocast_enabled(at::kCPU)) {
-    const at::ScalarType dtype = at::autocast::get_autocast_dtype(at::kCPU);
-    for (at::Tensor& t : args) {
-      if (t.defined()) t = at::autocast::cached_cast(dtype, t, c10::DeviceType::CPU);
-    }
-    if (options.slices == 0) spec->bounds = bounds_of(fn, args[0], hidden, 0);
   }
   const char* names[] = {"x", "weight wg/w1", "bias bg/b1", "weight wu", "bias bu",
                          "weight wd/w2", "bias bd/b2"};

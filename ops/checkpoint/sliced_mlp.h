@@ -27,12 +27,18 @@ namespace memlean {
 // SlicedMlpOptions::act_writes_input. An empty function: no activation.
 using SliceActivation = std::function<at::Tensor(const at::Tensor&)>;
 
+// About this many bytes of the hidden tensor per slice, by default.
+inline constexpr int64_t kSliceBytes = int64_t{1} << 20;
+
 struct SlicedMlpOptions {
   // How many slices of the hidden features (1..hidden); 0: sliced_mlp_slices' default.
   int64_t slices = 0;
   // The activation writes its input: backward runs it on a copy of the recomputed slice (whose
   // gradient it takes).
   bool act_writes_input = false;
+  // With slices 0: about one slice per this many bytes of the hidden tensor (in the dtype the
+  // MLP computes in: autocast's, in a region), sliced_mlp_slices' rule.
+  int64_t slice_bytes = kSliceBytes;
 };
 
 // Where the sliced path runs: x a CPU strided tensor of float32, float64, bfloat16 or float16.
@@ -42,9 +48,6 @@ struct SlicedMlpOptions {
 // float64 ones as they are), the output of that dtype. bfloat16 and float16 slices add their
 // partial sums (the output's, the input gradient's) in float32 and round once.
 bool sliced_mlp_applies(const at::Tensor& x);
-
-// About this many bytes of the hidden tensor per slice, by default.
-inline constexpr int64_t kSliceBytes = int64_t{1} << 20;
 
 // The default number of slices for a hidden tensor of `hidden_bytes` bytes and `features`
 // features: about one per `slice_bytes` of it, at most 16 and at most one per feature, at

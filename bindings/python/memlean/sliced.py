@@ -313,6 +313,9 @@ def _weights(modules, roles, params, c0, c1):
     return out
 
 
+_CHAIN_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
 def applies(x, mlp: bool = False) -> bool:
     """Whether sliced_chain (mlp: sliced_mlp, sliced_gated_mlp) runs sliced for this input,
     else the modules in turn, not traced by torch.compile: a plain CPU tensor of float32,
@@ -325,9 +328,6 @@ def applies(x, mlp: bool = False) -> bool:
     if mlp:
         return x.dim() >= 2 and _C.sliced_mlp_applies(x)
     return bool(x.dim() == 4 and x.dtype in _CHAIN_DTYPES and x.device.type == "cpu")
-
-
-_CHAIN_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 SLICE_BYTES = 1 << 20  # about this much of the wide tensor per slice (tests lower it)
@@ -466,35 +466,16 @@ def _activate(acts, h):
     return h
 
 
-def _slices_of(x, features, slices):
-    """slices, or where None mlp_slices' for x's rows and `features` hidden features (of the
-    dtype the MLP computes in: a CPU autocast region's for other than float64)."""
-    if slices is None:
-        rows = x.numel() // max(1, x.shape[-1])
-        size = x.element_size()
-        if torch.is_autocast_enabled("cpu") and x.dtype != torch.float64:
-            size = torch.finfo(torch.get_autocast_dtype("cpu")).bits // 8
-        slices = mlp_slices(rows * features * size, features)
-    return slices
-
-
 def _sliced(x, gate, acts, up, down, gated, gate_first, slices):
     """memlean::sliced_mlp (C++, ops/checkpoint/sliced_mlp.h; _C.sliced_mlp) with the
     activation modules' class forwards on each slice (an activation that writes its input,
-    e.g. fit's in-place Swish, runs on a copy in the backward, whose gradient it takes)."""
-    features = down.in_features
+    e.g. fit's in-place Swish, runs on a copy in the backward, whose gradient it takes).
+    slices None: the C++ default, about one per SLICE_BYTES (1 MiB) of the hidden tensor in
+    the dtype the MLP computes in, at most 16 (memlean::sliced_mlp_slices)."""
     act = (lambda h: _activate(acts, h)) if acts else None
     return _C.sliced_mlp(x, gate.weight, gate.bias, act, None if up is None else up.weight,
                          None if up is None else up.bias, down.weight, down.bias, gated,
-                         gate_first, _slices_of(x, features, slices),
-                         any(writes(m) for m in acts))
-
-
-def mlp_slices(hidden_bytes: int, features: int) -> int:
-    """How many slices for an MLP whose hidden tensor has `hidden_bytes`: about one per
-    SLICE_BYTES (1 MiB) of it, at most 16 and one per hidden feature (memlean::sliced_mlp_slices,
-    the rule C++'s sliced MLP counts with)."""
-    return _C.sliced_mlp_slices(hidden_bytes, features, SLICE_BYTES)
+                         gate_first, slices or 0, any(writes(m) for m in acts), SLICE_BYTES)
 
 
 def run_sliced_mlp(x, fc1, acts, fc2, slices=None):

@@ -128,7 +128,7 @@ void init_checkpoint(pybind11::module_& m) {
          const py::object& act, const std::optional<at::Tensor>& wu,
          const std::optional<at::Tensor>& bu, const at::Tensor& wd,
          const std::optional<at::Tensor>& bd, bool gated, bool gate_first, int64_t slices,
-         bool act_writes_input) {
+         bool act_writes_input, int64_t slice_bytes) {
         SliceActivation activation;
         if (!act.is_none()) {
           activation = [run = hold(act)](const at::Tensor& h) {
@@ -145,6 +145,7 @@ void init_checkpoint(pybind11::module_& m) {
         SlicedMlpOptions options;
         options.slices = slices;
         options.act_writes_input = act_writes_input;
+        options.slice_bytes = slice_bytes;
         py::gil_scoped_release no_gil;
         if (!gated) return memlean::sliced_mlp(x, wg, bg, activation, wd, bd, options);
         return memlean::sliced_gated_mlp(x, wg, bg, activation, wu.value_or(at::Tensor()), bu,
@@ -152,9 +153,10 @@ void init_checkpoint(pybind11::module_& m) {
       },
       py::arg("x"), py::arg("wg"), py::arg("bg"), py::arg("act"), py::arg("wu"), py::arg("bu"),
       py::arg("wd"), py::arg("bd"), py::arg("gated"), py::arg("gate_first"), py::arg("slices"),
-      py::arg("act_writes_input"));
-  // The one slice-count rule (sliced_mlp.h): memlean.sliced_mlp's and sliced_chain's too.
+      py::arg("act_writes_input"), py::arg("slice_bytes"));
+  // Where memlean::sliced_mlp runs sliced (memlean.sliced.applies asks it for MLPs).
   m.def("sliced_mlp_applies", &memlean::sliced_mlp_applies, py::arg("x"));
+  // The one slice-count rule (sliced_mlp.h): memlean.sliced_chain counts with it too.
   m.def("sliced_mlp_slices", &memlean::sliced_mlp_slices, py::arg("hidden_bytes"),
         py::arg("features"), py::arg("slice_bytes"));
   // memlean::unversioned_changes (checkpoint.h): which buffers run() changed unseen by a
