@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "runtime/memstats/live_bytes.h"
+#include "testing/autocast_region.h"
 #include "testing/expect_error.h"
 
 namespace memlean {
@@ -191,29 +192,7 @@ TEST(SlicedMlp, FrozenParametersGetNoGradient) {
   }
 }
 
-// A CPU autocast region of `dtype` while it lives; leaving it empties autocast's cache of
-// weight copies, as torch.autocast does.
-class AutocastRegion {
- public:
-  explicit AutocastRegion(at::ScalarType dtype)
-      : enabled_(at::autocast::is_autocast_enabled(at::kCPU)),
-        dtype_(at::autocast::get_autocast_dtype(at::kCPU)) {
-    at::autocast::set_autocast_enabled(at::kCPU, true);
-    at::autocast::set_autocast_dtype(at::kCPU, dtype);
-    at::autocast::increment_nesting();
-  }
-  ~AutocastRegion() {
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    at::autocast::set_autocast_enabled(at::kCPU, enabled_);
-    at::autocast::set_autocast_dtype(at::kCPU, dtype_);
-  }
-  AutocastRegion(const AutocastRegion&) = delete;
-  AutocastRegion& operator=(const AutocastRegion&) = delete;
-
- private:
-  bool enabled_;
-  at::ScalarType dtype_;
-};
+using testing::AutocastRegion;
 
 // What the sliced MLP ([0]) and the layers in turn ([1]) hold after the forward (kept) and
 // at their highest through forward and backward (peak), exact CPU bytes, the forward in a CPU
@@ -353,9 +332,10 @@ TEST(SlicedMlp, ReducedPrecisionAndAutocastAsTheLayersInTurn) {
 
 // Exact bytes in a bfloat16 autocast region: after its forward the sliced MLP holds its output,
 // the bfloat16 copy of its input and autocast's bfloat16 copies of the weights (which the
-// layers in turn hold too), not the two hidden tensors; the whole step peaks at under 0.6 of
-// the layers in turn (0.56 here: more of its peak is what both hold, the float32 gradients of
-// the input and weights and the casts, than in float32, where it is under half).
+// layers in turn hold too), not the two hidden tensors; the whole step peaks at least one
+// hidden tensor lower than the layers in turn. (Not a ratio of their peaks: what torch's
+// bfloat16 matrix products allocate differs by CPU, 0.56 of theirs on an Intel Xeon with
+// avx512_bf16, 0.64 on an AMD EPYC with AVX2 only.)
 TEST(SlicedMlp, InAutocastKeepsItsOutputAndTheCastsAlone) {
   if (!LiveBytes::available()) GTEST_SKIP() << "another memory reporter is active";
   const Mlp m = make(Kind::kPlain, 64, 256, 64, true).to(at::kFloat);
@@ -366,7 +346,7 @@ TEST(SlicedMlp, InAutocastKeepsItsOutputAndTheCastsAlone) {
   EXPECT_EQ(f.kept[0], f.output + 2 * x.numel() + 2 * params);
   const int64_t hidden = 8 * 128 * 256 * 2;
   EXPECT_GE(f.kept[1], f.kept[0] + 2 * hidden);
-  EXPECT_LT(f.peak[0], f.peak[1] * 3 / 5) << f.peak[0] << " vs " << f.peak[1];
+  EXPECT_LE(f.peak[0] + hidden, f.peak[1]) << f.peak[0] << " vs " << f.peak[1];
 }
 
 TEST(SlicedMlp, BadInputIsNamed) {

@@ -557,7 +557,9 @@ def test_mlp_in_reduced_precision_and_autocast_is_as_the_modules_in_turn(kind, p
 def test_mlp_in_autocast_keeps_its_output_and_the_casts_alone():
     # Exact CPU bytes in a bfloat16 autocast region: after the forward the sliced MLP holds its
     # output, the bfloat16 copy of its input and autocast's bfloat16 copies of the weights
-    # (which the modules in turn hold too), not the two hidden tensors; the step peaks lower.
+    # (which the modules in turn hold too), not the two hidden tensors; the step peaks at least
+    # one hidden tensor lower (not a ratio of the peaks: what torch's bfloat16 matrix products
+    # allocate differs by CPU, 0.56 of theirs with avx512_bf16, 0.64 with AVX2 only).
     torch.manual_seed(0)
     modules = mlp(d=64, hidden=256)
     x = torch.randn(8, 128, 64, requires_grad=True)
@@ -581,7 +583,7 @@ def test_mlp_in_autocast_keeps_its_output_and_the_casts_alone():
             p.grad = None
     hidden = 8 * 128 * 256 * 2
     assert kept["in turn"] >= kept["sliced"] + 2 * hidden, kept
-    assert peaks["sliced"] < peaks["in turn"] * 3 / 5, peaks
+    assert peaks["sliced"] + hidden <= peaks["in turn"], peaks
 
 
 def test_mlp_bad_input_is_named():
