@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -34,29 +35,34 @@ Walk walk_of(const at::Tensor& t) {
   return Walk::kNone;
 }
 
-// Partial sums run in the tensor's type over at most this many elements (planes) or rows
-// (rows) per channel, then add into double: float error stays that of a short sum.
+// Partial sums run in float (double for double tensors) over at most this many elements
+// (planes) or rows (rows) per channel, then add into double: float error stays that of a
+// short sum.
 constexpr int64_t kPlaneBlock = 2048;
 constexpr int64_t kRowBlock = 64;
 
+// A: the type partial sums and the formula run in (at::opmath_type<T>: float for float,
+// bfloat16 and half, double for double); elements are read as T and widened one by one.
+
 // sum_dy[c] = sum of dy over channel c, sum_dyx[c] = sum of dy * (x - mean[c]).
-template <typename T>
+template <typename T, typename A = at::opmath_type<T>>
 void sums_planes(const T* dy, const T* x, const double* mean, int64_t n, int64_t c_size,
                  int64_t s_size, double* sum_dy, double* sum_dyx) {
   at::parallel_for(0, c_size, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
-      const T m = static_cast<T>(mean[c]);
+      const A m = static_cast<A>(mean[c]);
       double a = 0, b = 0;
       for (int64_t i = 0; i < n; ++i) {
         const T* g = dy + (i * c_size + c) * s_size;
         const T* v = x + (i * c_size + c) * s_size;
         for (int64_t s0 = 0; s0 < s_size; s0 += kPlaneBlock) {
           const int64_t s1 = std::min(s_size, s0 + kPlaneBlock);
-          T pa = 0, pb = 0;
+          A pa = 0, pb = 0;
 #pragma omp simd reduction(+ : pa, pb)
           for (int64_t s = s0; s < s1; ++s) {
-            pa += g[s];
-            pb += g[s] * (v[s] - m);
+            const A gs = static_cast<A>(g[s]);
+            pa += gs;
+            pb += gs * (static_cast<A>(v[s]) - m);
           }
           a += pa;
           b += pb;
@@ -68,32 +74,33 @@ void sums_planes(const T* dy, const T* x, const double* mean, int64_t n, int64_t
   });
 }
 
-template <typename T>
+template <typename T, typename A = at::opmath_type<T>>
 void sums_rows(const T* dy, const T* x, const double* mean, int64_t rows, int64_t c_size,
                double* sum_dy, double* sum_dyx) {
   const int64_t chunks =
       std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
   std::vector<double> acc(static_cast<size_t>(2 * c_size * chunks), 0.0);
-  std::vector<T> mean_t(mean, mean + c_size);
+  std::vector<A> mean_a(mean, mean + c_size);
   at::parallel_for(0, chunks, 1, [&](int64_t k0, int64_t k1) {
-    std::vector<T> pa(c_size), pb(c_size);
-    const T* m = mean_t.data();
+    std::vector<A> pa(c_size), pb(c_size);
+    const A* m = mean_a.data();
     for (int64_t k = k0; k < k1; ++k) {
       double* a = acc.data() + 2 * c_size * k;
       double* b = a + c_size;
       const int64_t r0 = rows * k / chunks, r1 = rows * (k + 1) / chunks;
       for (int64_t rb = r0; rb < r1; rb += kRowBlock) {
-        std::fill(pa.begin(), pa.end(), T(0));
-        std::fill(pb.begin(), pb.end(), T(0));
-        T* pa_p = pa.data();
-        T* pb_p = pb.data();
+        std::fill(pa.begin(), pa.end(), A(0));
+        std::fill(pb.begin(), pb.end(), A(0));
+        A* pa_p = pa.data();
+        A* pb_p = pb.data();
         for (int64_t r = rb, re = std::min(r1, rb + kRowBlock); r < re; ++r) {
           const T* g = dy + r * c_size;
           const T* v = x + r * c_size;
 #pragma omp simd
           for (int64_t c = 0; c < c_size; ++c) {
-            pa_p[c] += g[c];
-            pb_p[c] += g[c] * (v[c] - m[c]);
+            const A gc = static_cast<A>(g[c]);
+            pa_p[c] += gc;
+            pb_p[c] += gc * (static_cast<A>(v[c]) - m[c]);
           }
         }
         for (int64_t c = 0; c < c_size; ++c) {
@@ -114,26 +121,29 @@ void sums_rows(const T* dy, const T* x, const double* mean, int64_t rows, int64_
   }
 }
 
-// out = dy * scale[c] + x * slope[c] + shift[c]; out may be dy itself (element by element).
-template <typename T>
-void apply_planes(const T* dy, const T* x, T* out, const T* scale, const T* slope,
-                  const T* shift, int64_t n, int64_t c_size, int64_t s_size) {
+// out = dy * scale[c] + x * slope[c] + shift[c], computed in A and rounded once to T; out
+// may be dy itself (element by element).
+template <typename T, typename A = at::opmath_type<T>>
+void apply_planes(const T* dy, const T* x, T* out, const A* scale, const A* slope,
+                  const A* shift, int64_t n, int64_t c_size, int64_t s_size) {
   at::parallel_for(0, n * c_size, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t c = p % c_size;
-      const T a = scale[c], b = slope[c], d = shift[c];
+      const A a = scale[c], b = slope[c], d = shift[c];
       const T* g = dy + p * s_size;
       const T* v = x + p * s_size;
       T* o = out + p * s_size;
 #pragma omp simd
-      for (int64_t s = 0; s < s_size; ++s) o[s] = g[s] * a + v[s] * b + d;
+      for (int64_t s = 0; s < s_size; ++s) {
+        o[s] = static_cast<T>(static_cast<A>(g[s]) * a + static_cast<A>(v[s]) * b + d);
+      }
     }
   });
 }
 
-template <typename T>
-void apply_rows(const T* dy, const T* x, T* out, const T* scale, const T* slope,
-                const T* shift, int64_t rows, int64_t c_size) {
+template <typename T, typename A = at::opmath_type<T>>
+void apply_rows(const T* dy, const T* x, T* out, const A* scale, const A* slope,
+                const A* shift, int64_t rows, int64_t c_size) {
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, c_size));
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -141,7 +151,10 @@ void apply_rows(const T* dy, const T* x, T* out, const T* scale, const T* slope,
       const T* v = x + r * c_size;
       T* o = out + r * c_size;
 #pragma omp simd
-      for (int64_t c = 0; c < c_size; ++c) o[c] = g[c] * scale[c] + v[c] * slope[c] + shift[c];
+      for (int64_t c = 0; c < c_size; ++c) {
+        o[c] = static_cast<T>(static_cast<A>(g[c]) * scale[c] + static_cast<A>(v[c]) * slope[c] +
+                              shift[c]);
+      }
     }
   });
 }
@@ -176,7 +189,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lean_backward(
   const std::vector<double> w = to_doubles(weight);
   std::vector<double> sum_dy(c_size), sum_dyx(c_size);
   at::Tensor dx;
-  AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "memlean::lean_batch_norm backward", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, input.scalar_type(),
+                                  "memlean::lean_batch_norm backward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* g = grad.const_data_ptr<scalar_t>();
     const scalar_t* x = input.const_data_ptr<scalar_t>();
     const int64_t spatial = walk == Walk::kPlanes ? count / input.size(0) : 1;
@@ -188,13 +203,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lean_backward(
     if (!need_input) return;
     // dx = w*istd*(dy - mean(dy) - xhat*mean(dy*xhat)), xhat = (x - mu)*istd:
     // dx = dy*scale + x*slope + shift.
-    std::vector<scalar_t> scale(c_size), slope(c_size), shift(c_size);
+    std::vector<acc_t> scale(c_size), slope(c_size), shift(c_size);
     for (int64_t c = 0; c < c_size; ++c) {
       const double a = w[c] * istd[c];
       const double b = -a * istd[c] * istd[c] * sum_dyx[c] / static_cast<double>(count);
-      scale[c] = static_cast<scalar_t>(a);
-      slope[c] = static_cast<scalar_t>(b);
-      shift[c] = static_cast<scalar_t>(-a * sum_dy[c] / static_cast<double>(count) - b * mu[c]);
+      scale[c] = static_cast<acc_t>(a);
+      slope[c] = static_cast<acc_t>(b);
+      shift[c] = static_cast<acc_t>(-a * sum_dy[c] / static_cast<double>(count) - b * mu[c]);
     }
     dx = grad_owned_alone(grad, input) ? grad : at::empty_like(input);
     scalar_t* o = dx.mutable_data_ptr<scalar_t>();
@@ -283,7 +298,8 @@ bool present(const std::optional<at::Tensor>& t) { return t.has_value() && t->de
 
 bool lean_batch_norm_applies(const at::Tensor& input) {
   return input.defined() && input.device().is_cpu() && input.layout() == at::kStrided &&
-         (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble) &&
+         (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble ||
+          input.scalar_type() == at::kBFloat16 || input.scalar_type() == at::kHalf) &&
          input.dim() >= 2 && input.numel() > 0 && !is_wrapped(input) &&
          walk_of(input) != Walk::kNone;
 }

@@ -10,9 +10,12 @@
 // peak that is up to two tensors of the input's size less (memlean.fit swaps it in: the
 // floor of a checkpointed EfficientNet is a BatchNorm backward, docs/fit.md).
 //
-// Where it applies: CPU tensors of float32 or float64, of 2 or more dimensions, contiguous or
-// channels_last (4-d). Everything else (CUDA, half and bfloat16, other layouts, eval mode)
-// runs torch's at::batch_norm unchanged. The gradients equal torch's to float tolerance
+// Where it applies: CPU tensors of float32, float64, bfloat16 or float16, of 2 or more
+// dimensions, contiguous or channels_last (4-d); for bfloat16 and float16 (a reduced-precision
+// model, or a CPU autocast region, where the convolutions hand BatchNorm their bfloat16 output
+// and its float32 weight) the sums and the formula run in float32 and the input gradient is
+// rounded once, as torch's kernel does. Everything else (CUDA, other layouts, eval mode) runs
+// torch's at::batch_norm unchanged. The gradients equal torch's to float tolerance
 // (another order of summation); double backward (create_graph=True) works, through a
 // differentiable form of the same formula.
 #pragma once

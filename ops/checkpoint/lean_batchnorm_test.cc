@@ -1,12 +1,14 @@
 // Tests of memlean::lean_batch_norm (C++ API; under ASan/UBSan in CI): torch's forward and
 // running statistics exactly, gradients equal to float64 autograd of the batch-norm formula,
-// contiguous and channels_last, no tensor of the input's size allocated when it may overwrite
-// the incoming gradient (memstats' exact CPU bytes), torch's path where it does not apply.
+// contiguous and channels_last, bfloat16 and float16 no further from float64 than torch's, no
+// tensor of the input's size allocated when it may overwrite the incoming gradient (memstats'
+// exact CPU bytes), torch's path where it does not apply.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <string>
 #include <vector>
 
 #include "ops/checkpoint/lean_batchnorm.h"
@@ -72,8 +74,58 @@ TEST_P(LeanBatchNormTest, BackwardOverwritesTheGradientItOwns) {
 INSTANTIATE_TEST_SUITE_P(Layouts, LeanBatchNormTest, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "ChannelsLast" : "Contiguous"; });
 
+double error(const at::Tensor& a, const at::Tensor& reference) {
+  return (a.to(at::kDouble) - reference).abs().max().item<double>();
+}
+
+// bfloat16 and float16 inputs with float32 weights (what a BatchNorm meets in a CPU autocast
+// region) and with weights of the input's type: the lean backward runs, writes over the
+// gradient it owns (exact bytes), and its gradients are no further from float64 autograd
+// than torch's own backward's (twice its error, plus one unit in the last place).
+TEST(LeanBatchNorm, ReducedPrecisionAsTorchsAndLean) {
+  for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+    for (const bool float_weights : {true, false}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + (float_weights ? " float32 weights" : ""));
+      at::manual_seed(5);
+      const at::Tensor x = (at::randn({4, 6, 9, 7}) * 3 + 1).to(dtype);
+      const at::Tensor dy = at::randn({4, 6, 9, 7}).to(dtype);
+      const auto wtype = float_weights ? at::kFloat : dtype;
+      const at::Tensor w0 = (at::rand({6}) + 0.5).to(wtype), b0 = at::randn({6}).to(wtype);
+      ASSERT_TRUE(lean_batch_norm_applies(x));
+      std::vector<at::Tensor> grads[2];
+      for (const bool lean : {true, false}) {
+        const at::Tensor xs = x.clone().requires_grad_(), w = w0.clone().requires_grad_(),
+                         b = b0.clone().requires_grad_();
+        const at::Tensor y = lean ? lean_batch_norm(xs, w, b, std::nullopt, std::nullopt, 0.1,
+                                                    1e-3)
+                                  : at::batch_norm(xs, w, b, {}, {}, true, 0.1, 1e-3, false);
+        EXPECT_EQ(y.grad_fn()->name() == "NativeBatchNormBackward0", !lean);
+        const at::Tensor out = y * 2;  // its gradient is autograd's alone: overwritten
+        LiveBytes live;
+        torch::autograd::backward({out}, {dy});
+        if (lean) {
+          EXPECT_GE(live.peak(), x.nbytes());
+          EXPECT_LT(live.peak(), x.nbytes() + 64 * 6 * 8);
+        }
+        grads[lean ? 0 : 1] = {xs.grad(), w.grad(), b.grad()};
+      }
+      const at::Tensor x64 = x.to(at::kDouble).requires_grad_(),
+                       w64 = w0.to(at::kDouble).requires_grad_(),
+                       b64 = b0.to(at::kDouble).requires_grad_();
+      const auto r = torch::autograd::grad({reference(x64, w64, b64, 1e-3) * 2}, {x64, w64, b64},
+                                           {dy.to(at::kDouble)});
+      const double bits = dtype == at::kBFloat16 ? 0x1p-7 : 0x1p-10;
+      for (size_t i = 0; i < 3; ++i) {
+        EXPECT_EQ(grads[0][i].scalar_type(), grads[1][i].scalar_type()) << "gradient " << i;
+        const double ulp = r[i].abs().max().item<double>() * bits;
+        EXPECT_LE(error(grads[0][i], r[i]), 2 * error(grads[1][i], r[i]) + ulp) << "gradient " << i;
+      }
+    }
+  }
+}
+
 TEST(LeanBatchNorm, WhereItDoesNotApplyItIsTorchs) {
-  const at::Tensor x = at::randn({4, 3, 5, 5}, at::kBFloat16).requires_grad_();
+  const at::Tensor x = at::randn({4, 3, 10, 5}).slice(2, 0, 10, 2).requires_grad_();
   EXPECT_FALSE(lean_batch_norm_applies(x));
   const at::Tensor y = lean_batch_norm(x, std::nullopt, std::nullopt, std::nullopt,
                                        std::nullopt, 0.1, 1e-5);

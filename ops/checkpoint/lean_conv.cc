@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "third_party/torch/grads.h"
@@ -57,65 +59,104 @@ Columns columns(const Shape& s, int64_t kw) {
   return {off, lo, hi};
 }
 
+// The kernels walk the input gradient row by row: each input row ih gathers the output rows
+// oh with oh * stride - padding + kh * dilation == ih, so every (output row, kernel row)
+// pair is visited once, as in a walk over the output rows. A (at::opmath_type<T>): float for
+// float, bfloat16 and half, double for double; products and sums run in A. For T == A the
+// input gradient is accumulated in place (it starts zeroed); for bfloat16 and half each
+// input row is accumulated in a float row and rounded once into gi, as torch's convolution
+// rounds its float accumulator once.
+
+// The output row that input row ih meets through kernel row kh, or -1.
+inline int64_t output_row(const Shape& s, int64_t ih, int64_t kh) {
+  const int64_t t = ih + s.padding[0] - kh * s.dilation[0];
+  if (t < 0 || t % s.stride[0] != 0 || t / s.stride[0] >= s.oh) return -1;
+  return t / s.stride[0];
+}
+
 // One channel's gradients, channels [c0, c1): gi (the input gradient, zeroed; nullptr when
 // not wanted) gets each output gradient times the weight scattered back to the input
 // positions it came from; gw (double, C*KH*KW) the sums of output gradient times input;
-// gb (double, C; nullptr when not wanted) the sums of output gradient. Float partial sums run
-// over one output row at most, then add into double.
-template <typename T>
+// gb (double, C; nullptr when not wanted) the sums of output gradient. Partial sums in A run
+// over one row at most, then add into double.
+template <typename T, typename A = at::opmath_type<T>>
 void depthwise_backward(const Shape& s, const T* go, const T* x, const T* weight, T* gi,
                         double* gw, double* gb) {
+  constexpr bool kWide = !std::is_same_v<T, A>;
   const int64_t k_size = s.kh * s.kw;
-  const int64_t sh = s.stride[0], sw = s.stride[1];
+  const int64_t sw = s.stride[1];
   at::parallel_for(0, s.c, 1, [&](int64_t c0, int64_t c1) {
     std::vector<double> acc(static_cast<size_t>(k_size));
+    std::vector<A> wa(static_cast<size_t>(k_size));
+    std::vector<A> wide(kWide && gi != nullptr ? static_cast<size_t>(s.w) : 0);
     for (int64_t c = c0; c < c1; ++c) {
       std::fill(acc.begin(), acc.end(), 0.0);
       double bias_sum = 0;
-      const T* wc = weight + c * k_size;
+      for (int64_t k = 0; k < k_size; ++k) wa[k] = static_cast<A>(weight[c * k_size + k]);
       for (int64_t n = 0; n < s.n; ++n) {
         const T* g = go + (n * s.c + c) * s.oh * s.ow;
         const T* xp = x + (n * s.c + c) * s.h * s.w;
         T* gp = gi == nullptr ? nullptr : gi + (n * s.c + c) * s.h * s.w;
-        for (int64_t oh = 0; oh < s.oh; ++oh) {
-          const T* grow = g + oh * s.ow;
-          if (gb != nullptr) {
-            T b = 0;
+        if (gb != nullptr) {
+          for (int64_t oh = 0; oh < s.oh; ++oh) {
+            const T* grow = g + oh * s.ow;
+            A b = 0;
 #pragma omp simd reduction(+ : b)
-            for (int64_t ow = 0; ow < s.ow; ++ow) b += grow[ow];
+            for (int64_t ow = 0; ow < s.ow; ++ow) b += static_cast<A>(grow[ow]);
             bias_sum += b;
           }
+        }
+        for (int64_t ih = 0; ih < s.h; ++ih) {
+          const T* xrow = xp + ih * s.w;
+          A* girow = nullptr;
+          if (gp != nullptr) {
+            if constexpr (kWide) {
+              std::fill(wide.begin(), wide.end(), A(0));
+              girow = wide.data();
+            } else {
+              girow = gp + ih * s.w;
+            }
+          }
           for (int64_t kh = 0; kh < s.kh; ++kh) {
-            const int64_t ih = oh * sh - s.padding[0] + kh * s.dilation[0];
-            if (ih < 0 || ih >= s.h) continue;
-            const T* xrow = xp + ih * s.w;
-            T* girow = gp == nullptr ? nullptr : gp + ih * s.w;
+            const int64_t oh = output_row(s, ih, kh);
+            if (oh < 0) continue;
+            const T* grow = g + oh * s.ow;
             for (int64_t kw = 0; kw < s.kw; ++kw) {
               const auto [off, lo, hi] = columns(s, kw);
               if (lo >= hi) continue;
-              const T wv = wc[kh * s.kw + kw];
-              T a = 0;
+              const A wv = wa[kh * s.kw + kw];
+              A a = 0;
               if (sw == 1) {
                 const T* xo = xrow + off;
                 if (girow != nullptr) {
-                  T* go_ = girow + off;
+                  A* go_ = girow + off;
 #pragma omp simd reduction(+ : a)
                   for (int64_t ow = lo; ow < hi; ++ow) {
-                    a += grow[ow] * xo[ow];
-                    go_[ow] += grow[ow] * wv;
+                    const A gv = static_cast<A>(grow[ow]);
+                    a += gv * static_cast<A>(xo[ow]);
+                    go_[ow] += gv * wv;
                   }
                 } else {
 #pragma omp simd reduction(+ : a)
-                  for (int64_t ow = lo; ow < hi; ++ow) a += grow[ow] * xo[ow];
+                  for (int64_t ow = lo; ow < hi; ++ow) {
+                    a += static_cast<A>(grow[ow]) * static_cast<A>(xo[ow]);
+                  }
                 }
               } else {
                 for (int64_t ow = lo; ow < hi; ++ow) {
                   const int64_t iw = ow * sw + off;
-                  a += grow[ow] * xrow[iw];
-                  if (girow != nullptr) girow[iw] += grow[ow] * wv;
+                  const A gv = static_cast<A>(grow[ow]);
+                  a += gv * static_cast<A>(xrow[iw]);
+                  if (girow != nullptr) girow[iw] += gv * wv;
                 }
               }
               acc[static_cast<size_t>(kh * s.kw + kw)] += a;
+            }
+          }
+          if constexpr (kWide) {
+            if (gp != nullptr) {
+              T* out = gp + ih * s.w;
+              for (int64_t iw = 0; iw < s.w; ++iw) out[iw] = static_cast<T>(wide[iw]);
             }
           }
         }
@@ -129,61 +170,87 @@ void depthwise_backward(const Shape& s, const T* go, const T* x, const T* weight
 // The same for a channels_last input (N, H, W, C in memory; the output gradient laid out so
 // too): the innermost loop runs over the channels of one pixel. Samples [n0, n1) split among
 // the threads, each with its own double sums (gw: KH*KW*C here, k-major; gb: C), added after.
-template <typename T>
+template <typename T, typename A = at::opmath_type<T>>
 void depthwise_backward_channels_last(const Shape& s, const T* go, const T* x, const T* weight,
                                       T* gi, double* gw, double* gb) {
+  constexpr bool kWide = !std::is_same_v<T, A>;
   const int64_t c_size = s.c, k_size = s.kh * s.kw;
-  std::vector<T> wt(static_cast<size_t>(k_size * c_size));  // weight, k-major
+  std::vector<A> wt(static_cast<size_t>(k_size * c_size));  // weight, k-major
   for (int64_t c = 0; c < c_size; ++c) {
-    for (int64_t k = 0; k < k_size; ++k) wt[k * c_size + c] = weight[c * k_size + k];
+    for (int64_t k = 0; k < k_size; ++k) {
+      wt[k * c_size + c] = static_cast<A>(weight[c * k_size + k]);
+    }
   }
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), s.n));
   std::vector<double> acc(static_cast<size_t>(chunks * (k_size + 1) * c_size), 0.0);
   at::parallel_for(0, chunks, 1, [&](int64_t k0, int64_t k1) {
-    std::vector<T> row(static_cast<size_t>(c_size));
+    std::vector<A> row(static_cast<size_t>(c_size));
+    std::vector<A> wide(kWide && gi != nullptr ? static_cast<size_t>(s.w * c_size) : 0);
     for (int64_t chunk = k0; chunk < k1; ++chunk) {
       double* aw = acc.data() + chunk * (k_size + 1) * c_size;
       double* ab = aw + k_size * c_size;
-      T* r = row.data();
+      A* r = row.data();
       for (int64_t n = s.n * chunk / chunks; n < s.n * (chunk + 1) / chunks; ++n) {
-        for (int64_t oh = 0; oh < s.oh; ++oh) {
-          const T* grow = go + (n * s.oh + oh) * s.ow * c_size;
-          if (gb != nullptr) {
-            std::fill(row.begin(), row.end(), T(0));
+        if (gb != nullptr) {
+          for (int64_t oh = 0; oh < s.oh; ++oh) {
+            const T* grow = go + (n * s.oh + oh) * s.ow * c_size;
+            std::fill(row.begin(), row.end(), A(0));
             for (int64_t ow = 0; ow < s.ow; ++ow) {
               const T* g = grow + ow * c_size;
 #pragma omp simd
-              for (int64_t c = 0; c < c_size; ++c) r[c] += g[c];
+              for (int64_t c = 0; c < c_size; ++c) r[c] += static_cast<A>(g[c]);
             }
             for (int64_t c = 0; c < c_size; ++c) ab[c] += r[c];
           }
+        }
+        for (int64_t ih = 0; ih < s.h; ++ih) {
+          const int64_t in_row = (n * s.h + ih) * s.w * c_size;
+          A* girow = nullptr;
+          if (gi != nullptr) {
+            if constexpr (kWide) {
+              std::fill(wide.begin(), wide.end(), A(0));
+              girow = wide.data();
+            } else {
+              girow = gi + in_row;
+            }
+          }
           for (int64_t kh = 0; kh < s.kh; ++kh) {
-            const int64_t ih = oh * s.stride[0] - s.padding[0] + kh * s.dilation[0];
-            if (ih < 0 || ih >= s.h) continue;
+            const int64_t oh = output_row(s, ih, kh);
+            if (oh < 0) continue;
+            const T* grow = go + (n * s.oh + oh) * s.ow * c_size;
             for (int64_t kw = 0; kw < s.kw; ++kw) {
               const auto [off, lo, hi] = columns(s, kw);
               if (lo >= hi) continue;
               const int64_t k = kh * s.kw + kw;
-              const T* wk = wt.data() + k * c_size;
-              std::fill(row.begin(), row.end(), T(0));
+              const A* wk = wt.data() + k * c_size;
+              std::fill(row.begin(), row.end(), A(0));
               for (int64_t ow = lo; ow < hi; ++ow) {
-                const int64_t at_in = ((n * s.h + ih) * s.w + ow * s.stride[1] + off) * c_size;
+                const int64_t iw = ow * s.stride[1] + off;
                 const T* g = grow + ow * c_size;
-                const T* xp = x + at_in;
-                if (gi != nullptr) {
-                  T* gp = gi + at_in;
+                const T* xp = x + in_row + iw * c_size;
+                if (girow != nullptr) {
+                  A* gp = girow + iw * c_size;
 #pragma omp simd
                   for (int64_t c = 0; c < c_size; ++c) {
-                    r[c] += g[c] * xp[c];
-                    gp[c] += g[c] * wk[c];
+                    const A gv = static_cast<A>(g[c]);
+                    r[c] += gv * static_cast<A>(xp[c]);
+                    gp[c] += gv * wk[c];
                   }
                 } else {
 #pragma omp simd
-                  for (int64_t c = 0; c < c_size; ++c) r[c] += g[c] * xp[c];
+                  for (int64_t c = 0; c < c_size; ++c) {
+                    r[c] += static_cast<A>(g[c]) * static_cast<A>(xp[c]);
+                  }
                 }
               }
               double* a = aw + k * c_size;
               for (int64_t c = 0; c < c_size; ++c) a[c] += r[c];
+            }
+          }
+          if constexpr (kWide) {
+            if (gi != nullptr) {
+              T* out = gi + in_row;
+              for (int64_t e = 0; e < s.w * c_size; ++e) out[e] = static_cast<T>(wide[e]);
             }
           }
         }
@@ -223,7 +290,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lean_backward(const at::Tensor& g
   at::Tensor gi = need_input ? at::zeros_like(input, layout) : at::Tensor();
   std::vector<double> gw(static_cast<size_t>(shape.c * shape.kh * shape.kw));
   std::vector<double> gb(need_bias ? static_cast<size_t>(shape.c) : 0);
-  AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "memlean::lean_conv2d backward", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, input.scalar_type(),
+                                  "memlean::lean_conv2d backward", [&] {
     auto* kernel = shape.channels_last ? &depthwise_backward_channels_last<scalar_t>
                                        : &depthwise_backward<scalar_t>;
     kernel(shape, grad.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
@@ -295,6 +363,12 @@ class LeanConvFunction : public torch::autograd::Function<LeanConvFunction> {
 
 bool present(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
+// A tensor CPU autocast casts to its dtype (a floating one other than float64).
+bool castable(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 ||
+         t.scalar_type() == at::kHalf;
+}
+
 }  // namespace
 
 
@@ -302,15 +376,24 @@ bool lean_conv2d_applies(const at::Tensor& input, const at::Tensor& weight, int6
   const auto plain = [](const at::Tensor& t) {
     return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && !is_wrapped(t);
   };
-  // Under CPU autocast torch's conv2d computes in the lower precision (its output bfloat16):
-  // that is torch's to do, so that the output's dtype is what the caller's code expects.
-  return plain(input) && plain(weight) && !at::autocast::is_autocast_enabled(at::kCPU) &&
-         (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble) &&
-         weight.scalar_type() == input.scalar_type() && input.dim() == 4 && weight.dim() == 4 &&
-         input.numel() > 0 &&
+  if (!plain(input) || !plain(weight)) return false;
+  const auto type = input.scalar_type();
+  bool types = false;
+  if (at::autocast::is_autocast_enabled(at::kCPU)) {
+    // torch's conv2d there computes in autocast's dtype (float32, bfloat16 and float16 input
+    // and weight cast to it); lean_conv2d casts them as it does.
+    const auto dtype = at::autocast::get_autocast_dtype(at::kCPU);
+    types = (dtype == at::kBFloat16 || dtype == at::kHalf) && castable(input) &&
+            castable(weight);
+  } else {
+    types = (type == at::kFloat || type == at::kDouble || type == at::kBFloat16 ||
+             type == at::kHalf) &&
+            weight.scalar_type() == type;
+  }
+  return types && input.dim() == 4 && weight.dim() == 4 && input.numel() > 0 &&
          (input.is_contiguous() || input.is_contiguous(at::MemoryFormat::ChannelsLast)) &&
-         groups > 1 && input.size(1) == groups &&
-         weight.size(0) == groups && weight.size(1) == 1;
+         groups > 1 && input.size(1) == groups && weight.size(0) == groups &&
+         weight.size(1) == 1;
 }
 
 at::Tensor lean_conv2d(const at::Tensor& input, const at::Tensor& weight,
@@ -322,10 +405,12 @@ at::Tensor lean_conv2d(const at::Tensor& input, const at::Tensor& weight,
   const bool grads = at::GradMode::is_enabled() &&
                      (input.requires_grad() || weight.requires_grad() ||
                       (present(bias) && bias->requires_grad()));
+  const bool autocast = at::autocast::is_autocast_enabled(at::kCPU);
   const bool bias_fits = !present(bias) ||
                          (bias->dim() == 1 && bias->size(0) == groups &&
-                          bias->scalar_type() == input.scalar_type() && bias->device().is_cpu() &&
-                          !is_wrapped(*bias));
+                          (autocast ? castable(*bias)
+                                    : bias->scalar_type() == input.scalar_type()) &&
+                          bias->device().is_cpu() && !is_wrapped(*bias));
   if (!grads || !s || !p || !d || !bias_fits || !lean_conv2d_applies(input, weight, groups)) {
     // torch's own (its checks and errors included).
     return at::conv2d(input, weight, bias, stride, padding, dilation, groups);
@@ -336,8 +421,18 @@ at::Tensor lean_conv2d(const at::Tensor& input, const at::Tensor& weight,
   if (shape.h + 2 * (*p)[0] < eh || shape.w + 2 * (*p)[1] < ew) {
     return at::conv2d(input, weight, bias, stride, padding, dilation, groups);  // its error
   }
-  const at::Tensor b = present(bias) ? *bias : at::zeros({groups}, input.options());
-  return LeanConvFunction::apply(input, weight, b, present(bias), shape);
+  // Under CPU autocast, as its conv2d does: input, weight and bias in autocast's dtype, the
+  // weight's copy from its cache (made once in a region; its backward gives the float32
+  // weight a float32 gradient).
+  at::Tensor args[] = {input, weight, present(bias) ? *bias : at::Tensor()};
+  if (autocast) {
+    const auto dtype = at::autocast::get_autocast_dtype(at::kCPU);
+    for (at::Tensor& t : args) {
+      if (t.defined()) t = at::autocast::cached_cast(dtype, t, c10::DeviceType::CPU);
+    }
+  }
+  const at::Tensor b = present(bias) ? args[2] : at::zeros({groups}, args[0].options());
+  return LeanConvFunction::apply(args[0], args[1], b, present(bias), shape);
 }
 
 }  // namespace memlean

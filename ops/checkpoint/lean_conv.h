@@ -11,10 +11,13 @@
 // nothing else of the input's size. memlean.fit swaps it in: a depthwise convolution's
 // backward set the least peak of a fitted EfficientNet (docs/fit.md).
 //
-// Where it applies: CPU tensors of float32 or float64, a 4-d input (N, C, H, W), contiguous or
-// channels_last, a weight (C, 1, KH, KW) (groups == C == output channels), zero padding.
-// Everything else (CUDA, half and bfloat16, other layouts, other groups, CPU autocast) runs
-// torch's at::conv2d unchanged. The gradients equal torch's to float tolerance (another order of summation); double backward
+// Where it applies: CPU tensors of float32, float64, bfloat16 or float16, a 4-d input
+// (N, C, H, W), contiguous or channels_last, a weight (C, 1, KH, KW) (groups == C == output
+// channels), zero padding; in a CPU autocast region too, where input, weight and bias are
+// cast to autocast's dtype as torch's conv2d casts them there (the weight's copy from
+// autocast's cache). For bfloat16 and float16 the products and sums run in float32 and each
+// input-gradient element is rounded once. Everything else (CUDA, other layouts, other
+// groups) runs torch's at::conv2d unchanged. The gradients equal torch's to float tolerance (another order of summation); double backward
 // (create_graph=True) works, through torch's differentiable convolution backward.
 #pragma once
 
@@ -33,9 +36,11 @@ at::Tensor lean_conv2d(const at::Tensor& input, const at::Tensor& weight,
                        at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups);
 
 // Whether lean_conv2d runs the lean backward for these arguments: a depthwise convolution
-// (groups == input.size(1) == weight.size(0), weight.size(1) == 1) of a CPU float32/float64
-// contiguous or channels_last 4-d input, plain tensors, CPU autocast off (under it torch's conv2d computes in
-// bfloat16, and so does this). (Whether a gradient is wanted is the caller's.)
+// (groups == input.size(1) == weight.size(0), weight.size(1) == 1) of a CPU contiguous or
+// channels_last 4-d input, plain tensors, input and weight of one type of float32, float64,
+// bfloat16 or float16 (in a CPU autocast region of bfloat16 or float16: each float32,
+// bfloat16 or float16, cast as torch's conv2d casts them). (Whether a gradient is wanted is
+// the caller's.)
 bool lean_conv2d_applies(const at::Tensor& input, const at::Tensor& weight, int64_t groups);
 
 }  // namespace memlean

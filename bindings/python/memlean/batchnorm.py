@@ -28,10 +28,11 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     backward allocates that and a temporary of the input's size beside it). Gradients equal
     torch's to float tolerance; double backward works.
 
-    The lean backward runs for CPU float32/float64 inputs of 2 or more dimensions, contiguous
-    or channels_last, in training with autograd recording, outside torch.compile. Everything
-    else (eval, no_grad, CUDA, half/bfloat16, other layouts, tensor subclasses, compiled
-    code) is torch's F.batch_norm itself."""
+    The lean backward runs for CPU float32, float64, bfloat16 and float16 inputs (the last
+    two with float32 sums, beside weights of their type or float32 ones, as in a CPU autocast
+    region) of 2 or more dimensions, contiguous or channels_last, in training with autograd
+    recording, outside torch.compile. Everything else (eval, no_grad, CUDA, other layouts,
+    tensor subclasses, compiled code) is torch's F.batch_norm itself."""
     return _batch_norm(_lean_applies(input, running_mean, running_var, weight, bias, training),
                        input, running_mean, running_var, weight, bias, training, momentum, eps)
 

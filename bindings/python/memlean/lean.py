@@ -49,7 +49,7 @@ def lean_forward(module: torch.nn.Module):
     ones): an instance forward over its own, outside torch.compile (compiled, its own runs as
     it is). Returns (undo, calls): undo() puts its forward back; calls() says how many of its
     calls ran a lean backward so far (0: none did, e.g. the module calls neither function, or
-    only in eval mode, in bfloat16 or for a convolution that is not depthwise)."""
+    only in eval mode, on a non-dense input or for a convolution that is not depthwise)."""
     original = module.forward
     taken = [0]
 

@@ -5,9 +5,11 @@ autograd alone holds it.
 Asserted: its output and running statistics equal F.batch_norm's exactly; its gradients (and
 double-backward gradients) equal float64 autograd's of the batch-norm formula, for contiguous
 and channels_last inputs, 2-d to 5-d, with and without affine parameters and running
-statistics; the bytes its backward allocates, exactly (memstats, CPU): no tensor of the
-input's size when it may overwrite the incoming gradient, one when it may not; what it leaves
-to torch (eval, no_grad, bfloat16, non-dense layouts) is F.batch_norm itself; bad arguments
+statistics; in bfloat16 and float16 (a reduced-precision model, a float32 weight beside a
+reduced input, a CPU autocast region) its gradients are no further from float64 autograd's
+than torch's own; the bytes its backward allocates, exactly (memstats, CPU): no tensor of the
+input's size when it may overwrite the incoming gradient, one when it may not, in float32 and
+bfloat16; what it leaves to torch (eval, no_grad, non-dense layouts) is F.batch_norm itself; bad arguments
 are named; lean_forward on torch's and timm's BatchNorm modules, eager and compiled (aot_eager
 and inductor, fullgraph: no graph break).
 """
@@ -100,6 +102,57 @@ def test_forward_and_statistics_are_torchs_gradients_float64s(shape, channels_la
         torch.testing.assert_close(lean[5].to(D), b64.grad, **tol)
 
 
+def _error(a, r):
+    return (a.to(D) - r).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("weights", ["float32", "input's", "autocast"])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_reduced_precision_no_further_from_float64_than_torchs(dtype, weights, channels_last):
+    """A bfloat16/float16 input: with weights of its type (a reduced-precision model), with
+    float32 weights (what a BatchNorm meets in a CPU autocast region: its convolution's
+    reduced output, the module's float32 parameters), and so inside such a region (autocast
+    leaves batch_norm alone). The lean backward runs (its node), the forward and running statistics
+    are torch's exactly, the gradients have torch's dtypes and are no further from float64
+    autograd of the formula (on the same rounded values) than torch's own backward's."""
+    shape = (4, 6, 9, 7)
+    x, w, b, dy = make(shape, channels_last, True, torch.float32, seed=4)
+    x, dy = x.to(dtype), dy.to(dtype)
+    if weights == "input's":
+        w, b = w.to(dtype), b.to(dtype)
+    runs = {}
+    for name, fn in (("lean", memlean.batch_norm), ("torch", F.batch_norm)):
+        xs = x.clone().requires_grad_()
+        ws, bs = w.clone().requires_grad_(), b.clone().requires_grad_()
+        rm, rv = torch.zeros(6, dtype=w.dtype), torch.ones(6, dtype=w.dtype)
+        if weights == "autocast":
+            with torch.autocast("cpu", dtype=dtype):
+                lean = _C.lean_batch_norm_applies(xs)
+                y = fn(xs, rm, rv, ws, bs, True, 0.3, 1e-3)
+        else:
+            lean = _C.lean_batch_norm_applies(xs)
+            y = fn(xs, rm, rv, ws, bs, True, 0.3, 1e-3)
+        assert lean
+        assert ("LeanBatchNormFunction" in y.grad_fn.name()) == (name == "lean")
+        y.backward(dy)
+        runs[name] = (y, rm, rv, xs.grad, ws.grad, bs.grad)
+    lean, plain = runs["lean"], runs["torch"]
+    for a, t in zip(lean[:3], plain[:3]):
+        assert torch.equal(a, t)  # the same forward kernel
+    assert lean[3].stride() == x.stride()
+    x64 = x.detach().to(D).requires_grad_()
+    w64, b64 = (t.detach().to(D).requires_grad_() for t in (w, b))
+    reference(x64, w64, b64, 1e-3).backward(dy.to(D))
+    for i, r in zip((3, 4, 5), (x64.grad, w64.grad, b64.grad)):
+        assert lean[i].dtype == plain[i].dtype
+        # (bfloat16 keeps 8 bits: 2x torch's error, and one unit in the last place at
+        # worst, where torch's rounding happened to land exactly)
+        ulp = r.abs().max().item() * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10)
+        assert _error(lean[i], r) <= 2 * _error(plain[i], r) + ulp, (i, _error(lean[i], r),
+                                                                    _error(plain[i], r))
+
+
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_double_backward_equals_float64_autograd(channels_last):
     x, w, b, _ = make((3, 4, 5, 3), channels_last, True, D, seed=1)
@@ -108,10 +161,11 @@ def test_double_backward_equals_float64_autograd(channels_last):
                                  lambda y: (y * y.detach().sin()).sum(), 1e-9)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_backward_allocates_no_tensor_of_the_inputs_size_when_it_owns_the_gradient(
-        channels_last):
-    x0 = torch.randn(8, 4, 32, 32)
+        channels_last, dtype):
+    x0 = torch.randn(8, 4, 32, 32, dtype=dtype)  # (float32 weights: autocast's mix)
     if channels_last:
         x0 = x0.contiguous(memory_format=torch.channels_last)
     c, nbytes = 4, x0.nbytes
@@ -143,13 +197,11 @@ def test_gradient_kept_elsewhere_is_not_overwritten():
     torch.testing.assert_close(h.grad, h2.grad, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["eval", "no_grad", "bfloat16", "strided", "no grad needed"])
+@pytest.mark.parametrize("case", ["eval", "no_grad", "strided", "no grad needed"])
 def test_what_it_leaves_to_torch_is_torchs(case):
     x, w, b, _ = make((4, 3, 6, 6), False, True, torch.float32, seed=3)
     training = case != "eval"
     rm, rv = torch.randn(3), torch.rand(3) + 0.5
-    if case == "bfloat16":
-        x = x.bfloat16()
     args = lambda: (rm.clone(), rv.clone(), w, b, training, 0.1, 1e-5)  # noqa: E731
     ctx = torch.no_grad() if case == "no_grad" else torch.enable_grad()
     xs = x if case == "no grad needed" else x.clone().requires_grad_()
@@ -216,7 +268,7 @@ def test_lean_forward_counts_only_the_calls_that_ran_lean():
     bn = nn.BatchNorm2d(3)
     undo, taken = lean_forward(bn)
     x = torch.randn(4, 3, 5, 5, requires_grad=True)
-    bn(x.bfloat16())  # torch's (bfloat16)
+    bn(x[:, :, ::2])  # torch's (a strided input)
     bn.eval()
     bn(x)  # torch's (eval)
     assert taken() == 0

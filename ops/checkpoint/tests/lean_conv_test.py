@@ -5,9 +5,12 @@ input's size.
 Asserted: its output equals F.conv2d's exactly; its gradients (and double-backward
 gradients) equal float64 autograd's, contiguous and channels_last, for strides 1 to 3,
 kernels 1 to 5, dilation, asymmetric and zero padding, with and without bias, float32 and
-float64; the bytes its backward allocates, exactly (memstats, CPU): the input gradient and
-per-channel vectors, no other tensor of the input's size; what it leaves to torch (other
-groups, bfloat16, padding="same", no_grad, autocast, other layouts) is F.conv2d itself,
+float64; in bfloat16 and float16 (a reduced-precision model, a float32 one in a CPU autocast
+region) its output is torch's exactly and its gradients no further from float64 autograd's
+than torch's own; the bytes its backward allocates, exactly (memstats, CPU): the input
+gradient and per-channel vectors, no other tensor of the input's size, in float32 and
+bfloat16; what it leaves to torch (other groups, padding="same", no_grad, float64 in an
+autocast region, other layouts) is F.conv2d itself,
 errors included; lean_forward on torch's and timm's depthwise convolutions, eager and
 compiled (aot_eager and inductor, fullgraph: no graph break).
 """
@@ -76,6 +79,59 @@ def test_forward_is_torchs_gradients_float64s(n, c, h, w, kernel, stride, paddin
             torch.testing.assert_close(a.to(D), r, **tol)
 
 
+def _error(a, r):
+    return (a.to(D) - r).abs().max().item()
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,c,h,w,kernel,stride,padding,dilation,bias", CASES[:6])
+def test_reduced_precision_and_autocast_no_further_from_float64_than_torchs(
+        n, c, h, w, kernel, stride, padding, dilation, bias, dtype, autocast, channels_last):
+    """A bfloat16/float16 model, or a float32 one in a CPU autocast region of that dtype
+    (where torch's conv2d casts input, weight and bias, and so does memlean's): the lean
+    backward runs, the output is torch's exactly, the gradients have torch's dtypes and are
+    no further from float64 autograd (on the values as the convolution saw them) than
+    torch's own backward's: twice its error, plus one unit in the last place."""
+    x, weight, b = make(n, c, h, w, kernel, bias, torch.float32, seed=4)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    if not autocast:
+        x, weight = x.to(dtype), weight.to(dtype)
+        b = b.to(dtype) if bias else None
+    args = (stride, padding, dilation, c)
+    dy = None
+    runs = {}
+    for name, fn in (("lean", memlean.conv2d), ("torch", F.conv2d)):
+        xs, ws = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        bs = b.clone().requires_grad_() if bias else None
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            assert _C.lean_conv2d_applies(xs, ws, c)
+            y = fn(xs, ws, bs, *args)
+        assert ("LeanConvFunction" in y.grad_fn.name()) == (name == "lean")
+        assert y.dtype == dtype
+        if dy is None:
+            dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+        y.backward(dy)
+        runs[name] = (y, xs.grad, ws.grad, bs.grad if bias else None)
+    lean, plain = runs["lean"], runs["torch"]
+    assert torch.equal(lean[0], plain[0])
+    assert lean[1].stride() == x.stride()
+    seen = lambda t: t.to(dtype).to(D).requires_grad_()  # noqa: E731
+    x64, w64 = seen(x), seen(weight)
+    b64 = seen(b) if bias else None
+    F.conv2d(x64, w64, b64, *args).backward(dy.to(D))
+    bits = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+    for i, r in zip((1, 2, 3), (x64.grad, w64.grad, b64.grad if bias else None)):
+        if r is None:
+            continue
+        assert lean[i].dtype == plain[i].dtype
+        ulp = r.abs().max().item() * bits
+        assert _error(lean[i], r) <= 2 * _error(plain[i], r) + ulp, (i, _error(lean[i], r),
+                                                                    _error(plain[i], r))
+
+
 @pytest.mark.parametrize("wanted", ["input", "weight", "bias", "input and bias"])
 def test_only_the_wanted_gradients(wanted):
     x, weight, b = make(2, 3, 8, 8, (3, 3), True, D)
@@ -99,18 +155,21 @@ def test_double_backward_equals_float64_autograd():
                                  lambda y: (y * y.detach().sin()).pow(2).sum(), 1e-10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("stride", [1, 2])
-def test_backward_allocates_the_input_gradient_and_per_channel_vectors(stride, channels_last):
+def test_backward_allocates_the_input_gradient_and_per_channel_vectors(stride, channels_last,
+                                                                        dtype):
     c = 16
-    x0 = torch.randn(8, c, 32, 32)
+    x0 = torch.randn(8, c, 32, 32, dtype=dtype)
     if channels_last:
         x0 = x0.contiguous(memory_format=torch.channels_last)
-    weight = torch.randn(c, 1, 3, 3, requires_grad=True)
-    bias = torch.zeros(c, requires_grad=True)
+    weight = torch.randn(c, 1, 3, 3, dtype=dtype, requires_grad=True)
+    bias = torch.zeros(c, dtype=dtype, requires_grad=True)
     peak = backward_bytes(lambda h: memlean.conv2d(h, weight, bias, stride, 1, 1, c), x0)
-    # The input gradient; the weight and bias gradients as double then float (12 bytes per
-    # weight and bias element), with the allocator's rounding: nothing else.
+    # The input gradient; the weight and bias gradients as double then the input's type (at
+    # most 12 bytes per weight and bias element), with the allocator's rounding: nothing
+    # else (bfloat16's float rows are the kernel's own, not tensors).
     assert x0.nbytes <= peak <= x0.nbytes + 12 * (weight.numel() + c) + 4 * 64, peak
 
 
@@ -124,8 +183,8 @@ def test_gradient_of_another_layout_is_read_as_it_is():
 
 
 @pytest.mark.parametrize("case", ["groups 1", "two per group", "channel multiplier",
-                                  "bfloat16", "padding same", "no_grad",
-                                  "no grad needed", "strided", "autocast"])
+                                  "padding same", "no_grad", "no grad needed", "strided",
+                                  "float64 in autocast"])
 def test_what_it_leaves_to_torch_is_torchs(case):
     x, weight, b = make(2, 4, 8, 8, (3, 3), True, torch.float32, seed=3)
     groups, padding = 4, 1
@@ -135,20 +194,22 @@ def test_what_it_leaves_to_torch_is_torchs(case):
         weight, groups = torch.randn(4, 2, 3, 3), 2
     elif case == "channel multiplier":
         weight, b = torch.randn(8, 1, 3, 3), torch.randn(8)
-    elif case == "bfloat16":
-        x, weight, b = x.bfloat16(), weight.bfloat16(), b.bfloat16()
+    elif case == "float64 in autocast":  # (torch's conv2d leaves float64 alone there)
+        x, weight, b = x.double(), weight.double(), b.double()
     elif case == "padding same":
         padding = "same"
     xs = x if case == "no grad needed" else x.clone().requires_grad_()
     if case == "strided":
         xs = torch.randn(2, 4, 8, 16, requires_grad=True)[..., ::2]
     ctx = torch.no_grad() if case == "no_grad" else torch.enable_grad()
-    if case == "autocast":
+    if case == "float64 in autocast":
         ctx = torch.autocast("cpu", dtype=torch.bfloat16)
     with ctx:
+        assert not _C.lean_conv2d_applies(xs, weight, groups) or case in (
+            "padding same", "no_grad", "no grad needed")
         y = memlean.conv2d(xs, weight, b, 1, padding, 1, groups)
         r = F.conv2d(xs, weight, b, 1, padding, 1, groups)
-    assert y.dtype == r.dtype == (torch.bfloat16 if case in ("autocast", "bfloat16")
+    assert y.dtype == r.dtype == (torch.float64 if case == "float64 in autocast"
                                   else torch.float32)
     assert torch.equal(y, r)
     assert type(y.grad_fn) is type(r.grad_fn)  # torch's own node (or none)
