@@ -15,6 +15,7 @@ from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.utils import counters
 
 import memlean
+import shards
 from fit_test import MBNet, classified, cuda_process_bytes, cuda_step, squared_mean, step_peak
 from memlean import fitting
 
@@ -157,47 +158,48 @@ class FitForCompileTest(unittest.TestCase):
             _same(self, stats, list(model.buffers()), "buffer")
         torch._dynamo.reset()
 
-    def test_channels_last_and_bf16_autocast_keep_the_budget_traced(self):
-        # The paths users compile: channels_last weights and batch, and a bf16 autocast step
-        # (fit, and each step, inside an autocast region of its own, as a training loop enters
-        # one per step: within one region autocast reuses its bf16 copies of the weights).
-        # At 0.8 of the compiled step's peak without checkpoints the plan's checkpoints are
-        # traced (no graph break), the compiled step measured here keeps the budget and
-        # equals plan.peak_bytes, and it trains as the eager step of the model without the
-        # plan (float32: to float tolerance; bf16: the gradient within 10 % in norm, the
-        # rounding of autocast's bf16 apart; compiled without a plan it differs by about 5 %).
-        for path in ("channels_last", "autocast bf16"):
-            with self.subTest(path=path):
-                torch.manual_seed(0)
-                model, x, loss_fn, opt = classified(MBNet, 64)
-                if path == "channels_last":
-                    model = model.to(memory_format=torch.channels_last)
-                    x = x.contiguous(memory_format=torch.channels_last)
-                    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    # The paths users compile: channels_last weights and batch, and a bf16 autocast step (fit,
+    # and each step, inside an autocast region of its own, as a training loop enters one per
+    # step: within one region autocast reuses its bf16 copies of the weights). At 0.8 of the
+    # compiled step's peak without checkpoints the plan's checkpoints are traced (no graph
+    # break), the compiled step measured here keeps the budget and equals plan.peak_bytes, and
+    # it trains as the eager step of the model without the plan (float32: to float
+    # tolerance; bf16: the gradient within 10 % in norm, the rounding of autocast's bf16
+    # apart; compiled without a plan it differs by about 5 %). Two tests (two shards).
+    def test_channels_last_keeps_the_budget_traced(self):
+        self.check_path("channels_last")
 
-                def region():
-                    return (torch.autocast("cpu", dtype=torch.bfloat16)
-                            if path == "autocast bf16" else contextlib.nullcontext())
+    def test_autocast_bf16_keeps_the_budget_traced(self):
+        self.check_path("autocast bf16")
 
-                budget, plan = _fit_at_four_fifths(model, x, loss_fn, opt, region)
-                _assert_traced(self, model, plan, True)
-                compiled, measured = _compiled_step_peak(model, x, loss_fn, opt, region,
-                                                         dynamic=False)
-                self.assertLessEqual(measured, budget, str(plan))
-                self.assertEqual(measured, plan.peak_bytes, str(plan))
-                self.assertEqual(sum(counters["graph_break"].values()), 0,
-                                 dict(counters["graph_break"]))
-                grads, plain_grads = _gradients_with_and_without_plan(
-                    model, plan, compiled, x, loss_fn, opt, region)
-                if path == "channels_last":
-                    self.assertTrue(model.stem[0].weight.is_contiguous(
-                        memory_format=torch.channels_last))
-                    _same(self, grads, plain_grads, "gradient")
-                else:  # all parameters' gradients as one vector (a conv bias before a
-                    # BatchNorm has a gradient of 0 but for rounding)
-                    a, b = (torch.cat([g.flatten() for g in gs]) for gs in (grads, plain_grads))
-                    self.assertLessEqual((a - b).norm().item(), 0.1 * b.norm().item())
-                torch._dynamo.reset()
+    def check_path(self, path):
+        torch.manual_seed(0)
+        model, x, loss_fn, opt = classified(MBNet, 64)
+        if path == "channels_last":
+            model = model.to(memory_format=torch.channels_last)
+            x = x.contiguous(memory_format=torch.channels_last)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+        def region():
+            return (torch.autocast("cpu", dtype=torch.bfloat16)
+                    if path == "autocast bf16" else contextlib.nullcontext())
+
+        budget, plan = _fit_at_four_fifths(model, x, loss_fn, opt, region)
+        _assert_traced(self, model, plan, True)
+        compiled, measured = _compiled_step_peak(model, x, loss_fn, opt, region, dynamic=False)
+        self.assertLessEqual(measured, budget, str(plan))
+        self.assertEqual(measured, plan.peak_bytes, str(plan))
+        self.assertEqual(sum(counters["graph_break"].values()), 0, dict(counters["graph_break"]))
+        grads, plain_grads = _gradients_with_and_without_plan(
+            model, plan, compiled, x, loss_fn, opt, region)
+        if path == "channels_last":
+            self.assertTrue(model.stem[0].weight.is_contiguous(memory_format=torch.channels_last))
+            _same(self, grads, plain_grads, "gradient")
+        else:  # all parameters' gradients as one vector (a conv bias before a BatchNorm has a
+            # gradient of 0 but for rounding)
+            a, b = (torch.cat([g.flatten() for g in gs]) for gs in (grads, plain_grads))
+            self.assertLessEqual((a - b).norm().item(), 0.1 * b.norm().item())
+        torch._dynamo.reset()
 
     def test_batchnorm_once_where_dynamo_cannot_trace_a_checkpointed_module(self):
         # A graph break inside the module: dynamo runs torch's checkpoint eagerly there, whose
@@ -435,4 +437,4 @@ class FitForCompileCudaTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    unittest.main()
+    shards.main()

