@@ -14,12 +14,14 @@
 //     features. plain | efficient (concat-BN-ReLU-Conv1x1 checkpointed,
 //     pytorch-checkpoint's DenseNet example, with memlean::BatchNorm2d).
 //   tiny: a segment with almost no work, for the fixed cost of one checkpoint.
-//   BatchNorm, BatchNormChannelsLast: one training forward and backward of a
-//     (16, 96, 56, 56) batch norm, dL/dy from y * 2 (autograd's own gradient): plain
+//   BatchNorm, BatchNormChannelsLast, BatchNormBfloat16: one training forward and backward
+//     of a (16, 96, 56, 56) batch norm (float32; the last bfloat16 with float32 weights, as
+//     in an autocast region), dL/dy from y * 2 (autograd's own gradient): plain
 //     (at::batch_norm, torch's backward) | lean (memlean::lean_batch_norm, lean_batchnorm.h).
-//   DepthwiseConv, DepthwiseConvStride2: one training forward and backward of a 3x3
-//     depthwise convolution of a (16, 96, 56, 56) input (padding 1; stride 1 or 2): plain
-//     (at::conv2d, torch's backward) | lean (memlean::lean_conv2d, lean_conv.h).
+//   DepthwiseConv, DepthwiseConvStride2, DepthwiseConvBfloat16: one training forward and
+//     backward of a 3x3 depthwise convolution of a (16, 96, 56, 56) input (padding 1; stride
+//     1 or 2; the last bfloat16, stride 1): plain (at::conv2d, torch's backward) | lean
+//     (memlean::lean_conv2d, lean_conv.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
@@ -223,10 +225,11 @@ BENCHMARK_CAPTURE(BM_Dense, efficient, true)->Unit(benchmark::kMillisecond)->Use
 
 // ---- batch norm backward -------------------------------------------------------------
 
-void batch_norm_step(benchmark::State& state, bool lean, bool channels_last) {
+void batch_norm_step(benchmark::State& state, bool lean, bool channels_last,
+                     at::ScalarType dtype = at::kFloat) {
   at::set_num_threads(1);
   at::manual_seed(0);
-  at::Tensor x0 = at::randn({16, 96, 56, 56});
+  at::Tensor x0 = at::randn({16, 96, 56, 56}).to(dtype);
   if (channels_last) x0 = x0.contiguous(at::MemoryFormat::ChannelsLast);
   const at::Tensor w = (at::rand({96}) + 0.5).requires_grad_();
   const at::Tensor b = at::zeros({96}).requires_grad_();
@@ -249,19 +252,25 @@ void BM_BatchNorm(benchmark::State& state, bool lean) { batch_norm_step(state, l
 void BM_BatchNormChannelsLast(benchmark::State& state, bool lean) {
   batch_norm_step(state, lean, true);
 }
+void BM_BatchNormBfloat16(benchmark::State& state, bool lean) {
+  batch_norm_step(state, lean, false, at::kBFloat16);
+}
 
 BENCHMARK_CAPTURE(BM_BatchNorm, plain, false)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(BM_BatchNorm, lean, true)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(BM_BatchNormChannelsLast, plain, false)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(BM_BatchNormChannelsLast, lean, true)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_BatchNormBfloat16, plain, false)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_BatchNormBfloat16, lean, true)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 // ---- depthwise convolution backward --------------------------------------------------
 
-void depthwise_step(benchmark::State& state, bool lean, int64_t stride) {
+void depthwise_step(benchmark::State& state, bool lean, int64_t stride,
+                    at::ScalarType dtype = at::kFloat) {
   at::set_num_threads(1);
   at::manual_seed(0);
-  const at::Tensor x0 = at::randn({16, 96, 56, 56});
-  const at::Tensor w = at::randn({96, 1, 3, 3}).requires_grad_();
+  const at::Tensor x0 = at::randn({16, 96, 56, 56}).to(dtype);
+  const at::Tensor w = at::randn({96, 1, 3, 3}).to(dtype).requires_grad_();
   int64_t peak = 0;
   for (auto _ : state) {
     const at::Tensor x = x0.detach().requires_grad_();
@@ -279,11 +288,16 @@ void BM_DepthwiseConv(benchmark::State& state, bool lean) { depthwise_step(state
 void BM_DepthwiseConvStride2(benchmark::State& state, bool lean) {
   depthwise_step(state, lean, 2);
 }
+void BM_DepthwiseConvBfloat16(benchmark::State& state, bool lean) {
+  depthwise_step(state, lean, 1, at::kBFloat16);
+}
 
 BENCHMARK_CAPTURE(BM_DepthwiseConv, plain, false)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(BM_DepthwiseConv, lean, true)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(BM_DepthwiseConvStride2, plain, false)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(BM_DepthwiseConvStride2, lean, true)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_DepthwiseConvBfloat16, plain, false)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_CAPTURE(BM_DepthwiseConvBfloat16, lean, true)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 // Prints the usual table, then each variant's step time and peak bytes over those of the
 // plain variant of the same model.

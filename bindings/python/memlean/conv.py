@@ -15,11 +15,12 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     depthwise convolution allocates 2 to 5 more tensors of that size (im2col or oneDNN's
     reorders). Gradients equal torch's to float tolerance; double backward works.
 
-    The lean backward runs for CPU float32/float64 4-d inputs, contiguous or channels_last,
-    with integer padding, with autograd recording, outside torch.compile and CPU autocast.
-    Everything else (other groups, CUDA, half/bfloat16, other layouts, padding="same"/"valid",
-    tensor subclasses, compiled code, autocast's bfloat16 convolution) is torch's F.conv2d
-    itself."""
+    The lean backward runs for CPU float32, float64, bfloat16 and float16 4-d inputs (the last
+    two with float32 sums), contiguous or channels_last, with integer padding, with autograd
+    recording, outside torch.compile; in a CPU autocast region too, casting input, weight and
+    bias as torch's conv2d does there. Everything else (other groups, CUDA, other layouts,
+    padding="same"/"valid", float64 in an autocast region, tensor subclasses, compiled code)
+    is torch's F.conv2d itself."""
     return _conv2d(_lean_applies(input, weight, bias, padding, groups), input, weight, bias,
                    stride, padding, dilation, groups)
 

@@ -1188,7 +1188,9 @@ class FitTest(unittest.TestCase):
         # FlatMBNet trained in a CPU bfloat16 autocast region (fit inside one, each step
         # measured in one of its own): its channel chains are sliced there too (since
         # 2026-11-27, the chain's recompute runs in the forward's autocast state), a lower
-        # least than checkpoints alone reach, every budget down to it kept in exact bytes.
+        # least than checkpoints alone reach, every budget down to it kept in exact bytes; its
+        # BatchNorms and depthwise convolutions get the lean backwards there too (since
+        # 2026-11-27, ninth session: bfloat16 inputs, autocast's casts).
         from memlean import fitting
 
         model, x, loss_fn, opt = classified(FlatMBNet, 32, batch=16)  # (1 MiB in bfloat16)
@@ -1202,6 +1204,8 @@ class FitTest(unittest.TestCase):
                                                    fit_region=region, step_region=region)
         self.assertLess(least, 0.9 * without, (least, without))
         self.assertIn("sliced recompute", {a.action for a in actions})
+        self.assertLessEqual({"lean batchnorm", "lean depthwise conv"},
+                             {a.action for a in actions})
         self.assertEqual(wrapped_forwards(model), [])
 
     def test_sliced_chains_whose_head_an_in_place_activation_follows(self):
