@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "ops/checkpoint/internal/reduced_bits.h"
+
 #include "third_party/torch/grads.h"
 
 namespace memlean {
@@ -42,10 +44,13 @@ constexpr int64_t kPlaneBlock = 2048;
 constexpr int64_t kRowBlock = 64;
 
 // A: the type partial sums and the formula run in (at::opmath_type<T>: float for float,
-// bfloat16 and half, double for double); elements are read as T and widened one by one.
+// bfloat16 and half, double for double); T: the element as the kernels read it (bfloat16 by
+// its bits: internal/reduced_bits.h).
+using reduced_bits::narrow;
+using reduced_bits::widen;
 
 // sum_dy[c] = sum of dy over channel c, sum_dyx[c] = sum of dy * (x - mean[c]).
-template <typename T, typename A = at::opmath_type<T>>
+template <typename T, typename A>
 void sums_planes(const T* dy, const T* x, const double* mean, int64_t n, int64_t c_size,
                  int64_t s_size, double* sum_dy, double* sum_dyx) {
   at::parallel_for(0, c_size, 1, [&](int64_t c0, int64_t c1) {
@@ -60,9 +65,9 @@ void sums_planes(const T* dy, const T* x, const double* mean, int64_t n, int64_t
           A pa = 0, pb = 0;
 #pragma omp simd reduction(+ : pa, pb)
           for (int64_t s = s0; s < s1; ++s) {
-            const A gs = static_cast<A>(g[s]);
+            const A gs = widen<A>(g[s]);
             pa += gs;
-            pb += gs * (static_cast<A>(v[s]) - m);
+            pb += gs * (widen<A>(v[s]) - m);
           }
           a += pa;
           b += pb;
@@ -74,7 +79,7 @@ void sums_planes(const T* dy, const T* x, const double* mean, int64_t n, int64_t
   });
 }
 
-template <typename T, typename A = at::opmath_type<T>>
+template <typename T, typename A>
 void sums_rows(const T* dy, const T* x, const double* mean, int64_t rows, int64_t c_size,
                double* sum_dy, double* sum_dyx) {
   const int64_t chunks =
@@ -98,9 +103,9 @@ void sums_rows(const T* dy, const T* x, const double* mean, int64_t rows, int64_
           const T* v = x + r * c_size;
 #pragma omp simd
           for (int64_t c = 0; c < c_size; ++c) {
-            const A gc = static_cast<A>(g[c]);
+            const A gc = widen<A>(g[c]);
             pa_p[c] += gc;
-            pb_p[c] += gc * (static_cast<A>(v[c]) - m[c]);
+            pb_p[c] += gc * (widen<A>(v[c]) - m[c]);
           }
         }
         for (int64_t c = 0; c < c_size; ++c) {
@@ -123,7 +128,7 @@ void sums_rows(const T* dy, const T* x, const double* mean, int64_t rows, int64_
 
 // out = dy * scale[c] + x * slope[c] + shift[c], computed in A and rounded once to T; out
 // may be dy itself (element by element).
-template <typename T, typename A = at::opmath_type<T>>
+template <typename T, typename A>
 void apply_planes(const T* dy, const T* x, T* out, const A* scale, const A* slope,
                   const A* shift, int64_t n, int64_t c_size, int64_t s_size) {
   at::parallel_for(0, n * c_size, 1, [&](int64_t p0, int64_t p1) {
@@ -135,13 +140,13 @@ void apply_planes(const T* dy, const T* x, T* out, const A* scale, const A* slop
       T* o = out + p * s_size;
 #pragma omp simd
       for (int64_t s = 0; s < s_size; ++s) {
-        o[s] = static_cast<T>(static_cast<A>(g[s]) * a + static_cast<A>(v[s]) * b + d);
+        o[s] = narrow<T>(widen<A>(g[s]) * a + widen<A>(v[s]) * b + d);
       }
     }
   });
 }
 
-template <typename T, typename A = at::opmath_type<T>>
+template <typename T, typename A>
 void apply_rows(const T* dy, const T* x, T* out, const A* scale, const A* slope,
                 const A* shift, int64_t rows, int64_t c_size) {
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, c_size));
@@ -152,8 +157,7 @@ void apply_rows(const T* dy, const T* x, T* out, const A* scale, const A* slope,
       T* o = out + r * c_size;
 #pragma omp simd
       for (int64_t c = 0; c < c_size; ++c) {
-        o[c] = static_cast<T>(static_cast<A>(g[c]) * scale[c] + static_cast<A>(v[c]) * slope[c] +
-                              shift[c]);
+        o[c] = narrow<T>(widen<A>(g[c]) * scale[c] + widen<A>(v[c]) * slope[c] + shift[c]);
       }
     }
   });
@@ -192,13 +196,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lean_backward(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, input.scalar_type(),
                                   "memlean::lean_batch_norm backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* g = grad.const_data_ptr<scalar_t>();
-    const scalar_t* x = input.const_data_ptr<scalar_t>();
+    using T = reduced_bits::Element<scalar_t>;
+    const T* g = reduced_bits::elements(grad.const_data_ptr<scalar_t>());
+    const T* x = reduced_bits::elements(input.const_data_ptr<scalar_t>());
     const int64_t spatial = walk == Walk::kPlanes ? count / input.size(0) : 1;
     if (walk == Walk::kPlanes) {
-      sums_planes(g, x, mu.data(), input.size(0), c_size, spatial, sum_dy.data(), sum_dyx.data());
+      sums_planes<T, acc_t>(g, x, mu.data(), input.size(0), c_size, spatial, sum_dy.data(),
+                            sum_dyx.data());
     } else {
-      sums_rows(g, x, mu.data(), count, c_size, sum_dy.data(), sum_dyx.data());
+      sums_rows<T, acc_t>(g, x, mu.data(), count, c_size, sum_dy.data(), sum_dyx.data());
     }
     if (!need_input) return;
     // dx = w*istd*(dy - mean(dy) - xhat*mean(dy*xhat)), xhat = (x - mu)*istd:
@@ -212,7 +218,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lean_backward(
       shift[c] = static_cast<acc_t>(-a * sum_dy[c] / static_cast<double>(count) - b * mu[c]);
     }
     dx = grad_owned_alone(grad, input) ? grad : at::empty_like(input);
-    scalar_t* o = dx.mutable_data_ptr<scalar_t>();
+    T* o = reduced_bits::elements(dx.mutable_data_ptr<scalar_t>());
     if (walk == Walk::kPlanes) {
       apply_planes(g, x, o, scale.data(), slope.data(), shift.data(), input.size(0), c_size,
                    spatial);

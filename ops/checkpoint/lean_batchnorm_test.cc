@@ -1,6 +1,7 @@
 // Tests of memlean::lean_batch_norm (C++ API; under ASan/UBSan in CI): torch's forward and
 // running statistics exactly, gradients equal to float64 autograd of the batch-norm formula,
-// contiguous and channels_last, bfloat16 and float16 no further from float64 than torch's, no
+// contiguous and channels_last, bfloat16 and float16 no further from float64 than torch's, the
+// bfloat16 input gradient the float32 one rounded once, no
 // tensor of the input's size allocated when it may overwrite the incoming gradient (memstats'
 // exact CPU bytes), torch's path where it does not apply.
 #include <ATen/ATen.h>
@@ -8,11 +9,13 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "ops/checkpoint/lean_batchnorm.h"
 #include "runtime/memstats/live_bytes.h"
+#include "testing/rounded_once.h"
 
 namespace memlean {
 namespace {
@@ -121,6 +124,38 @@ TEST(LeanBatchNorm, ReducedPrecisionAsTorchsAndLean) {
         EXPECT_LE(error(grads[0][i], r[i]), 2 * error(grads[1][i], r[i]) + ulp) << "gradient " << i;
       }
     }
+  }
+}
+
+// The bfloat16 kernels widen and round bfloat16 by its bits (vectorized,
+// internal/reduced_bits.h): the input gradient of a bfloat16 batch is the float32 kernel's from
+// the same (exactly widened) values, rounded once to nearest even as c10::BFloat16 rounds: a
+// NaN where float32 has one (a channel whose gradient holds a NaN), large values included.
+TEST(LeanBatchNorm, BfloatInputGradientIsTheFloatOneRoundedOnce) {
+  for (const bool channels_last : {false, true}) {
+    SCOPED_TRACE(channels_last ? "channels_last" : "contiguous");
+    at::manual_seed(11);
+    at::Tensor x = (at::randn({4, 5, 8, 6}) * 3 + 1).to(at::kBFloat16);
+    at::Tensor dy = at::randn({4, 5, 8, 6}).to(at::kBFloat16);
+    dy.index_put_({1, 2, 3, 4}, std::numeric_limits<float>::quiet_NaN());  // channel 2: NaN
+    dy.select(1, 4).mul_(1e36);  // channel 4: gradients near bfloat16's largest exponents
+    if (channels_last) {
+      x = x.contiguous(at::MemoryFormat::ChannelsLast);
+      dy = dy.contiguous(at::MemoryFormat::ChannelsLast);
+    }
+    const at::Tensor w0 = at::rand({5}) + 0.5, b0 = at::randn({5});
+    at::Tensor dx[2];
+    for (const bool reduced : {true, false}) {
+      const at::Tensor xs = (reduced ? x : x.to(at::kFloat)).clone().requires_grad_();
+      ASSERT_TRUE(lean_batch_norm_applies(xs));
+      const at::Tensor y = lean_batch_norm(xs, w0, b0, std::nullopt, std::nullopt, 0.1, 1e-3);
+      torch::autograd::backward({y}, {reduced ? dy.clone() : dy.to(at::kFloat)});
+      dx[reduced ? 0 : 1] = xs.grad();
+    }
+    testing::ExpectRoundedOnce(dx[0], dx[1]);
+    EXPECT_TRUE(dx[0].isnan().select(1, 2).all().item<bool>());
+    EXPECT_FALSE(dx[0].isnan().select(1, 0).any().item<bool>());
+    EXPECT_GT(dx[0].select(1, 4).abs().max().item<float>(), 1e35);
   }
 }
 

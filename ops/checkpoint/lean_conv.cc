@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops/checkpoint/internal/reduced_bits.h"
 #include "third_party/torch/grads.h"
 
 namespace memlean {
@@ -61,11 +62,15 @@ Columns columns(const Shape& s, int64_t kw) {
 
 // The kernels walk the input gradient row by row: each input row ih gathers the output rows
 // oh with oh * stride - padding + kh * dilation == ih, so every (output row, kernel row)
-// pair is visited once, as in a walk over the output rows. A (at::opmath_type<T>): float for
-// float, bfloat16 and half, double for double; products and sums run in A. For T == A the
+// pair is visited once, as in a walk over the output rows. T: the element as the kernels read
+// it (bfloat16 by its bits: internal/reduced_bits.h); A (at::opmath_type of the tensor's
+// type): float for float, bfloat16 and half, double for double; products and sums run in A. For T == A the
 // input gradient is accumulated in place (it starts zeroed); for bfloat16 and half each
 // input row is accumulated in a float row and rounded once into gi, as torch's convolution
 // rounds its float accumulator once.
+
+using reduced_bits::narrow;
+using reduced_bits::widen;
 
 // The output row that input row ih meets through kernel row kh, or -1.
 inline int64_t output_row(const Shape& s, int64_t ih, int64_t kh) {
@@ -79,7 +84,7 @@ inline int64_t output_row(const Shape& s, int64_t ih, int64_t kh) {
 // positions it came from; gw (double, C*KH*KW) the sums of output gradient times input;
 // gb (double, C; nullptr when not wanted) the sums of output gradient. Partial sums in A run
 // over one row at most, then add into double.
-template <typename T, typename A = at::opmath_type<T>>
+template <typename T, typename A>
 void depthwise_backward(const Shape& s, const T* go, const T* x, const T* weight, T* gi,
                         double* gw, double* gb) {
   constexpr bool kWide = !std::is_same_v<T, A>;
@@ -92,7 +97,7 @@ void depthwise_backward(const Shape& s, const T* go, const T* x, const T* weight
     for (int64_t c = c0; c < c1; ++c) {
       std::fill(acc.begin(), acc.end(), 0.0);
       double bias_sum = 0;
-      for (int64_t k = 0; k < k_size; ++k) wa[k] = static_cast<A>(weight[c * k_size + k]);
+      for (int64_t k = 0; k < k_size; ++k) wa[k] = widen<A>(weight[c * k_size + k]);
       for (int64_t n = 0; n < s.n; ++n) {
         const T* g = go + (n * s.c + c) * s.oh * s.ow;
         const T* xp = x + (n * s.c + c) * s.h * s.w;
@@ -102,7 +107,7 @@ void depthwise_backward(const Shape& s, const T* go, const T* x, const T* weight
             const T* grow = g + oh * s.ow;
             A b = 0;
 #pragma omp simd reduction(+ : b)
-            for (int64_t ow = 0; ow < s.ow; ++ow) b += static_cast<A>(grow[ow]);
+            for (int64_t ow = 0; ow < s.ow; ++ow) b += widen<A>(grow[ow]);
             bias_sum += b;
           }
         }
@@ -132,21 +137,21 @@ void depthwise_backward(const Shape& s, const T* go, const T* x, const T* weight
                   A* go_ = girow + off;
 #pragma omp simd reduction(+ : a)
                   for (int64_t ow = lo; ow < hi; ++ow) {
-                    const A gv = static_cast<A>(grow[ow]);
-                    a += gv * static_cast<A>(xo[ow]);
+                    const A gv = widen<A>(grow[ow]);
+                    a += gv * widen<A>(xo[ow]);
                     go_[ow] += gv * wv;
                   }
                 } else {
 #pragma omp simd reduction(+ : a)
                   for (int64_t ow = lo; ow < hi; ++ow) {
-                    a += static_cast<A>(grow[ow]) * static_cast<A>(xo[ow]);
+                    a += widen<A>(grow[ow]) * widen<A>(xo[ow]);
                   }
                 }
               } else {
                 for (int64_t ow = lo; ow < hi; ++ow) {
                   const int64_t iw = ow * sw + off;
-                  const A gv = static_cast<A>(grow[ow]);
-                  a += gv * static_cast<A>(xrow[iw]);
+                  const A gv = widen<A>(grow[ow]);
+                  a += gv * widen<A>(xrow[iw]);
                   if (girow != nullptr) girow[iw] += gv * wv;
                 }
               }
@@ -156,7 +161,7 @@ void depthwise_backward(const Shape& s, const T* go, const T* x, const T* weight
           if constexpr (kWide) {
             if (gp != nullptr) {
               T* out = gp + ih * s.w;
-              for (int64_t iw = 0; iw < s.w; ++iw) out[iw] = static_cast<T>(wide[iw]);
+              for (int64_t iw = 0; iw < s.w; ++iw) out[iw] = narrow<T>(wide[iw]);
             }
           }
         }
@@ -170,7 +175,7 @@ void depthwise_backward(const Shape& s, const T* go, const T* x, const T* weight
 // The same for a channels_last input (N, H, W, C in memory; the output gradient laid out so
 // too): the innermost loop runs over the channels of one pixel. Samples [n0, n1) split among
 // the threads, each with its own double sums (gw: KH*KW*C here, k-major; gb: C), added after.
-template <typename T, typename A = at::opmath_type<T>>
+template <typename T, typename A>
 void depthwise_backward_channels_last(const Shape& s, const T* go, const T* x, const T* weight,
                                       T* gi, double* gw, double* gb) {
   constexpr bool kWide = !std::is_same_v<T, A>;
@@ -178,7 +183,7 @@ void depthwise_backward_channels_last(const Shape& s, const T* go, const T* x, c
   std::vector<A> wt(static_cast<size_t>(k_size * c_size));  // weight, k-major
   for (int64_t c = 0; c < c_size; ++c) {
     for (int64_t k = 0; k < k_size; ++k) {
-      wt[k * c_size + c] = static_cast<A>(weight[c * k_size + k]);
+      wt[k * c_size + c] = widen<A>(weight[c * k_size + k]);
     }
   }
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), s.n));
@@ -198,7 +203,7 @@ void depthwise_backward_channels_last(const Shape& s, const T* go, const T* x, c
             for (int64_t ow = 0; ow < s.ow; ++ow) {
               const T* g = grow + ow * c_size;
 #pragma omp simd
-              for (int64_t c = 0; c < c_size; ++c) r[c] += static_cast<A>(g[c]);
+              for (int64_t c = 0; c < c_size; ++c) r[c] += widen<A>(g[c]);
             }
             for (int64_t c = 0; c < c_size; ++c) ab[c] += r[c];
           }
@@ -232,14 +237,14 @@ void depthwise_backward_channels_last(const Shape& s, const T* go, const T* x, c
                   A* gp = girow + iw * c_size;
 #pragma omp simd
                   for (int64_t c = 0; c < c_size; ++c) {
-                    const A gv = static_cast<A>(g[c]);
-                    r[c] += gv * static_cast<A>(xp[c]);
+                    const A gv = widen<A>(g[c]);
+                    r[c] += gv * widen<A>(xp[c]);
                     gp[c] += gv * wk[c];
                   }
                 } else {
 #pragma omp simd
                   for (int64_t c = 0; c < c_size; ++c) {
-                    r[c] += static_cast<A>(g[c]) * static_cast<A>(xp[c]);
+                    r[c] += widen<A>(g[c]) * widen<A>(xp[c]);
                   }
                 }
               }
@@ -250,7 +255,7 @@ void depthwise_backward_channels_last(const Shape& s, const T* go, const T* x, c
           if constexpr (kWide) {
             if (gi != nullptr) {
               T* out = gi + in_row;
-              for (int64_t e = 0; e < s.w * c_size; ++e) out[e] = static_cast<T>(wide[e]);
+              for (int64_t e = 0; e < s.w * c_size; ++e) out[e] = narrow<T>(wide[e]);
             }
           }
         }
@@ -292,12 +297,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lean_backward(const at::Tensor& g
   std::vector<double> gb(need_bias ? static_cast<size_t>(shape.c) : 0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, input.scalar_type(),
                                   "memlean::lean_conv2d backward", [&] {
-    auto* kernel = shape.channels_last ? &depthwise_backward_channels_last<scalar_t>
-                                       : &depthwise_backward<scalar_t>;
-    kernel(shape, grad.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
-           weight.const_data_ptr<scalar_t>(),
-           need_input ? gi.mutable_data_ptr<scalar_t>() : nullptr, gw.data(),
-           need_bias ? gb.data() : nullptr);
+    using T = reduced_bits::Element<scalar_t>;
+    using A = at::opmath_type<scalar_t>;
+    auto* kernel = shape.channels_last ? &depthwise_backward_channels_last<T, A>
+                                       : &depthwise_backward<T, A>;
+    kernel(shape, reduced_bits::elements(grad.const_data_ptr<scalar_t>()),
+           reduced_bits::elements(input.const_data_ptr<scalar_t>()),
+           reduced_bits::elements(weight.const_data_ptr<scalar_t>()),
+           need_input ? reduced_bits::elements(gi.mutable_data_ptr<scalar_t>()) : nullptr,
+           gw.data(), need_bias ? gb.data() : nullptr);
   });
   const auto options = at::TensorOptions().dtype(at::kDouble);
   at::Tensor dw, db;

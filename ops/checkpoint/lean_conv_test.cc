@@ -1,13 +1,15 @@
 // Tests of memlean::lean_conv2d (C++ API; under ASan/UBSan in CI): torch's forward exactly,
 // gradients of a depthwise convolution equal to float64 autograd's for strides 1 and 2 and
 // asymmetric padding, contiguous and channels_last, bfloat16/float16 models and CPU autocast
-// no further from float64 than torch's own, the input gradient the one tensor of the input's
+// no further from float64 than torch's own, the bfloat16 input gradient the float32 one
+// rounded once, the input gradient the one tensor of the input's
 // size its backward allocates (memstats' exact CPU bytes), torch's path where it does not
 // apply.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -15,6 +17,7 @@
 #include "ops/checkpoint/lean_conv.h"
 #include "runtime/memstats/live_bytes.h"
 #include "testing/autocast_region.h"
+#include "testing/rounded_once.h"
 
 namespace memlean {
 namespace {
@@ -164,6 +167,40 @@ TEST(LeanConv, ReducedPrecisionAndAutocastNoFurtherFromFloat64ThanTorchs) {
           }
         }
       }
+    }
+  }
+}
+
+// The bfloat16 kernels widen and round bfloat16 by its bits (vectorized,
+// internal/reduced_bits.h): each input-gradient row of a bfloat16 convolution is the float32
+// kernel's from the same (exactly widened) values, rounded once to nearest even as
+// c10::BFloat16 rounds, a NaN in the output gradient included; contiguous and channels_last,
+// strides 1 and 2.
+TEST(LeanConv, BfloatInputGradientIsTheFloatOneRoundedOnce) {
+  for (const bool last : {false, true}) {
+    for (const int64_t stride : {1, 2}) {
+      SCOPED_TRACE(std::string(last ? "channels_last" : "contiguous") + " stride " +
+                   std::to_string(stride));
+      at::manual_seed(7);
+      at::Tensor x = at::randn({3, 8, 13, 10}, at::kBFloat16);
+      if (last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+      const at::Tensor w0 = at::randn({8, 1, 3, 3}, at::kBFloat16);
+      at::Tensor dy;
+      at::Tensor gi[2];
+      for (const bool reduced : {true, false}) {
+        const auto type = reduced ? at::kBFloat16 : at::kFloat;
+        const at::Tensor xs = x.to(type).clone().requires_grad_();
+        const at::Tensor w = w0.to(type).requires_grad_();
+        const at::Tensor y = lean_conv2d(xs, w, std::nullopt, {stride}, {1}, {1}, 8);
+        if (!dy.defined()) {
+          dy = at::randn(y.sizes(), at::kBFloat16);
+          dy.index_put_({1, 3, 2, 2}, std::numeric_limits<float>::quiet_NaN());
+        }
+        gi[reduced ? 0 : 1] = torch::autograd::grad({y}, {xs}, {dy.to(type)})[0];
+      }
+      testing::ExpectRoundedOnce(gi[0], gi[1]);
+      EXPECT_TRUE(gi[0].isnan().any().item<bool>());
+      EXPECT_FALSE(gi[0].isnan().select(1, 2).any().item<bool>());
     }
   }
 }
