@@ -61,9 +61,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import enum
 import json
 import numbers
 import time
+import types
 import warnings
 import weakref
 from dataclasses import asdict, dataclass
@@ -314,6 +316,38 @@ def _tensors(obj):
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
+# What a module's arguments may hold for fit to checkpoint it: tensors, plain values, and
+# tuples, lists and dicts of them (any depth). Anything else is an object whose state the
+# module's forward may change (transformers' key-value caches: a DynamicCache's update()
+# appends the keys and values it is given), so that a recompute in backward would change it
+# again and compute from the changed state: with use_cache=True (transformers' default in
+# training without gradient checkpointing), a checkpointed GPT-2 attention recomputed over
+# twice the keys and gave gradients 100 % off, silently (2026-11-28).
+_PLAIN = (torch.Tensor, numbers.Number, str, bytes, type(None), type(Ellipsis), slice,
+          torch.dtype, torch.device, torch.layout, torch.memory_format, torch.nn.Module,
+          enum.Enum, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+
+
+def _opaque_argument(obj, depth: int = 0) -> Optional[type]:
+    """The type of the first object in a call's arguments that is not a tensor, a plain value
+    or a tuple, list or dict of them (an object whose state a forward may change), or None."""
+    if isinstance(obj, _PLAIN):
+        return None
+    if depth > 32:  # (a deeper structure: counted as one fit cannot see into)
+        return type(obj)
+    if isinstance(obj, dict):
+        values = obj.values()
+    elif isinstance(obj, (tuple, list)):
+        values = obj
+    else:
+        return type(obj)
+    for v in values:
+        found = _opaque_argument(v, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
 def _storage_parts(tensors):
     """The tensors whose storages hold `tensors`: a sparse tensor's indices and values (it has
     no storage of its own; e.g. SGD's momentum for a sparse gradient), others as they are."""
@@ -375,6 +409,9 @@ class _Call:
     # (id, nbytes) of the buffers of its tree that a checkpoint would rewind and that its
     # forward changed: a checkpoint of it keeps a copy of each until its backward.
     changed_buffers: tuple = ()
+    # The type of an object among its arguments whose state its forward may change
+    # (_opaque_argument; e.g. a key-value cache), or None: fit checkpoints no such call.
+    opaque: Optional[type] = None
 
     @property
     def input_key(self):
@@ -552,7 +589,8 @@ class _Recorder:
                      inputs=tuple(map(self.identities.key, tensors)),
                      parent=self.stack[-1][0] if self.stack else None,
                      input_id=id(args[0]) if single else 0,
-                     input_view=_view(args[0]) if single else ())
+                     input_view=_view(args[0]) if single else (),
+                     opaque=_opaque_argument((args, kwargs)))
         rewound = rewound_buffers([module], _module_buffers(module))
         self.stack.append((call, [t._version for t in tensors],
                            [(b, b._version) for b in rewound]))
@@ -1452,6 +1490,36 @@ def _with_unversioned_writers(model, run):
                                 if any(id(b) in changed for b in m.buffers()))
 
 
+def _stateful_modules(rec: _Recorder, model) -> frozenset:
+    """The id() of every module a call of which had an object among its arguments whose state
+    its forward may change (_Call.opaque: a key-value cache), and of the modules it ran
+    inside, with a warning naming the first: fit checkpoints none of them, nor a run or sliced
+    chain holding one (a recompute would change the object again and compute from its
+    changed state)."""
+    calls = [c for c in rec.calls if c.opaque is not None]
+    if not calls:
+        return frozenset()
+    paths = _paths(model)
+    names = sorted({paths.get(id(c.module), type(c.module).__name__) for c in calls})
+    kinds = sorted({c.opaque.__name__ for c in calls})
+    hint = ("; for a transformers model, use_cache=False (as gradient_checkpointing_enable() "
+            "sets it) passes no cache, and its layers become candidates"
+            if any("Cache" in k for k in kinds) else "")
+    warnings.warn(f"{_NAME}: {len(names)} module(s) ({', '.join(names[:3])}"
+                  f"{', ...' if len(names) > 3 else ''}) are called with "
+                  f"{' or '.join(kinds)} object(s), whose state their forward may change: fit "
+                  f"checkpoints none of them (a recompute in backward would change it again)"
+                  f"{hint}.", RuntimeWarning, stacklevel=3)
+    # Their callers too: one may hand down an object it did not make (its attribute), and a
+    # recompute of the caller would change that again.
+    found = set()
+    for c in calls:
+        while c is not None:
+            found.add(id(c.module))
+            c = c.parent
+    return frozenset(found)
+
+
 def _buffers_of(module):
     return module.buffers() if isinstance(module, _Run) else _module_buffers(module)
 
@@ -2030,6 +2098,11 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             _measure_plan(step, [], (), compile_options) if swapped else plain)
         if empty_peak <= budget:
             return done(empty_peak, empty_peak)
+
+        # Modules called with an object whose state their forward may change (a key-value
+        # cache): no checkpoint holds them (_opaque_argument says why).
+        stateful = _stateful_modules(eager.recorder, model)
+        unversioned = unversioned | stateful
 
         # 2. Checkpoints, planned; 3. verified and tightened.
         # Runs of sibling modules are eager-only (not checkpointed under torch.compile).

@@ -281,6 +281,64 @@ class DataScaled(nn.Module):
         # checkpoint frees more than its body's)
 
 
+class KeyValueCache:
+    """A key-value cache as transformers' DynamicCache is one: update() appends the keys and
+    values it is given and returns all it holds (a recompute of a layer that calls it would
+    append them again and attend over twice the keys)."""
+
+    def __init__(self):
+        self.keys = {}
+
+    def update(self, layer, k, v):
+        if layer in self.keys:
+            k = torch.cat([self.keys[layer][0], k], 1)
+            v = torch.cat([self.keys[layer][1], v], 1)
+        self.keys[layer] = (k, v)
+        return k, v
+
+
+class CachedAttention(nn.Module):
+    def __init__(self, d, layer):
+        super().__init__()
+        self.qkv, self.out, self.layer = nn.Linear(d, 3 * d), nn.Linear(d, d), layer
+
+    def forward(self, x, cache=None):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)
+        return self.out(torch.softmax(q @ k.transpose(1, 2) / q.shape[-1] ** 0.5, -1) @ v)
+
+
+class CachedBlock(nn.Module):
+    def __init__(self, d, layer):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = CachedAttention(d, layer)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x, cache=None):
+        x = x + self.attn(self.norm1(x), cache=cache)
+        return x + self.mlp(self.norm2(x))
+
+
+class CachedLM(nn.Module):
+    """A decoder whose forward makes a key-value cache and hands it to every block, as
+    transformers' models do in training with use_cache=True (their default without gradient
+    checkpointing)."""
+
+    def __init__(self, d=32, depth=3, use_cache=True):
+        super().__init__()
+        self.blocks = nn.ModuleList(CachedBlock(d, i) for i in range(depth))
+        self.head = nn.Linear(d, 16)
+        self.use_cache = use_cache
+
+    def forward(self, x):
+        cache = KeyValueCache() if self.use_cache else None
+        for block in self.blocks:
+            x = block(x, cache=cache)
+        return self.head(x)
+
+
 class MBConv(nn.Module):
     """An inverted residual block (EfficientNet's): its wide middle makes backward's own
     working memory (activation gradients, temporaries) a large part of a checkpointed step's
@@ -911,6 +969,43 @@ class FitTest(unittest.TestCase):
         # its recorded step and checkpoints what lies inside them instead (each block's body);
         # training equals the unfitted twin's in float64.
         check_no_checkpoint_holds_a_data_change(self, "cpu")
+
+    def test_a_module_given_a_cache_its_forward_updates_is_never_checkpointed(self):
+        # A recompute would update the cache again and attend over twice the keys: before
+        # 2026-11-28 fit checkpointed the attention modules (and transformers' GPT-2
+        # attention, use_cache=True), and gradients were 100 % off, silently. Now no module
+        # called with such an object (nor one it runs inside) is checkpointed, fit says so in
+        # a warning, and training through the plan equals the unfitted twin's in float64;
+        # without a cache (use_cache=False), the same modules are candidates again.
+        for use_cache in (True, False):
+            with self.subTest(use_cache=use_cache):
+                torch.manual_seed(0)
+                model = CachedLM(use_cache=use_cache).double()
+                twin = copy.deepcopy(model)
+                x = torch.randn(4, 64, 32, dtype=torch.double)
+                loss_fn = lm_loss_of(torch.randint(0, 16, (4, 64)))
+                opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+                opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    least, eager = least_and_eager(self, model, x, loss_fn, opt)
+                    self.assertLess(least, eager)
+                    plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
+                said = [str(w.message) for w in caught if "KeyValueCache" in str(w.message)]
+                checkpointed = [a.path for a in plan.actions if a.action == "checkpoint"]
+                self.assertTrue(checkpointed, str(plan))
+                called_with_cache = {f"blocks.{i}" for i in range(3)} | {
+                    f"blocks.{i}.attn" for i in range(3)}
+                if use_cache:
+                    self.assertTrue(said)
+                    self.assertIn("blocks.0, blocks.0.attn", said[0])
+                    self.assertFalse(called_with_cache & set(checkpointed), str(plan))
+                else:
+                    self.assertFalse(said)
+                    self.assertTrue(called_with_cache & set(checkpointed), str(plan))
+                train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol=1e-9, atol=1e-11)
+                self.assertLessEqual(step_peak(model, (x,), loss_fn, opt), least)
+                plan.undo()
 
     def test_runs_of_sibling_modules(self):
         # fit's finer candidates: consecutive sibling calls that hand one tensor along. Only
