@@ -335,17 +335,33 @@ variable_list CheckpointBackward::apply(variable_list&& grad_outputs) {
   // gradients are still taken with respect to them, so backward stops there). Parameters:
   // as they are (the function reads them from its closure).
   const bool double_backward = create_graph && !state.backward_in_full;
+  const bool casts = state.autocast.enabled[0] || state.autocast.enabled[1];
   std::vector<c10::IValue> inputs = state.inputs;
   variable_list args(saved_.size());
   for (size_t i = 0; i < saved_.size(); ++i) {
     at::Tensor t = saved_[i].unpack();  // an error if it was modified in place since
+    // Autocast caches its lower-precision copy of a float32 leaf that requires grad (meant
+    // for weights). Were the recompute's detached input, a leaf, cached where the forward's
+    // input (a layer's output, no leaf) was not, the recompute would cast it once for all its
+    // uses and sum their gradients in the lower precision, where the forward cast it per use
+    // and summed them in float32: a Llama MLP checkpointed under bfloat16 autocast gave input
+    // gradients 5e-3 off (2026-11-28). The recompute then gets a view of it, which autocast
+    // never caches, as it did not cache the forward's input.
+    const bool uncached = casts && t.requires_grad() && (!t.is_leaf() || t.is_view());
     if (i < n_in && !double_backward) {
       args[i] = t.detach();
       args[i].requires_grad_(t.requires_grad());
     } else {
       args[i] = std::move(t);
     }
-    if (i < n_in) inputs[state.input_tensor_slots[i]] = args[i];
+    if (i < n_in) {
+      at::Tensor given = args[i];
+      if (uncached && given.is_leaf()) {
+        at::AutoGradMode grad_mode(true);
+        given = given.view_as(given);
+      }
+      inputs[state.input_tensor_slots[i]] = std::move(given);
+    }
   }
 
   std::vector<c10::IValue> outputs;

@@ -22,6 +22,7 @@
 #include "ops/checkpoint/checkpoint.h"
 #include "ops/checkpoint/sequential.h"
 #include "runtime/memstats/live_bytes.h"
+#include "testing/autocast_region.h"
 #include "testing/expect_error.h"
 
 namespace memlean {
@@ -201,6 +202,44 @@ TEST(Checkpoint, WithoutGradModeItIsAPlainCall) {
   EXPECT_EQ(calls, 1);
   EXPECT_FALSE(out[0].requires_grad());
   EXPECT_TRUE(at::equal(out[0], block(x)));
+}
+
+// ---- autocast --------------------------------------------------------------------------
+
+// A segment whose input, a float32 layer output (no leaf), feeds two linear layers in a CPU
+// bfloat16 autocast region (a gated MLP's gate and up projections): the forward casts it per
+// use and sums the two gradients in float32. The recompute casts it per use too (a view of
+// its detached input: autocast caches a float32 leaf that requires grad, as it caches weights;
+// until 2026-11-28 it did, and summed the two gradients in bfloat16), so the gradients are
+// bitwise those without checkpoint.
+TEST(Checkpoint, AutocastRecomputeCastsALayerOutputPerUseAsTheForwardDid) {
+  at::manual_seed(0);
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const at::Tensor gate = at::randn({64, 32}, f32).requires_grad_();
+  const at::Tensor up = at::randn({64, 32}, f32).requires_grad_();
+  const at::Tensor scale = (at::rand({32}, f32) + 0.5).requires_grad_();
+  const at::Tensor x0 = at::randn({16, 32}, f32);
+  auto mlp = [&](const Tensors& in) {
+    return Tensors{at::silu(at::linear(in[0], gate)) * at::linear(in[0], up)};
+  };
+  auto grads = [&](bool checkpointed) {
+    const at::Tensor x = x0.clone().requires_grad_();
+    at::Tensor loss;
+    {
+      testing::AutocastRegion region(at::kBFloat16);
+      const at::Tensor h = x * at::rsqrt(x.pow(2).mean(-1, true)) * scale;  // float32
+      const at::Tensor out = checkpointed ? checkpoint(mlp, 1, {h, gate, up})[0] : mlp({h})[0];
+      EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+      loss = out.to(at::kFloat).pow(2).sum();
+    }
+    loss.backward();  // outside the region, as PyTorch's autocast docs advise
+    return take_grads({x, gate, up, scale});
+  };
+  const Tensors plain = grads(false);
+  const Tensors checkpointed = grads(true);
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_TRUE(at::equal(checkpointed[i], plain[i])) << "gradient " << i;
+  }
 }
 
 // ---- RNG -----------------------------------------------------------------------------

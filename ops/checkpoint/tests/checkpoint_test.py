@@ -380,6 +380,40 @@ def test_autocast_state_of_the_forward_is_used_by_the_recompute():
     assert not torch.is_autocast_enabled("cpu")
 
 
+def test_autocast_recompute_casts_a_layer_output_per_use_as_the_forward_did():
+    # A segment whose input, a float32 layer output (no leaf; an RMSNorm's, which autocast
+    # leaves in float32), feeds two Linears under bf16 autocast (a gated MLP's gate and up
+    # projections): the forward casts it once per use and sums the two gradients in float32.
+    # Until 2026-11-28 the recompute's detached input was a leaf that requires grad, which
+    # autocast caches (as it caches weights): one cast for both uses, their gradients summed in
+    # bf16, the input gradient off by bf16's rounding (5e-3 of the largest in a Llama MLP of
+    # transformers; here 4.8e-6 absolute). Now bitwise equal to the step without checkpoint;
+    # also where the input is a leaf of the user's (cached in both).
+    torch.manual_seed(0)
+    gate, up, down = nn.Linear(32, 64), nn.Linear(32, 64), nn.Linear(64, 32)
+    scale = nn.Parameter(torch.rand(32) + 0.5)
+    params = [p for m in (gate, up, down) for p in m.parameters()]
+    x0 = torch.randn(16, 32)
+
+    def mlp(h):
+        return down(F.silu(gate(h)) * up(h))
+
+    def grads(checkpointed, leaf_input):
+        for p in params + [scale]:
+            p.grad = None
+        x = x0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = x if leaf_input else x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * scale
+            out = memlean.checkpoint(mlp, h, params=params) if checkpointed else mlp(h)
+            loss = (out.float() ** 2).sum()
+        loss.backward()  # outside the region, as PyTorch's autocast docs advise
+        return [x.grad] + [p.grad for p in params] + ([] if leaf_input else [scale.grad])
+
+    for leaf_input in (False, True):
+        for a, b in zip(grads(True, leaf_input), grads(False, leaf_input)):
+            assert torch.equal(a, b), leaf_input
+
+
 def test_autocast_loop_with_backward_outside_the_region_trains_as_without_checkpoint():
     # A loop as PyTorch's autocast docs write it: forward and loss in a region per step,
     # backward and the optimizer step outside it. The recompute's bf16 copies of the weights
