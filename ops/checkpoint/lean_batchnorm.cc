@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "ops/checkpoint/internal/reduced_bits.h"
-
 #include "third_party/torch/grads.h"
 
 namespace memlean {

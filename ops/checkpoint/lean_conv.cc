@@ -64,10 +64,10 @@ Columns columns(const Shape& s, int64_t kw) {
 // oh with oh * stride - padding + kh * dilation == ih, so every (output row, kernel row)
 // pair is visited once, as in a walk over the output rows. T: the element as the kernels read
 // it (bfloat16 by its bits: internal/reduced_bits.h); A (at::opmath_type of the tensor's
-// type): float for float, bfloat16 and half, double for double; products and sums run in A. For T == A the
-// input gradient is accumulated in place (it starts zeroed); for bfloat16 and half each
-// input row is accumulated in a float row and rounded once into gi, as torch's convolution
-// rounds its float accumulator once.
+// type): float for float, bfloat16 and half, double for double; products and sums run in A.
+// For T == A the input gradient is accumulated in place (it starts zeroed); for bfloat16 and
+// half each input row is accumulated in a float row and rounded once into gi, as torch's
+// convolution rounds its float accumulator once.
 
 using reduced_bits::narrow;
 using reduced_bits::widen;

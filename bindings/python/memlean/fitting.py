@@ -1490,16 +1490,15 @@ def _with_unversioned_writers(model, run):
                                 if any(id(b) in changed for b in m.buffers()))
 
 
-def _stateful_modules(rec: _Recorder, model) -> frozenset:
+def _stateful_modules(rec: _Recorder, paths) -> frozenset:
     """The id() of every module a call of which had an object among its arguments whose state
     its forward may change (_Call.opaque: a key-value cache), and of the modules it ran
     inside, with a warning naming the first: fit checkpoints none of them, nor a run or sliced
     chain holding one (a recompute would change the object again and compute from its
-    changed state)."""
+    changed state). paths: _paths(model)."""
     calls = [c for c in rec.calls if c.opaque is not None]
     if not calls:
         return frozenset()
-    paths = _paths(model)
     names = sorted({paths.get(id(c.module), type(c.module).__name__) for c in calls})
     kinds = sorted({c.opaque.__name__ for c in calls})
     hint = ("; for a transformers model, use_cache=False (as gradient_checkpointing_enable() "
@@ -2101,15 +2100,14 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
 
         # Modules called with an object whose state their forward may change (a key-value
         # cache): no checkpoint holds them (_opaque_argument says why).
-        stateful = _stateful_modules(eager.recorder, model)
-        unversioned = unversioned | stateful
+        paths = _paths(model)
+        unversioned = unversioned | _stateful_modules(eager.recorder, paths)
 
         # 2. Checkpoints, planned; 3. verified and tightened.
         # Runs of sibling modules are eager-only (not checkpointed under torch.compile).
         runs_found = (_runs(eager.recorder, current.recorder, model, exclude=unversioned)
                       if runs and not compiled else [])
         problem = _problem(current, model, runs_found, exclude=unversioned)
-        paths = _paths(model)
 
         def search(problem, empty_peak):
             """The search (ops/fit/search.h, the one loop of both languages): plan, measure
