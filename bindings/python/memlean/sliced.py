@@ -35,6 +35,28 @@ from memlean.swish import Swish
 _ELEMENTWISE = (nn.SiLU, nn.ReLU, nn.ReLU6, nn.Hardswish, nn.Hardsigmoid, nn.GELU,
                 nn.LeakyReLU, nn.ELU, nn.Mish, nn.Sigmoid, nn.Tanh, nn.Identity, Swish)
 
+# transformers' activation modules (transformers.activations, what its ACT2FN makes: Llama's
+# and Qwen2's SiLUActivation, GPT-2's and Phi's NewGELUActivation, GPT-NeoX's GELUActivation)
+# that act on each element alone, without parameters. (Not XIELUActivation: it has some.)
+_TRANSFORMERS_ELEMENTWISE = frozenset((
+    "SiLUActivation", "GELUActivation", "NewGELUActivation", "GELUTanh", "FastGELUActivation",
+    "QuickGELUActivation", "AccurateGELUActivation", "ClippedGELUActivation",
+    "ReLUSquaredActivation", "MishActivation", "LaplaceActivation", "LinearActivation"))
+
+
+def transformers_activation(module) -> Optional[str]:
+    """The class name when `module` is one of transformers' elementwise activation modules
+    (_TRANSFORMERS_ELEMENTWISE) running the forward transformers.activations defines: not one
+    a kernel from the hub replaced (transformers' `kernels` integration), nor an instance
+    forward of its own (_patched). Else None."""
+    kind = type(module)
+    if (kind.__module__ != "transformers.activations"
+            or kind.__name__ not in _TRANSFORMERS_ELEMENTWISE
+            or getattr(kind.forward, "__module__", None) != "transformers.activations"
+            or _patched(module)):
+        return None
+    return kind.__name__
+
 
 def _timm_norm_act(module) -> bool:
     """timm's BatchNormAct2d: torch's BatchNorm2d forward, then its drop and act modules."""
@@ -44,13 +66,15 @@ def _timm_norm_act(module) -> bool:
 
 def elementwise(module) -> bool:
     """Whether `module` is an activation fit may run on a slice of channels: one of torch's
-    (or memlean's) parameterless elementwise activation modules, or timm's Swish-like ones,
-    its own forward, no hooks."""
+    (or memlean's) parameterless elementwise activation modules, timm's Swish-like ones, or
+    transformers' (transformers_activation), its own forward, no hooks."""
     if any(True for _ in module.parameters()) or _hooked(module) or _patched(module):
         return False
     for kind in type(module).__mro__:
         if kind in _ELEMENTWISE:  # (not a subclass with a forward of its own)
             return type(module).forward is kind.forward
+    if transformers_activation(module) is not None:
+        return True
     kind = type(module)
     return kind.__module__.startswith("timm.") and kind.__name__ in (
         "Swish", "SiLU", "Mish", "HardSwish", "HardSigmoid", "GELU", "Sigmoid", "Tanh")
@@ -435,14 +459,37 @@ def _passes(module) -> bool:
     return type(module) is nn.Dropout and module.p == 0
 
 
+def _conv1d(module) -> bool:
+    """transformers' Conv1D (GPT-2's MLP and attention projections): a Linear whose weight
+    is stored transposed, [in, out]; its forward is addmm(bias, x, weight)."""
+    kind = type(module)
+    return kind.__name__ == "Conv1D" and kind.__module__ == "transformers.pytorch_utils"
+
+
 def _linear(module) -> bool:
-    return (type(module) is nn.Linear and not _hooked(module) and not _patched(module))
+    """An nn.Linear or transformers' Conv1D, its class's forward, no hooks."""
+    return ((type(module) is nn.Linear or _conv1d(module)) and not _hooked(module)
+            and not _patched(module))
+
+
+def _features(module):
+    """(in features, out features) of a _linear module."""
+    if _conv1d(module):
+        return tuple(module.weight.shape)
+    return module.in_features, module.out_features
+
+
+def _weight(module) -> torch.Tensor:
+    """A _linear module's weight as nn.Linear keeps it, [out, in] (Conv1D's: a transposed
+    view, through which autograd hands the gradient back)."""
+    return module.weight.t() if _conv1d(module) else module.weight
 
 
 def mlp_parts(modules: Sequence[nn.Module]):
-    """(fc1, acts, fc2) when `modules` are an nn.Linear, elementwise activations (elementwise)
-    or modules that pass their input on (_passes), an nn.Linear taking fc1's features, then
-    optionally modules that pass their input on; acts: the activations in order. Else None."""
+    """(fc1, acts, fc2) when `modules` are an nn.Linear (or transformers' Conv1D, GPT-2's),
+    elementwise activations (elementwise) or modules that pass their input on (_passes), an
+    nn.Linear (Conv1D) taking fc1's features, then optionally modules that pass their input
+    on; acts: the activations in order. Else None."""
     modules = list(modules)
     if len(modules) < 3 or not _linear(modules[0]):
         return None
@@ -453,7 +500,7 @@ def mlp_parts(modules: Sequence[nn.Module]):
     k = tails[0]
     fc2 = modules[k]
     middle, after = modules[1:k], modules[k + 1:]
-    if fc2.in_features != fc1.out_features or not all(
+    if _features(fc2)[0] != _features(fc1)[1] or not all(
             _passes(m) or elementwise(m) for m in middle) or not all(map(_passes, after)):
         return None
     acts = [m for m in middle if not _passes(m)]
@@ -473,8 +520,8 @@ def _sliced(x, gate, acts, up, down, gated, gate_first, slices):
     slices None: the C++ default, about one per SLICE_BYTES (1 MiB) of the hidden tensor in
     the dtype the MLP computes in, at most 16 (memlean::sliced_mlp_slices)."""
     act = (lambda h: _activate(acts, h)) if acts else None
-    return _C.sliced_mlp(x, gate.weight, gate.bias, act, None if up is None else up.weight,
-                         None if up is None else up.bias, down.weight, down.bias, gated,
+    return _C.sliced_mlp(x, _weight(gate), gate.bias, act, None if up is None else _weight(up),
+                         None if up is None else up.bias, _weight(down), down.bias, gated,
                          gate_first, slices or 0, any(writes(m) for m in acts), SLICE_BYTES)
 
 
@@ -489,7 +536,9 @@ def sliced_mlp(x: torch.Tensor, modules: Sequence[nn.Module],
     features and recomputed that way in backward, which keeps x (and the parameters) alone.
     modules: an nn.Linear, elementwise activation modules (and nn.Identity, nn.Dropout(p=0)),
     an nn.Linear taking the first one's features, then optionally nn.Identity/nn.Dropout(p=0)
-    (timm's Mlp: fc1, act, drop1, norm, fc2, drop2), without hooks. x: a CPU tensor of
+    (timm's Mlp: fc1, act, drop1, norm, fc2, drop2), without hooks; transformers' Conv1D
+    (GPT-2's c_fc and c_proj) in place of an nn.Linear, and its activation modules
+    (NewGELUActivation, ...) among the activations. x: a CPU tensor of
     float32, float64, bfloat16 or float16, the modules' dtype; in a CPU autocast region the
     MLP computes in its dtype as nn.Linear does there (output of that dtype, float32
     parameters' gradients float32). Where the sliced path does not apply (another device or
@@ -505,12 +554,13 @@ def sliced_mlp(x: torch.Tensor, modules: Sequence[nn.Module],
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"memlean.sliced_mlp: x must be a tensor, got {type(x).__name__}")
     fc1, acts, fc2 = parts
-    _check_slices("memlean.sliced_mlp", slices, fc1.out_features)
+    features, hidden = _features(fc1)
+    _check_slices("memlean.sliced_mlp", slices, hidden)
     if not applies(x, mlp=True):
         return _in_turn(x, modules)
-    if x.shape[-1] != fc1.in_features:
+    if x.shape[-1] != features:
         raise ValueError(f"memlean.sliced_mlp: x has {x.shape[-1]} features in its last "
-                         f"dimension, the MLP takes {fc1.in_features}")
+                         f"dimension, the MLP takes {features}")
     return run_sliced_mlp(x, fc1, acts, fc2, slices)
 
 
@@ -518,15 +568,16 @@ def sliced_mlp(x: torch.Tensor, modules: Sequence[nn.Module],
 
 
 def gated_parts(gate, acts, up, down):
-    """Whether gate, up and down are nn.Linears of a gated MLP (gate and up map x's features
-    to the same hidden ones, down maps them back; up None: gate packs both, its output twice
-    down's input features) and acts elementwise activations (or modules that pass their
-    input on), none hooked."""
+    """Whether gate, up and down are nn.Linears (or transformers' Conv1Ds) of a gated MLP
+    (gate and up map x's features to the same hidden ones, down maps them back; up None: gate
+    packs both, its output twice down's input features) and acts elementwise activations (or
+    modules that pass their input on), none hooked."""
     if up is None:
-        return (_linear(gate) and _linear(down) and gate.out_features == 2 * down.in_features
+        return (_linear(gate) and _linear(down)
+                and _features(gate)[1] == 2 * _features(down)[0]
                 and all(_passes(m) or elementwise(m) for m in acts))
-    return (all(map(_linear, (gate, up, down))) and gate.in_features == up.in_features
-            and gate.out_features == up.out_features == down.in_features
+    return (all(map(_linear, (gate, up, down))) and _features(gate) == _features(up)
+            and _features(gate)[1] == _features(down)[0]
             and all(_passes(m) or elementwise(m) for m in acts))
 
 
@@ -548,7 +599,7 @@ def sliced_gated_mlp(x: torch.Tensor, gate: nn.Module, act: Sequence[nn.Module],
     """down(act(gate(x)) * up(x)) (a SwiGLU or GeGLU MLP; act: the activation modules in
     order, e.g. [nn.SiLU()]), computed slice by slice of the hidden features and recomputed
     that way in backward, which keeps x (and the parameters) alone. gate, up, down:
-    nn.Linear without hooks. up None: gate packs both, its output's first half the gate's
+    nn.Linear (or transformers' Conv1D) without hooks. up None: gate packs both, its output's first half the gate's
     and second half up's where gate_first (else the other way round: timm's GluMlp with
     gate_last=True), i.e. down(act(g) * u) with g, u = gate(x).chunk(2, dim=-1). Dtypes and
     autocast as sliced_mlp. Where the sliced path does not apply (another device or dtype,
@@ -566,12 +617,12 @@ def sliced_gated_mlp(x: torch.Tensor, gate: nn.Module, act: Sequence[nn.Module],
     if not isinstance(gate_first, bool):
         raise TypeError(f"memlean.sliced_gated_mlp: gate_first must be a bool, got "
                         f"{type(gate_first).__name__}")
-    _check_slices("memlean.sliced_gated_mlp", slices, down.in_features)
+    _check_slices("memlean.sliced_gated_mlp", slices, _features(down)[0])
     if not applies(x, mlp=True):
         if up is None:
             return _packed_in_turn(x, gate, acts, down, gate_first)
         return down(_in_turn(gate(x), acts) * up(x))
-    if x.shape[-1] != gate.in_features:
+    if x.shape[-1] != _features(gate)[0]:
         raise ValueError(f"memlean.sliced_gated_mlp: x has {x.shape[-1]} features in its last "
-                         f"dimension, the MLP takes {gate.in_features}")
+                         f"dimension, the MLP takes {_features(gate)[0]}")
     return run_sliced_gated_mlp(x, gate, acts, up, down, slices, gate_first)

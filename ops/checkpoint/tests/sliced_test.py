@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memlean
 from memlean import memstats
-from optional_deps import available
+from optional_deps import available, require
 
 
 def chain(head=True, cin=5, c=12, stride=2, act=nn.SiLU, bias=False, momentum=0.1,
@@ -620,6 +620,91 @@ def test_mlp_double_backward_is_refused():
     (g,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         g.sum().backward()
+
+
+# ---- transformers' MLP modules: Conv1D (GPT-2's c_fc, c_proj) and its activations ----------
+
+# transformers' elementwise activation modules by name (transformers.activations), each
+# sliced as the modules in turn compute it.
+TRANSFORMERS_ACTIVATIONS = ["SiLUActivation", "GELUActivation", "NewGELUActivation",
+                            "GELUTanh", "FastGELUActivation", "QuickGELUActivation",
+                            "AccurateGELUActivation", "ReLUSquaredActivation",
+                            "MishActivation", "LaplaceActivation", "LinearActivation"]
+
+
+def transformers_module(name, *args):
+    transformers = require("transformers")
+    if name == "Conv1D":
+        return transformers.pytorch_utils.Conv1D(*args)
+    return getattr(transformers.activations, name)(*args)
+
+
+def gpt2_mlp(d=6, hidden=20, out=5, act="NewGELUActivation"):
+    """GPT-2's MLP as a list: c_fc, act, c_proj (transformers' Conv1D: weight [in, out])."""
+    torch.manual_seed(0)
+    mods = nn.ModuleList([transformers_module("Conv1D", hidden, d), transformers_module(act),
+                          transformers_module("Conv1D", out, hidden)])
+    for m in (mods[0], mods[2]):
+        nn.init.normal_(m.bias)  # (Conv1D's are zeros)
+    return mods
+
+
+@pytest.mark.parametrize("slices", [1, 3, 20])
+@pytest.mark.parametrize("linear", ["Conv1D", "Linear"])
+@pytest.mark.parametrize("act", TRANSFORMERS_ACTIVATIONS)
+def test_transformers_mlp_equals_the_modules_in_turn(act, linear, slices):
+    # GPT-2's Conv1D (its weight transposed: the sliced MLP takes a view, autograd hands the
+    # gradient back through it, of the weight's own layout) and every elementwise activation
+    # of transformers, against float64 autograd of a copy run in turn (as for nn.Linear).
+    modules = gpt2_mlp(act=act)
+    if linear == "Linear":
+        modules[0], modules[2] = nn.Linear(6, 20), nn.Linear(20, 5)
+    x = torch.randn(3, 7, 6)
+    matches_float64(modules, x, lambda xs, mine: memlean.sliced_mlp(xs, list(mine),
+                                                                    slices=slices),
+                    in_turn)
+    y = memlean.sliced_mlp(x.requires_grad_(), list(modules), slices=slices)
+    assert sliced_ran(y)  # (not the modules in turn)
+    y.sum().backward()
+    for m in (modules[0], modules[2]):
+        assert m.weight.grad.stride() == m.weight.stride()
+
+
+def test_transformers_gated_mlp_of_conv1ds_equals_the_formula():
+    lins = nn.ModuleList([transformers_module("Conv1D", 20, 6),
+                          transformers_module("Conv1D", 20, 6),
+                          transformers_module("Conv1D", 5, 20)])
+    act = transformers_module("SiLUActivation")
+    matches_float64(lins, torch.randn(3, 4, 6), lambda xs, mine: memlean.sliced_gated_mlp(
+        xs, mine[0], act, mine[1], mine[2], slices=3),
+        lambda x64, ref: gated_in_turn(x64, ref, act))
+
+
+def test_transformers_modules_that_are_not_the_classes_own_are_refused():
+    x = torch.randn(3, 6)
+    for patch in ("hook", "instance forward", "subclass"):
+        modules = gpt2_mlp()
+        if patch == "hook":
+            modules[0].register_forward_hook(lambda *a: None)
+        elif patch == "instance forward":
+            modules[1].forward = lambda h: h * 2
+        else:
+            class NewGELUActivation(type(modules[1])):  # (a forward of its own, elsewhere)
+                def forward(self, h):
+                    return h * 2
+            modules[1] = NewGELUActivation()
+        with pytest.raises(ValueError, match="modules must be"):
+            memlean.sliced_mlp(x, list(modules))
+    with pytest.raises(ValueError, match="modules must be"):  # c_proj takes 20, not 12
+        memlean.sliced_mlp(x, [transformers_module("Conv1D", 20, 6), nn.GELU(),
+                               transformers_module("Conv1D", 6, 12)])
+    with pytest.raises(ValueError, match="x has 5 features in its last dimension, the MLP "
+                                         "takes 6"):
+        memlean.sliced_mlp(torch.randn(3, 5), list(gpt2_mlp()))
+    # (XIELUActivation has parameters: not elementwise in the sense slicing needs)
+    xielu = transformers_module("XIELUActivation")
+    with pytest.raises(ValueError, match="modules must be"):
+        memlean.sliced_mlp(x, [nn.Linear(6, 20), xielu, nn.Linear(20, 6)])
 
 
 # ---- memlean.sliced_gated_mlp: down(act(gate(x)) * up(x)), sliced over the hidden ----------

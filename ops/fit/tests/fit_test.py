@@ -156,6 +156,20 @@ class ViTBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class TokenLM(nn.Module):
+    """ViT blocks over embedded tokens, a vocabulary head on every token: the step peaks
+    inside backward, at the head's logits and their gradient."""
+
+    def __init__(self, vocab=256, d=64, layers=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.Sequential(*[ViTBlock(d) for _ in range(layers)])
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        return self.head(self.ln(self.blocks(self.embed(idx))))
+
+
 class GatedVariant(nn.Module):
     """A SwiGLU-shaped module (w1, act, w3, w2) whose forward is `how`: "swiglu"
     w2(act(w1(x)) * w3(x)); "up first" w2(w3(x) * act(w1(x))); "functional"
@@ -926,6 +940,74 @@ class FitTest(unittest.TestCase):
             self.assertLessEqual(prediction, measured + measured // 50, chosen)
             random_runs += sum(is_run[i] for i in chosen)
         self.assertGreater(random_runs, 0)
+        saved.restore()
+
+    def test_a_step_peaking_inside_backward_is_predicted_within_bytes(self):
+        # A language model whose step peaks inside backward (its vocabulary head's logits,
+        # their gradient and what the head's backward makes): the planner's base counts what
+        # the step holds besides saved tensors in the forward and until backward first uses
+        # one, and the per-atom backward extras the rest (backward's working memory there,
+        # which is gone while a checkpoint recomputes), so its plans are predicted within a
+        # few bytes. (Taking base as the step's peak less every saved byte, fit counted that
+        # working memory at every moment of every plan and predicted these 5-6 % high, as it
+        # did 8 % and 27 % for transformers' GPT-NeoX and GPT-2 with sliced MLPs, where the
+        # peak came in an MLP's backward, and it chose among plans by that.)
+        # Random plans: predicted at or above their measured peaks, within 2 %.
+        import random
+
+        from memlean import _C, fitting
+
+        torch.manual_seed(0)
+        model = TokenLM()
+        idx = torch.randint(0, 256, (8, 129))
+        x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+        def loss_fn(out):
+            return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        inputs, loss_fn, device = fitting._check(model, x, loss_fn, opt)
+        saved = fitting._Saved(model, opt, device)
+        step = fitting._Step(model, inputs, loss_fn, opt, device)
+        step.run()
+        current = step.run(record=True, dataflow=True)
+        rec = current.recorder
+        self.assertEqual(max(rec.backward_levels.values()), current.forward_backward_peak)
+        self.assertGreater(current.forward_backward_peak,
+                           max(current.forward_peak, rec.backward_start_level))
+        problem = fitting._problem(current, model)
+        candidates = [(b, e, freed, float(e - b), extra, held)
+                      for b, e, freed, _, extra, held in problem.candidates]
+
+        def predicted(chosen):
+            return _C.fit.predicted_peak(problem.base, problem.atoms, candidates, list(chosen),
+                                         atom_backward_extra_bytes=problem.backward_extras)
+
+        self.assertEqual(predicted(()), current.forward_backward_peak)
+        least = _C.fit.least_peak_plan(problem.base, problem.atoms, candidates,
+                                       atom_backward_extra_bytes=problem.backward_extras)
+        plans = {tuple(least[1])}
+        for i in range(1, 4):
+            target = least[2] + (current.peak - least[2]) * i // 4
+            plans.add(tuple(_C.fit.plan(problem.base, problem.atoms, candidates, target,
+                                        atom_backward_extra_bytes=problem.backward_extras)[1]))
+        self.assertGreaterEqual(len(plans), 3)
+        for chosen in plans:
+            measured = fitting._measure_plan(step, problem.calls, chosen)
+            self.assertLessEqual(abs(predicted(chosen) - measured), 64, chosen)
+        rng = random.Random(0)
+        for _ in range(8):
+            chosen, used = [], set()
+            for i in rng.sample(range(len(candidates)), len(candidates)):
+                atoms = set(range(candidates[i][0], candidates[i][1]))
+                if rng.random() < 0.3 and not atoms & used:
+                    chosen.append(i)
+                    used |= atoms
+            chosen.sort(key=lambda i: candidates[i][0])
+            measured = fitting._measure_plan(step, problem.calls, tuple(chosen))
+            prediction = predicted(chosen)
+            self.assertGreaterEqual(prediction, measured, chosen)
+            self.assertLessEqual(prediction, measured + measured // 50, chosen)
         saved.restore()
 
     def test_the_buffer_copies_checkpoints_keep_are_predicted(self):

@@ -144,24 +144,28 @@ class FitTransformersTest(unittest.TestCase):
     def make(self, kind, use_cache):
         transformers = optional_deps.require("transformers")
         torch.manual_seed(0)
+        # MLPs of 1024 hidden features: 2 MiB hidden tensors, which fit slices in two.
         if kind == "gpt2":  # (dropout 0.1 everywhere, as GPT2Config has it)
-            config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64,
-                                             vocab_size=256, use_cache=use_cache)
+            config = transformers.GPT2Config(n_layer=2, n_embd=64, n_inner=1024, n_head=4,
+                                             n_positions=64, vocab_size=256,
+                                             use_cache=use_cache)
             model = transformers.GPT2LMHeadModel(config)
         else:
             config = transformers.LlamaConfig(
-                hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                hidden_size=64, intermediate_size=1024, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
                 max_position_embeddings=64, use_cache=use_cache)
             model = transformers.LlamaForCausalLM(config)
         return model.double().train()
 
-    def check(self, kind, layers, attention):
+    def check(self, kind, layers, attention, least_actions):
         """fit at its least and a budget between it and the eager peak, with and without the
         cache: kept (measured here), predicted within max(2 %, 1 MiB); with the cache no
         module handed it checkpointed (`layers`.N and `layers`.N.`attention`) and a warning
         naming DynamicCache; without it, those modules checkpointed at the least, which is
-        lower; three training steps at the least equal the unfitted twin's (dropout masks
+        lower; at the least each block's (path, action) of `least_actions` (transformers'
+        own MLP modules, activations and GPT-2's Conv1D, sliced and swapped as torch's);
+        three training steps at the least equal the unfitted twin's (dropout masks
         included)."""
         idx = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(0))
         x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
@@ -201,6 +205,10 @@ class FitTransformersTest(unittest.TestCase):
             self.assertEqual(bool(said), use_cache, said)
             if not use_cache:
                 self.assertTrue(handed & checkpointed, str(plan))
+                done = {(a.path, a.action) for a in plan.actions}
+                for i in range(2):
+                    for path, action in least_actions:
+                        self.assertIn((f"{layers}.{i}.{path}", action), done, str(plan))
             # Training at the least, a fresh model beside its twin.
             model = self.make(kind, use_cache)
             twin = copy.deepcopy(model)
@@ -219,10 +227,11 @@ class FitTransformersTest(unittest.TestCase):
         self.assertLess(leasts[False], leasts[True])
 
     def test_gpt2(self):
-        self.check("gpt2", "transformer.h", "attn")
+        self.check("gpt2", "transformer.h", "attn", [("mlp.(c_fc..c_proj)", "sliced mlp")])
 
     def test_llama(self):
-        self.check("llama", "model.layers", "self_attn")
+        self.check("llama", "model.layers", "self_attn",
+                   [("mlp", "sliced mlp"), ("mlp.act_fn", "inplace swish")])
 
 
 def main():
