@@ -269,6 +269,10 @@ struct SegmentState {
   size_t n_outputs = 0;
   std::vector<int64_t> output_tensor_slots;
   std::vector<bool> differentiable;
+  // Per tensor output: its shape and dtype in forward (empty shape and Undefined where its
+  // sizes are symbolic or it is nested: not compared), which the recompute must give again.
+  std::vector<std::vector<int64_t>> output_sizes;
+  std::vector<at::ScalarType> output_dtypes;
   // Per parameter: whether it was listed before (it then gets no gradient of its own: the
   // engine would add both).
   std::vector<bool> repeated;
@@ -390,9 +394,24 @@ variable_list CheckpointBackward::apply(variable_list&& grad_outputs) {
     TORCH_CHECK(is_defined_tensor(v), name, ": output ", state.output_tensor_slots[k],
                 " was a tensor in forward but is ", describe(v),
                 " when recomputed in backward; the function must do the same both times");
+    const at::Tensor& out = v.toTensor();
+    // A recompute that computes something else (a forward reading state that changed since,
+    // e.g. a key-value cache its first call appended to) is refused where its outputs show it,
+    // rather than left to autograd's shape check or to silence (a dtype).
+    if (state.output_dtypes[k] != at::ScalarType::Undefined && !out.is_nested() &&
+        !out.unsafeGetTensorImpl()->has_symbolic_sizes_strides() &&
+        (out.sizes() != c10::IntArrayRef(state.output_sizes[k]) ||
+         out.scalar_type() != state.output_dtypes[k])) {
+      TORCH_CHECK(false, name, ": output ", state.output_tensor_slots[k], " was a ",
+                  state.output_dtypes[k], " tensor of shape ",
+                  c10::IntArrayRef(state.output_sizes[k]),
+                  " in forward but is a ", out.scalar_type(), " tensor of shape ", out.sizes(),
+                  " when recomputed in backward; the function must compute the same both times "
+                  "(does it read state its forward changed, such as a key-value cache: "
+                  "transformers' use_cache=True?)");
+    }
     if (!state.differentiable[k]) continue;
     at::Tensor& g = grad_outputs[input_nr++];
-    const at::Tensor& out = v.toTensor();
     if (out.requires_grad() && g.defined()) {
       outs.push_back(out);
       grads.push_back(std::move(g));
@@ -536,9 +555,13 @@ std::vector<c10::IValue> checkpoint_impl(detail::Segment segment, int64_t n_inpu
   state.output_tensor_slots = tensor_output_slots(outputs, name);
   bool any_differentiable = false;
   for (int64_t slot : state.output_tensor_slots) {
-    state.differentiable.push_back(
-        torch::autograd::isDifferentiableType(outputs[slot].toTensor().scalar_type()));
+    const at::Tensor& out = outputs[slot].toTensor();
+    state.differentiable.push_back(torch::autograd::isDifferentiableType(out.scalar_type()));
     any_differentiable = any_differentiable || state.differentiable.back();
+    const bool symbolic =
+        out.is_nested() || out.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
+    state.output_sizes.push_back(symbolic ? std::vector<int64_t>() : out.sizes().vec());
+    state.output_dtypes.push_back(symbolic ? at::ScalarType::Undefined : out.scalar_type());
   }
   // No output to differentiate (no tensor, as torch's checkpoint allows, or integer ones
   // only): nothing to recompute, the outputs are the function's.

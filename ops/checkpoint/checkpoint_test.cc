@@ -731,6 +731,29 @@ TEST(CheckpointErrors, AnInputModifiedBeforeBackward) {
   expect_error([&] { y.sum().backward(); }, "modified by an inplace operation");
 }
 
+// A function whose recompute computes something else than its forward did (a forward that
+// reads state it changed: a key-value cache its first call appended to) is refused, naming the
+// output and both shapes or dtypes: before 2026-11-28 a shape surfaced as autograd's "invalid
+// gradient" of memlean::CheckpointGradients, and a dtype passed in silence.
+TEST(CheckpointErrors, ARecomputeWhoseOutputsDifferFromTheForwards) {
+  for (const bool shape : {true, false}) {
+    std::vector<at::Tensor> cache;  // grows by one entry per call
+    const auto attend = [&cache, shape](const Tensors& in) {
+      cache.push_back(in[0] * 2);
+      const at::Tensor all = at::cat(cache, 0);
+      if (shape) return Tensors{in[1], all};
+      return Tensors{cache.size() > 1 ? all.narrow(0, 0, 3).to(at::kFloat) : all, in[1]};
+    };
+    const at::Tensor x = leaf({3, 4}), other = leaf({2});
+    const Tensors out = checkpoint(attend, 2, {x, other});
+    expect_error([&] { (out[0].sum() + out[1].sum()).backward(); },
+                 shape ? "output 1 was a Double tensor of shape [3, 4] in forward but is a "
+                         "Double tensor of shape [6, 4] when recomputed in backward"
+                       : "output 0 was a Double tensor of shape [3, 4] in forward but is a Float "
+                         "tensor of shape [3, 4] when recomputed in backward");
+  }
+}
+
 TEST(CheckpointErrors, EmptyFunction) {
   expect_error([&] { checkpoint(TensorFunction(), 0, {leaf({2})}); }, "function is empty");
 }
