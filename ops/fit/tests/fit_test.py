@@ -880,102 +880,25 @@ class FitTest(unittest.TestCase):
                 self.assertIn("stem.2", swapped, str(least))
                 least.undo()
 
-    def test_the_planners_plans_are_predicted_within_bytes(self):
-        # On an EfficientNet-shaped net (the modules' times replaced by fixed ones, so the
-        # plans do not depend on the machine's speed), the plans of the least peak and of
-        # budgets between it and eager's are predicted to within a few bytes (the issue asks
-        # for max(2 %, 1 MiB)): the planner counts backward's working memory atom by atom and,
-        # at each recompute, the gradients backward brings and what the forward held above
-        # what it left; memlean.checkpoint frees the recomputed output and the incoming
-        # gradient as soon as they are used. Any other disjoint choice of modules and runs of
-        # sibling modules is predicted at or above its measured peak, within 2 %.
+    def check_plans_predicted(self, model, inputs, loss_fn, opt, runs=False):
+        """Measures a recorded step of `model`, then the planner's plans (its least-peak plan
+        and those of 3 budgets up to the eager peak: each predicted within 64 bytes of its
+        measured peak) and 8 random disjoint choices of candidates (each predicted at or
+        above its measured peak, within 2 %). The candidates' times are their atom counts,
+        so the plans do not depend on the machine's speed. Returns the problem and the
+        random choices' number of runs of sibling modules."""
         import random
 
         from memlean import _C, fitting
 
-        model, x, loss_fn, opt = classified(MBNet, 64)
-        inputs, loss_fn, device = fitting._check(model, x, loss_fn, opt)
+        inputs, loss_fn, device = fitting._check(model, inputs, loss_fn, opt)
         saved = fitting._Saved(model, opt, device)
         step = fitting._Step(model, inputs, loss_fn, opt, device)
         step.run()
         current = step.run(record=True, dataflow=True)
-        runs = fitting._runs(current.recorder, current.recorder, model)
-        problem = fitting._problem(current, model, runs)
+        found = fitting._runs(current.recorder, current.recorder, model) if runs else ()
+        problem = fitting._problem(current, model, found)
         is_run = [isinstance(c.module, fitting._Run) for c in problem.calls]
-        self.assertGreater(sum(is_run), 10)
-        candidates = [(b, e, freed, float(e - b), extra, held)
-                      for b, e, freed, _, extra, held in problem.candidates]
-
-        def predicted(chosen, extras=problem.backward_extras):
-            return _C.fit.predicted_peak(problem.base, problem.atoms, candidates, list(chosen),
-                                         atom_backward_extra_bytes=extras)
-
-        least = _C.fit.least_peak_plan(problem.base, problem.atoms, candidates,
-                                       atom_backward_extra_bytes=problem.backward_extras)
-        plans = {tuple(least[1])}
-        for i in range(1, 4):
-            target = least[2] + (current.peak - least[2]) * i // 4
-            plans.add(tuple(_C.fit.plan(problem.base, problem.atoms, candidates, target,
-                                        atom_backward_extra_bytes=problem.backward_extras)[1]))
-        self.assertGreaterEqual(len(plans), 3)
-        for chosen in plans:
-            measured = fitting._measure_plan(step, problem.calls, chosen)
-            # (Exact but for a few bytes: until recomputes counted the gradients backward
-            # brings, one plan here peaked 8 bytes, a scalar, above its prediction of
-            # 81,101,016.)
-            self.assertLessEqual(abs(predicted(chosen) - measured), 64, chosen)
-        rng = random.Random(0)
-        random_runs = 0
-        for _ in range(8):
-            chosen, used = [], set()
-            for i in rng.sample(range(len(candidates)), len(candidates)):
-                atoms = set(range(candidates[i][0], candidates[i][1]))
-                if rng.random() < 0.3 and not atoms & used:
-                    chosen.append(i)
-                    used |= atoms
-            chosen.sort(key=lambda i: candidates[i][0])
-            measured = fitting._measure_plan(step, problem.calls, tuple(chosen))
-            prediction = predicted(chosen)
-            self.assertGreaterEqual(prediction, measured, chosen)
-            self.assertLessEqual(prediction, measured + measured // 50, chosen)
-            random_runs += sum(is_run[i] for i in chosen)
-        self.assertGreater(random_runs, 0)
-        saved.restore()
-
-    def test_a_step_peaking_inside_backward_is_predicted_within_bytes(self):
-        # A language model whose step peaks inside backward (its vocabulary head's logits,
-        # their gradient and what the head's backward makes): the planner's base counts what
-        # the step holds besides saved tensors in the forward and until backward first uses
-        # one, and the per-atom backward extras the rest (backward's working memory there,
-        # which is gone while a checkpoint recomputes), so its plans are predicted within a
-        # few bytes. (Taking base as the step's peak less every saved byte, fit counted that
-        # working memory at every moment of every plan and predicted these 5-6 % high, as it
-        # did 8 % and 27 % for transformers' GPT-NeoX and GPT-2 with sliced MLPs, where the
-        # peak came in an MLP's backward, and it chose among plans by that.)
-        # Random plans: predicted at or above their measured peaks, within 2 %.
-        import random
-
-        from memlean import _C, fitting
-
-        torch.manual_seed(0)
-        model = TokenLM()
-        idx = torch.randint(0, 256, (8, 129))
-        x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
-
-        def loss_fn(out):
-            return F.cross_entropy(out.flatten(0, 1), y.flatten())
-
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        inputs, loss_fn, device = fitting._check(model, x, loss_fn, opt)
-        saved = fitting._Saved(model, opt, device)
-        step = fitting._Step(model, inputs, loss_fn, opt, device)
-        step.run()
-        current = step.run(record=True, dataflow=True)
-        rec = current.recorder
-        self.assertEqual(max(rec.backward_levels.values()), current.forward_backward_peak)
-        self.assertGreater(current.forward_backward_peak,
-                           max(current.forward_peak, rec.backward_start_level))
-        problem = fitting._problem(current, model)
         candidates = [(b, e, freed, float(e - b), extra, held)
                       for b, e, freed, _, extra, held in problem.candidates]
 
@@ -996,6 +919,7 @@ class FitTest(unittest.TestCase):
             measured = fitting._measure_plan(step, problem.calls, chosen)
             self.assertLessEqual(abs(predicted(chosen) - measured), 64, chosen)
         rng = random.Random(0)
+        random_runs = 0
         for _ in range(8):
             chosen, used = [], set()
             for i in rng.sample(range(len(candidates)), len(candidates)):
@@ -1008,7 +932,51 @@ class FitTest(unittest.TestCase):
             prediction = predicted(chosen)
             self.assertGreaterEqual(prediction, measured, chosen)
             self.assertLessEqual(prediction, measured + measured // 50, chosen)
+            random_runs += sum(is_run[i] for i in chosen)
         saved.restore()
+        return current, problem, sum(is_run), random_runs
+
+    def test_the_planners_plans_are_predicted_within_bytes(self):
+        # On an EfficientNet-shaped net (the modules' times replaced by fixed ones, so the
+        # plans do not depend on the machine's speed), the plans of the least peak and of
+        # budgets between it and eager's are predicted to within a few bytes (the issue asks
+        # for max(2 %, 1 MiB)): the planner counts backward's working memory atom by atom and,
+        # at each recompute, the gradients backward brings and what the forward held above
+        # what it left; memlean.checkpoint frees the recomputed output and the incoming
+        # gradient as soon as they are used. Any other disjoint choice of modules and runs of
+        # sibling modules is predicted at or above its measured peak, within 2 %. (Exact but
+        # for a few bytes: until recomputes counted the gradients backward brings, one plan
+        # here peaked 8 bytes, a scalar, above its prediction of 81,101,016.)
+        model, x, loss_fn, opt = classified(MBNet, 64)
+        _, _, runs, random_runs = self.check_plans_predicted(model, x, loss_fn, opt, runs=True)
+        self.assertGreater(runs, 10)
+        self.assertGreater(random_runs, 0)
+
+    def test_a_step_peaking_inside_backward_is_predicted_within_bytes(self):
+        # A language model whose step peaks inside backward (its vocabulary head's logits,
+        # their gradient and what the head's backward makes): the planner's base counts what
+        # the step holds besides saved tensors in the forward and until backward first uses
+        # one, and the per-atom backward extras the rest (backward's working memory there,
+        # which is gone while a checkpoint recomputes), so its plans are predicted within a
+        # few bytes. (Taking base as the step's peak less every saved byte, fit counted that
+        # working memory at every moment of every plan and predicted these 5-6 % high, as it
+        # did 8 % and 27 % for transformers' GPT-NeoX and GPT-2 with sliced MLPs, where the
+        # peak came in an MLP's backward, and it chose among plans by that.)
+        # Random plans: predicted at or above their measured peaks, within 2 %.
+        torch.manual_seed(0)
+        model = TokenLM()
+        idx = torch.randint(0, 256, (8, 129))
+        x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+        def loss_fn(out):
+            return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        current, _, _, _ = self.check_plans_predicted(model, x, loss_fn, opt)
+        rec = current.recorder
+        self.assertEqual(max(rec.backward_levels.values()), current.forward_backward_peak)
+        self.assertGreater(current.forward_backward_peak,
+                           max(current.forward_peak, rec.backward_start_level))
 
     def test_the_buffer_copies_checkpoints_keep_are_predicted(self):
         # A checkpointed module whose forward changes a buffer it reads keeps a copy of it
