@@ -133,6 +133,12 @@ bool contains_tensor(const c10::IValue& v) {
   return false;
 }
 
+// Whether t's shape is a plain list of sizes (not nested, not symbolic), which a recompute's
+// output is compared against.
+bool has_plain_sizes(const at::Tensor& t) {
+  return !t.is_nested() && !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
+}
+
 std::string describe(const c10::IValue& v) {
   if (v.isTensor()) return v.toTensor().defined() ? "a tensor" : "an undefined tensor";
   if (v.isNone()) return "None";
@@ -398,18 +404,14 @@ variable_list CheckpointBackward::apply(variable_list&& grad_outputs) {
     // A recompute that computes something else (a forward reading state that changed since,
     // e.g. a key-value cache its first call appended to) is refused where its outputs show it,
     // rather than left to autograd's shape check or to silence (a dtype).
-    if (state.output_dtypes[k] != at::ScalarType::Undefined && !out.is_nested() &&
-        !out.unsafeGetTensorImpl()->has_symbolic_sizes_strides() &&
-        (out.sizes() != c10::IntArrayRef(state.output_sizes[k]) ||
-         out.scalar_type() != state.output_dtypes[k])) {
-      TORCH_CHECK(false, name, ": output ", state.output_tensor_slots[k], " was a ",
-                  state.output_dtypes[k], " tensor of shape ",
-                  c10::IntArrayRef(state.output_sizes[k]),
-                  " in forward but is a ", out.scalar_type(), " tensor of shape ", out.sizes(),
-                  " when recomputed in backward; the function must compute the same both times "
-                  "(does it read state its forward changed, such as a key-value cache: "
-                  "transformers' use_cache=True?)");
-    }
+    const c10::IntArrayRef sizes(state.output_sizes[k]);
+    TORCH_CHECK(state.output_dtypes[k] == at::ScalarType::Undefined || !has_plain_sizes(out) ||
+                    (out.sizes() == sizes && out.scalar_type() == state.output_dtypes[k]),
+                name, ": output ", state.output_tensor_slots[k], " was a ", state.output_dtypes[k],
+                " tensor of shape ", sizes, " in forward but is a ", out.scalar_type(),
+                " tensor of shape ", out.sizes(), " when recomputed in backward; the function "
+                "must compute the same both times (does it read state its forward changed, such "
+                "as a key-value cache: transformers' use_cache=True?)");
     if (!state.differentiable[k]) continue;
     at::Tensor& g = grad_outputs[input_nr++];
     if (out.requires_grad() && g.defined()) {
@@ -558,10 +560,9 @@ std::vector<c10::IValue> checkpoint_impl(detail::Segment segment, int64_t n_inpu
     const at::Tensor& out = outputs[slot].toTensor();
     state.differentiable.push_back(torch::autograd::isDifferentiableType(out.scalar_type()));
     any_differentiable = any_differentiable || state.differentiable.back();
-    const bool symbolic =
-        out.is_nested() || out.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
-    state.output_sizes.push_back(symbolic ? std::vector<int64_t>() : out.sizes().vec());
-    state.output_dtypes.push_back(symbolic ? at::ScalarType::Undefined : out.scalar_type());
+    const bool plain = has_plain_sizes(out);
+    state.output_sizes.push_back(plain ? out.sizes().vec() : std::vector<int64_t>());
+    state.output_dtypes.push_back(plain ? out.scalar_type() : at::ScalarType::Undefined);
   }
   // No output to differentiate (no tensor, as torch's checkpoint allows, or integer ones
   // only): nothing to recompute, the outputs are the function's.

@@ -599,10 +599,10 @@ def sliced_gated_mlp(x: torch.Tensor, gate: nn.Module, act: Sequence[nn.Module],
     """down(act(gate(x)) * up(x)) (a SwiGLU or GeGLU MLP; act: the activation modules in
     order, e.g. [nn.SiLU()]), computed slice by slice of the hidden features and recomputed
     that way in backward, which keeps x (and the parameters) alone. gate, up, down:
-    nn.Linear (or transformers' Conv1D) without hooks. up None: gate packs both, its output's first half the gate's
-    and second half up's where gate_first (else the other way round: timm's GluMlp with
-    gate_last=True), i.e. down(act(g) * u) with g, u = gate(x).chunk(2, dim=-1). Dtypes and
-    autocast as sliced_mlp. Where the sliced path does not apply (another device or dtype,
+    nn.Linear (or transformers' Conv1D) without hooks. up None: gate packs both, its
+    output's first half the gate's and second half up's where gate_first (else the other way
+    round: timm's GluMlp with gate_last=True), i.e. down(act(g) * u) with
+    g, u = gate(x).chunk(2, dim=-1). Dtypes and autocast as sliced_mlp. Where the sliced path does not apply (another device or dtype,
     torch.compile) it computes the formula with the modules."""
     acts = list(act) if isinstance(act, (list, tuple)) else [act]
     if not gated_parts(gate, acts, up, down):
