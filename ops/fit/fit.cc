@@ -32,6 +32,7 @@
 #include "ops/checkpoint/lean_conv.h"
 #include "ops/checkpoint/sliced_mlp.h"
 #include "ops/fit/budget.h"
+#include "ops/fit/fit_testing.h"
 #include "ops/fit/planner.h"
 #include "ops/fit/search.h"
 #include "ops/swish/module.h"
@@ -249,6 +250,10 @@ struct Step {
     std::vector<int64_t> highest;  // the most while backward runs the layer (from the gradient
                                    // of its output to that of its input)
     std::vector<int64_t> entry;    // when backward reaches it (its output's gradient made)
+    // The most in the forward and the loss, and then in backward until it reaches the last
+    // layer whose output needs a gradient (the loss's backward): what no layer's level holds.
+    int64_t before_layers = 0;
+    int64_t optimizer = 0;  // the most in the optimizer's step (gradients alive), or 0
   };
 
   // One step's forward and backward, layer by layer, with a hook on each layer's output.
@@ -264,10 +269,14 @@ struct Step {
     memstats::Tracker tracker(device);  // its peak restarts at each layer's backward
     const int64_t start = tracker.current();
     int64_t running = -1;               // the layer whose backward runs now
+    bool reached = false;  // a layer's backward
     auto next_layer = [&](int64_t layer) {
       if (running >= 0) {
         levels.highest[running] =
             std::max(levels.highest[running], fixed + tracker.peak() - start);
+      } else if (!reached) {
+        levels.before_layers = fixed + tracker.peak() - start;  // (the forward's peak included)
+        reached = true;
       }
       if (layer >= 0 && levels.entry[layer] < 0) {
         levels.entry[layer] = fixed + tracker.current() - start;
@@ -286,6 +295,12 @@ struct Step {
     }
     synchronize(device);
     next_layer(-1);
+    if (optimizer != nullptr) {  // (as measure() steps it: fit() puts the parameters back)
+      tracker.reset_peak();
+      optimizer->step();
+      synchronize(device);
+      levels.optimizer = fixed + tracker.peak() - start;
+    }
     clear_grads();
     return levels;
   }
@@ -658,6 +673,9 @@ struct LayerWalk {
   std::vector<bool> writes_input, passes_input;
   std::vector<double> seconds;
   std::vector<int64_t> kept, freed, output_bytes;
+  // Whether layer i's output storage was held besides the output itself once the layer had
+  // run (its graph saved it, as Tanh's does): else a later layer's saving it is what kept it.
+  std::vector<bool> holds_output;
   // Bytes alive when layer i began (its input held) and the most while it ran.
   std::vector<int64_t> forward_start, forward_peak;
   // An in-place Swish whose output a later layer wrote in place: the walk stopped there, its
@@ -682,6 +700,7 @@ LayerWalk walk_layers(const torch::nn::Sequential& model, const at::Tensor& exam
   w.kept.assign(n, 0);
   w.freed.assign(n + 1, 0);
   w.output_bytes.assign(n, 0);
+  w.holds_output.assign(n, false);
   w.forward_start.assign(n, 0);
   w.forward_peak.assign(n, 0);
   at::AutoGradMode grad_mode(true);
@@ -734,6 +753,7 @@ LayerWalk walk_layers(const torch::nn::Sequential& model, const at::Tensor& exam
     w.freed[i] = after - memstats::memory_allocated(device);
     w.kept[i] = after - before;
     w.output_bytes[i] = storage_bytes(out);
+    w.holds_output[i] = out.defined() && out.has_storage() && out.storage().use_count() > 1;
     h = std::move(out);
   }
   return w;
@@ -915,9 +935,10 @@ Swapped swap_layers(const FitContext& ctx, const torch::nn::Sequential& base, co
 
 // Step 3's problem for the swapped step (ctx.step runs it; its peak without checkpoints
 // `empty_peak`): what each layer keeps for backward, backward's own bytes there, and the runs
-// of layers a checkpoint may hold, with their costs.
+// of layers a checkpoint may hold, with their costs. `optimizer_peak`: the step's most in the
+// optimizer's step, which no plan changes (the search's floor).
 Problem checkpoint_problem(const FitContext& ctx, const LayerWalk& walk, const SlicedMlps& sliced,
-                           int64_t empty_peak) {
+                           int64_t empty_peak, int64_t& optimizer_peak) {
   const auto n = static_cast<int64_t>(walk.layers.size());
   const auto& freed = walk.freed;
   Problem problem;
@@ -926,21 +947,41 @@ Problem checkpoint_problem(const FitContext& ctx, const LayerWalk& walk, const S
     problem.atom_saved_bytes.push_back(std::max<int64_t>(0, walk.kept[i] - freed[i + 1]));
     atoms += problem.atom_saved_bytes.back();
   }
-  problem.base_bytes = std::max<int64_t>(0, empty_peak - atoms);
+  // base: what the step holds besides saved tensors where the per-layer backward extras below
+  // do not count it, at its highest (in the forward and the loss, and in backward before it
+  // reaches a layer), less all saved bytes. (Not the step's peak less all saved bytes: where
+  // that peak comes inside backward, e.g. in a sliced MLP's backward, the saved bytes of the
+  // layers after it are freed by then, and every plan was predicted that much too high; as
+  // memlean.fit, 2026-11-28.) Without a layer reached (no layer's output needs a gradient):
+  // the step's peak.
+  const Step::BackwardLevels levels = ctx.step.backward_levels();
+  const bool reached = std::any_of(levels.highest.begin(), levels.highest.end(),
+                                   [](int64_t level) { return level >= 0; });
+  problem.base_bytes = std::max<int64_t>(0, (reached ? levels.before_layers : empty_peak) - atoms);
+  optimizer_peak = levels.optimizer;
   // Backward's own bytes at each layer above base and what layers 0..i saved (activation
   // gradients, temporaries, the parameter gradients made by then): where checkpointed steps
   // peak, in the backward of early, wide layers.
   // And what backward brings to each layer (its output's gradient, the parameter gradients
-  // made by then): the bytes above base and what layers 0..i saved when it reaches layer i.
+  // made by then): the bytes above base and what layers 0..i saved when it reaches layer i,
+  // where layer i's output counts among layer i's saved bytes only if layer i holds it: one
+  // that layer i + 1 saved is freed by then (layer i + 1's backward is done), although its
+  // bytes are layer i's (a checkpoint ending at i recomputes it).
+  std::vector<int64_t> output_kept(n, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    output_kept[i] = std::max<int64_t>(0, walk.output_bytes[i] - freed[i + 1]);
+  }
   std::vector<int64_t> brought(n, 0);
   {
-    const Step::BackwardLevels levels = ctx.step.backward_levels();
     int64_t through = 0;
     for (int64_t i = 0; i < n; ++i) {
       through += problem.atom_saved_bytes[i];
       problem.atom_backward_extra_bytes.push_back(
           std::max<int64_t>(0, levels.highest[i] - problem.base_bytes - through));
-      if (levels.entry[i] >= 0) brought[i] = levels.entry[i] - problem.base_bytes - through;
+      if (levels.entry[i] >= 0) {
+        brought[i] = levels.entry[i] - problem.base_bytes - through +
+                     (walk.holds_output[i] ? 0 : output_kept[i]);
+      }
     }
   }
   // 3. Checkpoints. Candidates: every run [b, e) of layers. Checkpointed, it keeps its input
@@ -959,10 +1000,6 @@ Problem checkpoint_problem(const FitContext& ctx, const LayerWalk& walk, const S
   // (BufferRestore): recompute_extra_bytes; later backward's own bytes there (the per-layer
   // extras). A run that ends at the last layer saves nothing at the peak (its backward comes
   // first, right after it is recomputed): not a candidate.
-  std::vector<int64_t> output_kept(n, 0);
-  for (int64_t i = 0; i < n; ++i) {
-    output_kept[i] = std::max<int64_t>(0, walk.output_bytes[i] - freed[i + 1]);
-  }
   std::vector<std::vector<at::Tensor>> layer_buffers(n);
   for (int64_t i = 0; i < n; ++i) layer_buffers[i] = walk.layers[i].ptr()->buffers();
   auto buffer_copy_bytes = [&](int64_t b, int64_t e) {  // as BufferRestore clones them
@@ -1003,6 +1040,7 @@ Problem checkpoint_problem(const FitContext& ctx, const LayerWalk& walk, const S
       continue;
     }
     c.freed_bytes = std::max<int64_t>(0, c.freed_bytes - freed[c.begin]);
+    if (c.freed_bytes == 0) continue;  // (it keeps all it held: no plan is lower with it)
     c.input_bytes = freed[c.begin];
     int64_t recompute = freed[c.end];
     const int64_t highest =
@@ -1016,11 +1054,11 @@ Problem checkpoint_problem(const FitContext& ctx, const LayerWalk& walk, const S
 }
 
 // The FitPlan of the swapped step (its swaps and sliced MLPs) with the checkpoints of plan p
-// (an empty Plan: none).
+// (an empty Plan: none); the optimizer's step peaks at `optimizer_peak`, whatever the plan.
 FitPlan plan_of(const FitContext& ctx, const Problem& problem, const Plan& p,
-                const Swapped& swapped, const SlicedMlps& sliced) {
+                const Swapped& swapped, const SlicedMlps& sliced, int64_t optimizer_peak = 0) {
   FitPlan f = ctx.eager;
-  f.predicted_peak_bytes = p.predicted_peak_bytes;
+  f.predicted_peak_bytes = std::max(p.predicted_peak_bytes, optimizer_peak);
   f.actions = swapped.actions;
   f.sliced = sliced.runs;
   for (const int c : p.chosen) {
@@ -1037,6 +1075,11 @@ FitPlan plan_of(const FitContext& ctx, const Problem& problem, const Plan& p,
 // sliced, whose actions (`sliced`) the plans carry after the swaps. 1. the swaps; if the
 // swapped step fits, that plan; else 3. the checkpoints: the search both languages run
 // (search.h): plan, measure, tighten, bisect back up.
+testing::ProblemObserver& problem_observer() {
+  static testing::ProblemObserver observer;
+  return observer;
+}
+
 Attempt attempt(const FitContext& ctx, const torch::nn::Sequential& base,
                 const SlicedMlps& sliced) {
   Attempt out;
@@ -1051,23 +1094,39 @@ Attempt attempt(const FitContext& ctx, const torch::nn::Sequential& base,
     out.plan->peak_bytes = out.plan->predicted_peak_bytes = swapped.peak;
     return out;
   }
-  const Problem problem = checkpoint_problem(ctx, walk, sliced, swapped.peak);
+  int64_t optimizer_peak = 0;
+  const Problem problem = checkpoint_problem(ctx, walk, sliced, swapped.peak, optimizer_peak);
   out.saved = problem.atom_saved_bytes;
+  if (problem_observer()) {
+    testing::CheckpointProblem seen;
+    for (const Candidate& c : problem.candidates) seen.runs.emplace_back(c.begin, c.end);
+    seen.predict_and_measure = [&](const std::vector<int>& chosen) {
+      Plan p;
+      p.feasible = true;
+      p.chosen = chosen;
+      p.predicted_peak_bytes = predicted_peak(problem, chosen);
+      const FitPlan f = plan_of(ctx, problem, p, swapped, sliced);
+      return std::make_pair(
+          std::max(p.predicted_peak_bytes, optimizer_peak),
+          ctx.step.measure([&f](const at::Tensor& x) { return f.forward(x); }));
+    };
+    problem_observer()(seen);
+  }
   SearchOptions search_options;
   search_options.resolution = ctx.resolution;
   const SearchResult found = search(
-      problem, ctx.planned, /*floor_bytes=*/0, swapped.peak,
+      problem, ctx.planned, /*floor_bytes=*/optimizer_peak, swapped.peak,
       [&](const Plan& p) {
         const FitPlan f = plan_of(ctx, problem, p, swapped, sliced);
         return ctx.step.measure([&f](const at::Tensor& x) { return f.forward(x); });
       },
       search_options);
   if (found.fastest) {
-    out.plan = plan_of(ctx, problem, *found.fastest, swapped, sliced);
+    out.plan = plan_of(ctx, problem, *found.fastest, swapped, sliced, optimizer_peak);
     out.plan->peak_bytes = found.fastest_peak_bytes;
   }
   out.least_measured = found.least_measured_peak_bytes;
-  out.least_predicted = found.least.predicted_peak_bytes;
+  out.least_predicted = std::max(found.least.predicted_peak_bytes, optimizer_peak);
   out.least_checkpoints = found.least.chosen.size();
   return out;
 }
@@ -1237,6 +1296,10 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
       << " are parameters, buffers, optimizer state and input. Raise the budget to at least "
       << best << " bytes, or lower the batch size.";
   throw FitError(msg.str(), budget_bytes, best);
+}
+
+void testing::set_problem_observer(ProblemObserver observer) {
+  problem_observer() = std::move(observer);
 }
 
 FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, const std::string& budget,

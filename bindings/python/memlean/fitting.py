@@ -1837,7 +1837,7 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset()):
     backward_extras = [max(0, rec.backward_levels.get(k, 0) - base - prefix[k + 1])
                        for k in range(len(atoms))]
     candidates, calls = [], []
-    run_calls = []
+    run_calls, leftovers = [], {}
     paths = _paths(root) if runs else {}
     for run in runs:
         first, last = rec.calls[run[0]], rec.calls[run[-1]]
@@ -1846,10 +1846,20 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset()):
         changed = {}
         for k in run:
             changed.update(rec.calls[k].changed_buffers)
-        run_calls.append(_Call(candidate, first.begin, last.end,
-                               seconds=sum(rec.calls[k].seconds for k in run),
-                               inputs=first.inputs, outputs=last.outputs,
-                               changed_buffers=tuple(changed.items())))
+        call = _Call(candidate, first.begin, last.end,
+                     seconds=sum(rec.calls[k].seconds for k in run),
+                     inputs=first.inputs, outputs=last.outputs,
+                     changed_buffers=tuple(changed.items()))
+        # The last module's input, made inside the run and saved by none of its atoms: the
+        # parent's forward still holds it when the run ends (as nn.Sequential's loop and the
+        # checkpoint's chain do while the last module runs), so the measured level there
+        # counts it although the run leaves nothing of it (below).
+        ends = {key for key, _ in first.inputs} | {key for key, _ in last.outputs}
+        leftovers[id(call)] = sum(dict(
+            (key, n) for key, n in last.inputs
+            if key is not None and key not in ends and key not in rec.saved
+            and key not in rec.preexisting).values())
+        run_calls.append(call)
     for c in sorted(rec.calls + run_calls, key=lambda c: (c.begin, -c.end)):
         if (c.module is root or counts.get(id(c.module), 1) != 1 or c.mutates_input
                 or not c.outputs or id(c.module) in exclude):
@@ -1882,7 +1892,9 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset()):
         # at the recompute's highest, what its forward held above what it left (an
         # intermediate alive while the next op makes the output, e.g. a SiLU's output while a
         # scaling makes the block's; measured against all it left, bytes autograd keeps
-        # outside saved tensors included, so never more than it holds); a copy of its buffers
+        # outside saved tensors included, so never more than it holds; for a run, less the
+        # last module's input the parent still held there: a Table-like last module's input
+        # and temporary were counted 262,112-524,288 bytes low, 2026-11-28); a copy of its buffers
         # (put back after it); and from its start, what backward brings to it: the gradient
         # of its output and the parameter gradients made by then (the bytes above base and
         # the saved bytes when backward first reached its atoms in the measured step;
@@ -1892,7 +1904,8 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset()):
         extra = sum(n for key, n in dict(c.outputs).items()
                     if key is not None and not c.begin <= rec.saved.get(key, -1) < c.end)
         if c.end < len(rec.forward_starts):
-            extra += max(0, max(rec.forward_peaks[c.begin:c.end]) - rec.forward_starts[c.end])
+            extra += max(0, max(rec.forward_peaks[c.begin:c.end]) - rec.forward_starts[c.end]
+                         + leftovers.get(id(c), 0))
         reached = [a for a in range(c.begin, c.end) if a in rec.backward_entries]
         if reached:
             a = max(reached)
