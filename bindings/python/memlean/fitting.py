@@ -1328,6 +1328,20 @@ class _MlpSlice(_Run):
         return sliced.run_sliced_mlp(args[0], *self.parts)
 
 
+class _SplitMlpSlice(_MlpSlice):
+    """An MLP split between two modules, fit recomputes slice by slice of its hidden features:
+    a module whose forward is an nn.Linear and elementwise activations (transformers'
+    BertIntermediate, ViTIntermediate), and the nn.Linear another module calls on its output
+    right after (BertOutput's, ViTOutput's `dense`). While fitted, the first module computes
+    the whole MLP sliced and the Linear hands that output on, inside their nearest common
+    ancestor's forward (`parent`); the modules on the way from it to the two (`between`:
+    BertOutput) are no checkpoint candidates, as their recompute would run outside it."""
+
+    def __init__(self, modules, parent, parts, between):
+        super().__init__(modules, parent, parts)
+        self.between = tuple(between)
+
+
 class _GatedSlice(_Run):
     """A gated MLP module (SwiGLU, GeGLU: its whole forward is down(act(gate(x)) * up(x)),
     checked on the recorded dataflow) fit recomputes slice by slice of its hidden features
@@ -1560,9 +1574,11 @@ def _slices(eager: _Recorder, current: _Recorder, root, exclude=frozenset()) -> 
             found.append((run, modules, channels))
     found.sort(key=lambda f: (-len(f[0]), f[0][0]))
     taken, chains = set(), []
-    for k, gated, inside in _gated_mlps(eager, current, exclude):
-        taken |= inside
-        chains.append((k, gated))
+    for k, gated, inside in _gated_mlps(eager, current, exclude) + _split_mlps(
+            eager, current, exclude):
+        if not taken & inside:
+            taken |= inside
+            chains.append((k, gated))
     for run, modules, what in found:
         if not taken & set(run):
             taken |= set(run)
@@ -1642,6 +1658,93 @@ def _gated_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
         gated = _GatedSlice(module, parent.parent.module if parent.parent else None, gate,
                             acts, up, mods[d], gate_first)
         found.append((p, gated, {p, *ks}))
+    return found
+
+
+def _split_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> list:
+    """The MLPs split between two modules (_SplitMlpSlice): (index of the first module's call,
+    the _SplitMlpSlice, indices of the calls it holds and of those between) for every module
+    called once, one positional tensor in and one out, whose forward is nothing but its
+    children's calls, an nn.Linear (transformers' Conv1D) on its input then elementwise
+    activations each on the one before's output, the last one's output its own; whose output
+    an nn.Linear (Conv1D) called once takes next, no op between, its input features fc1's
+    output features; the tensors made inside read by no op after that Linear and handed to no
+    other call (but the Linear's ancestors, which hand it on); no hooks on the modules or
+    those between; a hidden tensor of 1 MiB or more; none of them in exclude."""
+    flow = eager.dataflow
+    if flow is None or not _same_forward(eager, current):
+        return []
+    calls = eager.calls
+    counts = _call_counts(current.calls)
+    index = {id(c): k for k, c in enumerate(calls)}
+    kids = {}
+    for k, c in enumerate(calls):
+        if id(c.parent) in index:
+            kids.setdefault(index[id(c.parent)], []).append(k)
+    last_read = {key: max(seqs) for key, seqs in flow.reads.items()}
+    users = {}  # storage identity -> the calls taking or returning it
+    for k, c in enumerate(calls):
+        for key, _ in c.inputs + c.outputs:
+            users.setdefault(key, set()).add(k)
+
+    def plain(k):
+        m = current.calls[k].module
+        return (counts[id(m)] == 1 and id(m) not in exclude
+                and not any(getattr(m, h, None) for h in _HOOKS))
+
+    def ancestors(k):
+        out, c = [], calls[k].parent
+        while c is not None:
+            out.append(index[id(c)])
+            c = c.parent
+        return out
+
+    found = []
+    for a, ks in sorted(kids.items()):
+        first = calls[a]
+        if not (first.input_id and first.output_id and plain(a) and first.outputs):
+            continue
+        ks = sorted(ks, key=lambda k: calls[k].seq_begin)
+        mods = [current.calls[k].module for k in ks]
+        chained = all(calls[j].input_id == calls[i].output_id and calls[j].input_id
+                      and calls[j].seq_begin == calls[i].seq_end - 1
+                      for i, j in zip(ks, ks[1:]))
+        if (len(ks) < 2 or not chained or not all(map(plain, ks))
+                or calls[ks[0]].input_id != first.input_id
+                or calls[ks[0]].seq_begin != first.seq_begin
+                or calls[ks[-1]].output_id != first.output_id
+                or calls[ks[-1]].seq_end != first.seq_end
+                or current.calls[ks[0]].mutates_input):
+            continue
+        hidden = first.outputs[0][0]
+        takers = [f for f in range(len(calls)) if calls[f].input_id == first.output_id
+                  and calls[f].seq_begin == first.seq_end - 1 and not calls[f].inputs[1:]
+                  and calls[f].inputs[:1] == first.outputs[:1]
+                  and sliced._linear(current.calls[f].module) and f not in ks and f != a]
+        if len(takers) != 1 or not plain(takers[0]):
+            continue
+        f = takers[0]
+        parts = sliced.mlp_parts(mods + [current.calls[f].module])
+        if parts is None or len(parts[1]) != len(mods) - 1:
+            continue
+        up_a, up_f = ancestors(a), ancestors(f)
+        common = next((k for k in up_f if k in up_a), None)
+        if common is None:
+            continue
+        between = up_a[:up_a.index(common)] + up_f[:up_f.index(common)]
+        if not all(map(plain, between)):
+            continue
+        inner = {calls[k].outputs[0][0] for k in ks if calls[k].outputs} - {None}
+        allowed = {a, f, *ks, *up_f[:up_f.index(common)]}
+        if (any(last_read.get(key, 0) >= calls[f].seq_end for key in inner)
+                or any(users.get(key, set()) - allowed for key in inner)):
+            continue
+        if first.outputs[0][1] < _SLICE_MIN_BYTES or hidden is None:
+            continue
+        split = _SplitMlpSlice((current.calls[a].module, current.calls[f].module),
+                               current.calls[common].module, parts,
+                               [current.calls[k].module for k in between])
+        found.append((a, split, {a, f, *ks, *between}))
     return found
 
 
@@ -1765,8 +1868,10 @@ def _packed_gated(flow, parent, calls, mods, own, d):
 
 
 def _inside(chains) -> set:
-    """id() of every module of the sliced chains and of their submodules."""
-    return {id(sub) for c in chains for m in c.modules for sub in m.modules()}
+    """id() of every module of the sliced chains and of their submodules (and of those between
+    a split MLP's parts and their common ancestor)."""
+    return {id(sub) for c in chains for m in c.modules + getattr(c, "between", ())
+            for sub in m.modules()}
 
 
 def _runs_beside(runs, before: _Measured, after: _Measured, chains) -> List[List[int]]:
@@ -2011,9 +2116,11 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
     Below the least peak that checkpoints reach (CPU eager steps), fit also recomputes the
     model's chains of channelwise modules (an inverted residual block's expansion,
     BatchNorm, activation and depthwise convolution) one slice of channels at a time
-    (memlean.sliced_chain; action "sliced recompute"), then plans checkpoints again, and
-    below that slices the chains behind 1x1 heads finer (fewer bytes, more time):
-    docs/fit.md, steps 5 and 5b.
+    (memlean.sliced_chain; action "sliced recompute") and its MLPs one slice of hidden
+    features at a time (memlean.sliced_mlp, sliced_gated_mlp; plain, gated, and split between
+    two modules as in transformers' encoders; action "sliced mlp"), then plans checkpoints
+    again, and below that slices the chains behind 1x1 heads finer (fewer bytes, more time):
+    docs/fit.md, steps 5, 5b and 5c.
 
     fit runs a few real training steps (forward, backward, optimizer step) to measure:
     one eager step (when the optimizer has no state yet, after an optimizer step on zero

@@ -266,6 +266,75 @@ def gated_mlps_of(modules):
         return fitting._gated_mlps(recorded, recorded)
 
 
+class SplitIntermediate(nn.Module):
+    """act(dense(x)), as transformers' BertIntermediate; "scaled": halved after."""
+
+    def __init__(self, d, hidden, how):
+        super().__init__()
+        self.how = how
+        self.dense, self.act = nn.Linear(d, hidden), nn.GELU()
+
+    def forward(self, x):
+        h = self.act(self.dense(x))
+        return h * 0.5 if self.how == "scaled" else h
+
+
+class SplitOutput(nn.Module):
+    """norm(dense(h) + x), as transformers' BertOutput; "reread": h's first features added
+    after dense."""
+
+    def __init__(self, d, hidden, how):
+        super().__init__()
+        self.how = how
+        self.dense, self.norm = nn.Linear(hidden, d), nn.LayerNorm(d)
+
+    def forward(self, h, x):
+        y = self.dense(h)
+        if self.how == "reread":
+            y = y + h[..., :y.shape[-1]]
+        return self.norm(y + x)
+
+
+class SplitLayer(nn.Module):
+    """A layer whose MLP is split between two modules as in transformers' encoders: "split"
+    output(intermediate(x), x), which fit slices as one MLP; not so: "scaled" (the
+    intermediate's forward does more than its children), "reread" (the output reads the hidden
+    again), "op between" (the hidden doubled before the output takes it), "handed twice" (a
+    second module takes the hidden), "hooked" (a forward hook on the output's dense)."""
+
+    def __init__(self, d, hidden, how="split"):
+        super().__init__()
+        self.how = how
+        self.intermediate = SplitIntermediate(d, hidden, how)
+        self.output = SplitOutput(d, hidden, how)
+        self.probe = nn.Linear(hidden, 1)
+        if how == "hooked":
+            self.output.dense.register_forward_hook(lambda m, i, o: None)
+
+    def forward(self, x):
+        h = self.intermediate(x)
+        if self.how == "op between":
+            h = h * 2.0
+        y = self.output(h, x)
+        if self.how == "handed twice":
+            y = y + self.probe(h)
+        return y
+
+
+def split_mlps_of(modules):
+    """fit's split MLPs (_split_mlps, any size) in one recorded step of nn.Sequential(modules)
+    on a batch of 4 rows of 8 features."""
+    from memlean import fitting
+
+    model = nn.Sequential(*modules)
+    model.train()
+    step = fitting._Step(model, (torch.randn(4, 8),), lambda y: y.sum(), None,
+                         torch.device("cpu"))
+    recorded = step.run(record=True, dataflow=True).recorder
+    with mock.patch.object(fitting, "_SLICE_MIN_BYTES", 0):
+        return fitting._split_mlps(recorded, recorded)
+
+
 class ViT(nn.Module):
     def __init__(self, patch=48, d=64, layers=3, classes=10):
         super().__init__()
@@ -1562,6 +1631,30 @@ class FitTest(unittest.TestCase):
         self.made_at_least_trains_alike(
             lambda: nn.Sequential(GatedVariant(64, 256, "functional"), nn.Tanh(),
                                   GatedVariant(64, 256, "functional tanh gelu")), mlps=2)
+
+    def test_mlps_split_between_two_modules_are_found_by_their_dataflow(self):
+        # transformers' encoders (BERT, RoBERTa, HF ViT) split a layer's MLP between two
+        # modules: an intermediate (dense, activation) and an output whose dense takes its
+        # output. fit slices the two as one MLP only where the recorded forward shows that and
+        # nothing else: not an intermediate that scales its result, an output that reads the
+        # hidden tensor again, an op between them, a hidden tensor a second module takes, nor
+        # a dense with a hook. The output module (between the layer and its dense) is then
+        # no checkpoint candidate. Fitted at their least, two such layers train as their twin
+        # (float64), and undone leave no forward wrapped.
+        hows = ["split", "scaled", "reread", "op between", "handed twice", "hooked"]
+        found = split_mlps_of([SplitLayer(8, 16, how) for how in hows])
+        self.assertEqual([s.parent.how for _, s, _ in found], ["split"])
+        (_, split, _), = found
+        layer = split.parent
+        self.assertEqual(split.modules, (layer.intermediate, layer.output.dense))
+        self.assertEqual(split.parts, (layer.intermediate.dense, [layer.intermediate.act],
+                                       layer.output.dense))
+        self.assertEqual(split.between, (layer.output,))
+        from memlean import fitting
+
+        self.assertIn(id(layer.output), fitting._inside([split]))  # (no candidate)
+        self.made_at_least_trains_alike(
+            lambda: nn.Sequential(SplitLayer(64, 256), nn.Tanh(), SplitLayer(64, 256)), mlps=2)
 
     def test_a_sliced_step_that_fails_leaves_fit_to_checkpoints(self):
         # Were a sliced chain to fail in the step (here memlean.sliced_mlp raising), fit warns
