@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
+#include <memory>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -265,6 +266,34 @@ std::pair<int64_t, int64_t> least_and_eager(const torch::nn::Sequential& m, cons
   return {eager, eager};
 }
 
+// A chain of GELUs around a Table layer (layer 6): Linear(8, 2^16), 5 GELUs, the table, 5 GELUs,
+// Linear(2^16, 4); 2 rows, MSE loss, SGD. GELU saves its input (which a checkpoint ending
+// before it keeps, exactly as predicted).
+struct TableChain {
+  TableChain() {
+    at::set_num_threads(1);
+    at::manual_seed(0);
+    constexpr int64_t kWide = int64_t{1} << 16, kRows = 2;
+    namespace nn = torch::nn;
+    model = nn::Sequential(nn::Linear(8, kWide));
+    for (int i = 0; i < 5; ++i) model->push_back(nn::GELU());
+    model->push_back(Table(kWide));  // layer 6
+    for (int i = 0; i < 5; ++i) model->push_back(nn::GELU());
+    model->push_back(nn::Linear(kWide, 4));
+    model->train();
+    x = at::randn({kRows, 8});
+    const at::Tensor y = at::randn({kRows, 4});
+    sgd = std::make_unique<torch::optim::SGD>(model->parameters(),
+                                              torch::optim::SGDOptions(0.01));
+    options.loss_fn = [y](const at::Tensor& out) { return at::mse_loss(out, y); };
+    options.optimizer = sgd.get();
+  }
+  torch::nn::Sequential model{nullptr};
+  at::Tensor x;
+  std::unique_ptr<torch::optim::SGD> sgd;
+  FitOptions options;
+};
+
 // A chain of GELUs (each saves its input, the previous layer's output; a chain of SiLUs
 // would become in-place Swish layers first) around a layer with a
 // buffer: every plan's predicted peak is the measured one to within 64 bytes, at every budget,
@@ -274,24 +303,8 @@ std::pair<int64_t, int64_t> least_and_eager(const torch::nn::Sequential& m, cons
 // a copy of the run's buffers (memlean::checkpoint puts them back after the recompute; here
 // backward's own bytes through the run exceed that copy).
 TEST(Fit, EveryPlanIsPredictedToTheByteOnAChainWithABuffer) {
-  at::set_num_threads(1);
-  at::manual_seed(0);
-  constexpr int64_t kWide = int64_t{1} << 16, kRows = 2;
-  namespace nn = torch::nn;
-  nn::Sequential m(nn::Linear(8, kWide));
-  // GELU saves its input (which a checkpoint ending before it keeps, exactly as predicted).
-  for (int i = 0; i < 5; ++i) m->push_back(nn::GELU());
-  m->push_back(Table(kWide));  // layer 6
-  for (int i = 0; i < 5; ++i) m->push_back(nn::GELU());
-  m->push_back(nn::Linear(kWide, 4));
-  m->train();
-  const at::Tensor x = at::randn({kRows, 8});
-  const at::Tensor y = at::randn({kRows, 4});
-  torch::optim::SGD sgd{m->parameters(), torch::optim::SGDOptions(0.01)};
-  FitOptions o;
-  o.loss_fn = [y](const at::Tensor& out) { return at::mse_loss(out, y); };
-  o.optimizer = &sgd;
-  o.resolution = 4096;
+  TableChain chain;
+  const auto& [m, x, sgd, o] = chain;
   const auto [least, eager] = least_and_eager(m, x, o);
   ASSERT_LT(least, eager);
   int with_buffers = 0;
@@ -318,22 +331,8 @@ TEST(Fit, EveryPlanIsPredictedToTheByteOnAChainWithABuffer) {
 // but the next layer's backward had freed it), 7 were predicted 262,112-524,288 bytes low, and 33
 // once base no longer counted backward's working memory at every moment.
 TEST(Fit, EveryCheckpointOfAChainWithABufferIsPredicted) {
-  at::set_num_threads(1);
-  at::manual_seed(0);
-  constexpr int64_t kWide = int64_t{1} << 16, kRows = 2;
-  namespace nn = torch::nn;
-  nn::Sequential m(nn::Linear(8, kWide));
-  for (int i = 0; i < 5; ++i) m->push_back(nn::GELU());
-  m->push_back(Table(kWide));  // layer 6
-  for (int i = 0; i < 5; ++i) m->push_back(nn::GELU());
-  m->push_back(nn::Linear(kWide, 4));
-  m->train();
-  const at::Tensor x = at::randn({kRows, 8});
-  const at::Tensor y = at::randn({kRows, 4});
-  torch::optim::SGD sgd{m->parameters(), torch::optim::SGDOptions(0.01)};
-  FitOptions o;
-  o.loss_fn = [y](const at::Tensor& out) { return at::mse_loss(out, y); };
-  o.optimizer = &sgd;
+  TableChain chain;
+  const auto& [m, x, sgd, o] = chain;
   int problems = 0, through_table = 0, random_plans = 0;
   namespace seen = memlean::fit::testing;
   seen::set_problem_observer([&](const seen::CheckpointProblem& p) {

@@ -252,9 +252,9 @@ class PackedVariant(nn.Module):
         return self.w3(F.silu(a) * b)
 
 
-def gated_mlps_of(modules):
-    """fit's gated MLPs (_gated_mlps, any size) in one recorded step of nn.Sequential(modules)
-    on a batch of 4 rows of 8 features."""
+def mlps_of(modules, finder):
+    """fitting.`finder`'s MLPs (_gated_mlps, _split_mlps; any size) in one recorded step of
+    nn.Sequential(modules) on a batch of 4 rows of 8 features."""
     from memlean import fitting
 
     model = nn.Sequential(*modules)
@@ -263,7 +263,12 @@ def gated_mlps_of(modules):
                          torch.device("cpu"))
     recorded = step.run(record=True, dataflow=True).recorder
     with mock.patch.object(fitting, "_SLICE_MIN_BYTES", 0):
-        return fitting._gated_mlps(recorded, recorded)
+        return getattr(fitting, finder)(recorded, recorded)
+
+
+def gated_mlps_of(modules):
+    """fit's gated MLPs (_gated_mlps) in a step of nn.Sequential(modules): mlps_of."""
+    return mlps_of(modules, "_gated_mlps")
 
 
 class SplitIntermediate(nn.Module):
@@ -319,20 +324,6 @@ class SplitLayer(nn.Module):
         if self.how == "handed twice":
             y = y + self.probe(h)
         return y
-
-
-def split_mlps_of(modules):
-    """fit's split MLPs (_split_mlps, any size) in one recorded step of nn.Sequential(modules)
-    on a batch of 4 rows of 8 features."""
-    from memlean import fitting
-
-    model = nn.Sequential(*modules)
-    model.train()
-    step = fitting._Step(model, (torch.randn(4, 8),), lambda y: y.sum(), None,
-                         torch.device("cpu"))
-    recorded = step.run(record=True, dataflow=True).recorder
-    with mock.patch.object(fitting, "_SLICE_MIN_BYTES", 0):
-        return fitting._split_mlps(recorded, recorded)
 
 
 class ViT(nn.Module):
@@ -1642,7 +1633,7 @@ class FitTest(unittest.TestCase):
         # no checkpoint candidate. Fitted at their least, two such layers train as their twin
         # (float64), and undone leave no forward wrapped.
         hows = ["split", "scaled", "reread", "op between", "handed twice", "hooked"]
-        found = split_mlps_of([SplitLayer(8, 16, how) for how in hows])
+        found = mlps_of([SplitLayer(8, 16, how) for how in hows], "_split_mlps")
         self.assertEqual([s.parent.how for _, s, _ in found], ["split"])
         (_, split, _), = found
         layer = split.parent

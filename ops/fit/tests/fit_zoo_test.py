@@ -159,6 +159,17 @@ class FitTransformersTest(unittest.TestCase):
             model = transformers.LlamaForCausalLM(config)
         return model.double().train()
 
+    def assert_kept(self, plan, model, x, loss_fn, opt, budget):
+        """The plan's step, measured here: within budget, the peak fit measured, predicted
+        within max(2 %, 1 MiB)."""
+        if not opt.state:
+            step_peak(model, (x,), loss_fn, opt)  # the state fit measured with
+        measured = step_peak(model, (x,), loss_fn, opt)
+        self.assertLessEqual(measured, budget, str(plan))
+        self.assertEqual(measured, plan.peak_bytes, str(plan))
+        self.assertLessEqual(abs(plan.predicted_peak_bytes - measured),
+                             max(measured // 50, 1 << 20), str(plan))
+
     def check(self, kind, layers, attention, least_actions):
         """fit at its least and a budget between it and the eager peak, with and without the
         cache: kept (measured here), predicted within max(2 %, 1 MiB); with the cache no
@@ -190,13 +201,7 @@ class FitTransformersTest(unittest.TestCase):
                 self.assertLess(least, eager)
                 for budget in ((least + eager) // 2, least):
                     plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
-                    if not opt.state:
-                        step_peak(model, (x,), loss_fn, opt)  # the state fit measured with
-                    measured = step_peak(model, (x,), loss_fn, opt)
-                    self.assertLessEqual(measured, budget, str(plan))
-                    self.assertEqual(measured, plan.peak_bytes, str(plan))
-                    self.assertLessEqual(abs(plan.predicted_peak_bytes - measured),
-                                         max(measured // 50, 1 << 20), str(plan))
+                    self.assert_kept(plan, model, x, loss_fn, opt, budget)
                     checkpointed = {a.path for a in plan.actions if a.action == "checkpoint"}
                     self.assertTrue(checkpointed, str(plan))
                     if use_cache:
@@ -273,13 +278,7 @@ class FitTransformersTest(unittest.TestCase):
         eager = memlean.fit(model, ids, 2**50, loss_fn=loss_fn, optimizer=opt).eager_peak_bytes
         for budget in ((least + eager) // 2, least):
             plan = memlean.fit(model, ids, budget, loss_fn=loss_fn, optimizer=opt)
-            if not opt.state:
-                step_peak(model, (ids,), loss_fn, opt)  # the state fit measured with
-            measured = step_peak(model, (ids,), loss_fn, opt)
-            self.assertLessEqual(measured, budget, str(plan))
-            self.assertEqual(measured, plan.peak_bytes, str(plan))
-            self.assertLessEqual(abs(plan.predicted_peak_bytes - measured),
-                                 max(measured // 50, 1 << 20), str(plan))
+            self.assert_kept(plan, model, ids, loss_fn, opt, budget)
             plan.undo()
         done = {(a.path, a.action) for a in plan.actions}
         for i in range(2):
