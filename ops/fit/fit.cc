@@ -1097,6 +1097,9 @@ Attempt attempt(const FitContext& ctx, const torch::nn::Sequential& base,
   int64_t optimizer_peak = 0;
   const Problem problem = checkpoint_problem(ctx, walk, sliced, swapped.peak, optimizer_peak);
   out.saved = problem.atom_saved_bytes;
+  auto measure = [&](const FitPlan& f) {
+    return ctx.step.measure([&f](const at::Tensor& x) { return f.forward(x); });
+  };
   if (problem_observer()) {
     testing::CheckpointProblem seen;
     for (const Candidate& c : problem.candidates) seen.runs.emplace_back(c.begin, c.end);
@@ -1105,10 +1108,8 @@ Attempt attempt(const FitContext& ctx, const torch::nn::Sequential& base,
       p.feasible = true;
       p.chosen = chosen;
       p.predicted_peak_bytes = predicted_peak(problem, chosen);
-      const FitPlan f = plan_of(ctx, problem, p, swapped, sliced);
-      return std::make_pair(
-          std::max(p.predicted_peak_bytes, optimizer_peak),
-          ctx.step.measure([&f](const at::Tensor& x) { return f.forward(x); }));
+      const FitPlan f = plan_of(ctx, problem, p, swapped, sliced, optimizer_peak);
+      return std::make_pair(f.predicted_peak_bytes, measure(f));
     };
     problem_observer()(seen);
   }
@@ -1116,10 +1117,7 @@ Attempt attempt(const FitContext& ctx, const torch::nn::Sequential& base,
   search_options.resolution = ctx.resolution;
   const SearchResult found = search(
       problem, ctx.planned, /*floor_bytes=*/optimizer_peak, swapped.peak,
-      [&](const Plan& p) {
-        const FitPlan f = plan_of(ctx, problem, p, swapped, sliced);
-        return ctx.step.measure([&f](const at::Tensor& x) { return f.forward(x); });
-      },
+      [&](const Plan& p) { return measure(plan_of(ctx, problem, p, swapped, sliced)); },
       search_options);
   if (found.fastest) {
     out.plan = plan_of(ctx, problem, *found.fastest, swapped, sliced, optimizer_peak);

@@ -1617,11 +1617,7 @@ def _gated_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
     flow = eager.dataflow
     if flow is None or not _same_forward(eager, current):
         return []
-    index = {id(c): k for k, c in enumerate(eager.calls)}
-    kids = {}
-    for k, c in enumerate(eager.calls):
-        if id(c.parent) in index:
-            kids.setdefault(index[id(c.parent)], []).append(k)
+    index, kids = _children(eager.calls)
     counts = _call_counts(current.calls)
     found = []
     for p, ks in sorted(kids.items()):
@@ -1661,6 +1657,17 @@ def _gated_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
     return found
 
 
+def _children(calls):
+    """({id(call): its index}, {a call's index: the indices of the calls it made}) of the
+    recorded calls."""
+    index = {id(c): k for k, c in enumerate(calls)}
+    kids = {}
+    for k, c in enumerate(calls):
+        if id(c.parent) in index:
+            kids.setdefault(index[id(c.parent)], []).append(k)
+    return index, kids
+
+
 def _split_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> list:
     """The MLPs split between two modules (_SplitMlpSlice): (index of the first module's call,
     the _SplitMlpSlice, indices of the calls it holds and of those between) for every module
@@ -1676,16 +1683,15 @@ def _split_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
         return []
     calls = eager.calls
     counts = _call_counts(current.calls)
-    index = {id(c): k for k, c in enumerate(calls)}
-    kids = {}
-    for k, c in enumerate(calls):
-        if id(c.parent) in index:
-            kids.setdefault(index[id(c.parent)], []).append(k)
+    index, kids = _children(calls)
     last_read = {key: max(seqs) for key, seqs in flow.reads.items()}
     users = {}  # storage identity -> the calls taking or returning it
+    taking = {}  # id() of a call's one tensor argument -> the calls taking it
     for k, c in enumerate(calls):
         for key, _ in c.inputs + c.outputs:
             users.setdefault(key, set()).add(k)
+        if c.input_id:
+            taking.setdefault(c.input_id, []).append(k)
 
     def plain(k):
         m = current.calls[k].module
@@ -1716,9 +1722,10 @@ def _split_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
                 or calls[ks[-1]].seq_end != first.seq_end
                 or current.calls[ks[0]].mutates_input):
             continue
-        hidden = first.outputs[0][0]
-        takers = [f for f in range(len(calls)) if calls[f].input_id == first.output_id
-                  and calls[f].seq_begin == first.seq_end - 1 and not calls[f].inputs[1:]
+        if first.outputs[0][0] is None or first.outputs[0][1] < _SLICE_MIN_BYTES:
+            continue  # (the hidden tensor: its identity, its bytes)
+        takers = [f for f in taking.get(first.output_id, ())
+                  if calls[f].seq_begin == first.seq_end - 1 and not calls[f].inputs[1:]
                   and calls[f].inputs[:1] == first.outputs[:1]
                   and sliced._linear(current.calls[f].module) and f not in ks and f != a]
         if len(takers) != 1 or not plain(takers[0]):
@@ -1731,15 +1738,14 @@ def _split_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
         common = next((k for k in up_f if k in up_a), None)
         if common is None:
             continue
-        between = up_a[:up_a.index(common)] + up_f[:up_f.index(common)]
+        above_f = up_f[:up_f.index(common)]  # f's ancestors below the common one
+        between = up_a[:up_a.index(common)] + above_f
         if not all(map(plain, between)):
             continue
         inner = {calls[k].outputs[0][0] for k in ks if calls[k].outputs} - {None}
-        allowed = {a, f, *ks, *up_f[:up_f.index(common)]}
+        allowed = {a, f, *ks, *above_f}
         if (any(last_read.get(key, 0) >= calls[f].seq_end for key in inner)
                 or any(users.get(key, set()) - allowed for key in inner)):
-            continue
-        if first.outputs[0][1] < _SLICE_MIN_BYTES or hidden is None:
             continue
         split = _SplitMlpSlice((current.calls[a].module, current.calls[f].module),
                                current.calls[common].module, parts,
