@@ -24,6 +24,7 @@ struct Prepared {
   std::vector<int64_t> atom_extra;          // atom_backward_extra_bytes, or n zeros
   std::vector<int64_t> recompute_bytes;     // per candidate, see recompute()
   std::vector<std::vector<int>> ending_at;  // candidate indices by end, ascending
+  std::vector<std::vector<int>> shared_of;  // per candidate, the shared inputs it keeps
 
   int64_t range_sum(int c) const {
     const Candidate& cand = problem.candidates[c];
@@ -66,7 +67,7 @@ std::string candidate_field(size_t i, const char* field) {
 }
 
 Prepared prepare(const Problem& problem) {
-  Prepared prep{problem, 0, {}, {}, {}, {}, {}};
+  Prepared prep{problem, 0, {}, {}, {}, {}, {}, {}};
   if (problem.base_bytes < 0) throw std::invalid_argument("base_bytes must be >= 0");
   if (problem.atom_saved_bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
     throw std::invalid_argument("atom_saved_bytes: too many atoms");
@@ -137,13 +138,48 @@ Prepared prepare(const Problem& problem) {
         prep.range_sum(static_cast<int>(i)) + c.input_bytes + held;
     prep.ending_at[c.end].push_back(static_cast<int>(i));
   }
+  prep.shared_of.resize(problem.candidates.size());
+  for (size_t s = 0; s < problem.shared_inputs.size(); ++s) {
+    const SharedInput& shared = problem.shared_inputs[s];
+    const std::string field = "shared_inputs[" + std::to_string(s) + "]";
+    if (shared.bytes < 0) throw std::invalid_argument(field + ".bytes must be >= 0");
+    for (int c : shared.candidates) {
+      if (c < 0 || static_cast<size_t>(c) >= problem.candidates.size()) {
+        throw std::invalid_argument(field + ".candidates: index " + std::to_string(c) +
+                                    " out of range");
+      }
+      std::vector<int>& of = prep.shared_of[c];
+      if (!of.empty() && of.back() == static_cast<int>(s)) {
+        throw std::invalid_argument(field + ".candidates: index " + std::to_string(c) +
+                                    " repeated");
+      }
+      of.push_back(static_cast<int>(s));
+    }
+  }
+  for (size_t c = 0; c < problem.candidates.size(); ++c) {
+    int64_t room = problem.candidates[c].input_bytes;  // (subtracting: no overflow)
+    for (int s : prep.shared_of[c]) {
+      room -= problem.shared_inputs[s].bytes;
+      if (room < 0) {
+        throw std::invalid_argument(
+            "shared_inputs: the bytes of those listing candidate " + std::to_string(c) +
+            " sum above " + candidate_field(c, "input_bytes") + " (" +
+            std::to_string(problem.candidates[c].input_bytes) + ")");
+      }
+    }
+  }
   return prep;
 }
 
 // predicted_peak on prepared data; `chosen` must be sorted by begin and disjoint.
-int64_t peak_of_sorted(const Prepared& prep, const std::vector<int>& chosen) {
+// A shared input is counted once from its first chosen reader on: a later chosen reader's
+// recompute does not count it again, nor does what that reader keeps (its kept bytes, at most).
+// share == false: counted once per chosen reader, as the programs count it.
+int64_t peak_of_sorted(const Prepared& prep, const std::vector<int>& chosen, bool share = true) {
   const int64_t base = prep.problem.base_bytes;
-  int64_t freed_before = 0;  // freed by the chosen candidates already passed
+  // Freed by the chosen candidates already passed, and their shared inputs counted again.
+  int64_t freed_before = 0;
+  std::vector<bool> counted(prep.problem.shared_inputs.size(), false);
   int64_t peak = base;
   int k = 0;  // the next atom
   auto atoms_until = [&](int end) {  // the backward terms of the atoms no candidate covers
@@ -155,8 +191,20 @@ int64_t peak_of_sorted(const Prepared& prep, const std::vector<int>& chosen) {
     const Candidate& cand = prep.problem.candidates[c];
     atoms_until(cand.begin);
     const int64_t kept_before = prep.prefix[cand.begin] - freed_before;
-    peak = std::max(peak, base + kept_before + prep.recompute(c));
-    freed_before += prep.freed[c];
+    int64_t again = 0;  // its shared inputs that an earlier chosen reader counts
+    int64_t kept_again = 0;  // of those, what its kept bytes count (they may be clamped)
+    for (int s : prep.shared_of[c]) {
+      if (!share) break;
+      if (!counted[s]) {
+        counted[s] = true;
+        continue;
+      }
+      const int64_t bytes = prep.problem.shared_inputs[s].bytes;
+      again += bytes;
+      kept_again += std::min(bytes, prep.kept(c) - kept_again);
+    }
+    peak = std::max(peak, base + kept_before + prep.recompute(c) - again);
+    freed_before += prep.freed[c] + kept_again;
     k = cand.end;
   }
   atoms_until(prep.n);
@@ -172,6 +220,9 @@ Plan make_plan(const Prepared& prep, std::vector<int> chosen) {
   result.feasible = true;
   for (int c : chosen) result.recompute_seconds += cands[c].seconds;
   result.predicted_peak_bytes = peak_of_sorted(prep, chosen);
+  result.planned_peak_bytes = prep.problem.shared_inputs.empty()
+                                  ? result.predicted_peak_bytes
+                                  : peak_of_sorted(prep, chosen, /*share=*/false);
   result.chosen = std::move(chosen);
   return result;
 }
@@ -405,7 +456,7 @@ Plan plan(const Problem& problem, int64_t budget_bytes, int resolution) {
     Plan candidate = make_plan(prep, std::move(*quantised));
     if (better(candidate, best)) best = std::move(candidate);
   }
-  if (best.predicted_peak_bytes > budget_bytes) {  // both programs are conservative
+  if (best.planned_peak_bytes > budget_bytes) {  // both programs are conservative
     throw std::logic_error("memlean::fit::plan: a plan exceeds its budget");
   }
   return best;

@@ -42,6 +42,18 @@
 //
 // Candidates need not be laminar: any intervals are accepted (chain_candidates gives every run
 // of layers, which overlap without nesting); only the chosen ones must be disjoint.
+//
+// Shared inputs. A tensor that no atom saves but several candidates read (a DenseNet layer's
+// input is the list of every earlier feature map of its block) is kept by each chosen reader,
+// and each counts it among its kept and input bytes; but it lives once, from its forward until
+// the backward of the earliest chosen reader. Listed in Problem::shared_inputs, it is counted
+// once in every term of predicted_peak that counts it at all (the forward's end, a recompute
+// and the backward of an atom after a chosen reader). The programs below still count it once
+// per chosen reader (their sums are per candidate; exact sharing needs to know which earlier
+// reader was chosen), so they stay conservative: every plan they return fits, its
+// predicted_peak_bytes is exact and its planned_peak_bytes is what they counted;
+// least_peak_plan's planned_peak_bytes is the least of the programs' count, and its choice may
+// miss one whose shared inputs bring it lower.
 #pragma once
 
 #include <cstdint>
@@ -65,6 +77,13 @@ struct Candidate {
   int64_t input_bytes = 0;
 };
 
+// A tensor kept by several candidates (see "Shared inputs" above): each of them counts its
+// bytes in its input_bytes and in what it keeps (range sum - freed_bytes).
+struct SharedInput {
+  int64_t bytes = 0;
+  std::vector<int> candidates;  // indices into Problem::candidates, distinct
+};
+
 struct Problem {
   int64_t base_bytes = 0;
   std::vector<int64_t> atom_saved_bytes;
@@ -80,6 +99,8 @@ struct Problem {
   // these terms are what backward reaches atom by atom, so measured ones keep the eager
   // prediction exact.
   std::vector<int64_t> atom_backward_extra_bytes;
+  // Optional: tensors several candidates keep, counted once where more than one is chosen.
+  std::vector<SharedInput> shared_inputs;
 };
 
 struct Plan {
@@ -87,12 +108,17 @@ struct Plan {
   std::vector<int> chosen;           // indices into Problem::candidates, in forward order
   int64_t predicted_peak_bytes = 0;  // predicted_peak(problem, chosen), exact
   double recompute_seconds = 0;      // sum of the chosen candidates' seconds
+  // The peak as the programs count it (shared inputs once per chosen reader; without shared
+  // inputs, predicted_peak_bytes): plan() finds a plan for every budget at or above it.
+  int64_t planned_peak_bytes = 0;
 };
 
 // Throws std::invalid_argument, naming the field, for: negative base_bytes, atom_saved_bytes,
 // freed_bytes, recompute_extra_bytes, input_bytes or atom_backward_extra_bytes, or the latter
 // not empty and not one per atom; a candidate with begin >= end or outside [0, n]; negative or
-// non-finite seconds; base_bytes + sum(atom_saved_bytes) overflowing int64.
+// non-finite seconds; base_bytes + sum(atom_saved_bytes) overflowing int64; a shared input
+// with negative bytes or a candidate index out of range or repeated; a candidate whose shared
+// inputs sum above its input_bytes.
 void validate(const Problem& problem);
 
 // The exact predicted peak of a set of candidates (any order). Throws std::invalid_argument if
@@ -105,7 +131,8 @@ Plan plan(const Problem& problem, int64_t budget_bytes, int resolution = 4096);
 
 // The least predicted peak that any disjoint choice reaches, exactly (a bisection over budgets
 // with the exact feasibility test), with plan(problem, that peak, resolution): the least time
-// that reaches it, up to the caveat above.
+// that reaches it, up to the caveat above. With shared inputs, the least as the programs count
+// it: that is the plan's planned_peak_bytes, and its predicted_peak_bytes may be lower.
 Plan least_peak_plan(const Problem& problem, int resolution = 4096);
 
 // The chain case (torch::nn::Sequential): every run [i, j) of the n layers, ordered by i then j,

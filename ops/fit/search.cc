@@ -59,9 +59,11 @@ SearchResult search(const Problem& problem, int64_t budget_bytes, int64_t floor_
   }
   // 2. The least-peak plan.
   if (!low && budget_bytes >= floor_bytes && result.least.feasible) {
-    if (const auto peak = attempt(result.least.predicted_peak_bytes);
+    // (planned: the target at which plan() finds it; predicted may be lower, shared inputs
+    // counted once)
+    if (const auto peak = attempt(result.least.planned_peak_bytes);
         peak && *peak <= budget_bytes) {
-      low = result.least.predicted_peak_bytes;
+      low = result.least.planned_peak_bytes;
     }
   }
   // 3. Up.
@@ -79,7 +81,7 @@ SearchResult search(const Problem& problem, int64_t budget_bytes, int64_t floor_
   }
   // 4. Below the least peak measured.
   if (!result.fastest) {
-    if (result.least.feasible) attempt(result.least.predicted_peak_bytes);
+    if (result.least.feasible) attempt(result.least.planned_peak_bytes);
     for (int round = 0; round < options.descent_rounds; ++round) {
       const int64_t least = result.least_measured_peak_bytes;
       const auto peak = attempt(least - 1);

@@ -1948,6 +1948,7 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset()):
     backward_extras = [max(0, rec.backward_levels.get(k, 0) - base - prefix[k + 1])
                        for k in range(len(atoms))]
     candidates, calls = [], []
+    readers = {}  # key of an input no atom saves -> (its bytes, the candidates keeping it)
     run_calls, leftovers = [], {}
     paths = _paths(root) if runs else {}
     for run in runs:
@@ -1990,6 +1991,7 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset()):
                 kept += nbytes
             if atom is None:
                 held += nbytes
+                readers.setdefault(key, (nbytes, []))[1].append(len(candidates))
         for key, nbytes in c.outputs:
             if key is None or key in seen:
                 continue
@@ -2033,7 +2035,12 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset()):
         calls.append(c)
     candidates = [(b, e, freed, s, extra, held)
                   for (b, e, freed, extra, held), s in zip(candidates, _twin_seconds(calls))]
-    return _Problem(base, atoms, candidates, calls, backward_extras)
+    # Inputs that several candidates keep (a DenseNet layer's input is the list of its block's
+    # earlier feature maps, which no op saves): each counts them, but they live once, and the
+    # planner's predictions count them once (ops/fit/planner.h, "Shared inputs"; DenseNet-121's
+    # least was predicted 6 % high without, 2026-11-28).
+    shared = [(n, ks) for n, ks in readers.values() if len(ks) > 1]
+    return _Problem(base, atoms, candidates, calls, backward_extras, shared)
 
 
 @dataclass
@@ -2045,6 +2052,13 @@ class _Problem:
     candidates: list  # (begin, end, freed_bytes, seconds, recompute_extra_bytes, input_bytes)
     calls: list
     backward_extras: list
+    shared: list = ()  # (bytes, [candidate, ...]): inputs several candidates keep
+
+    @property
+    def options(self) -> dict:
+        """The planner's optional arguments for this problem (_C.fit's keywords)."""
+        return dict(atom_backward_extra_bytes=self.backward_extras,
+                    shared_inputs=[(n, list(ks)) for n, ks in self.shared])
 
 
 def _twin_seconds(calls) -> List[float]:
@@ -2271,7 +2285,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             # search runs at once.
             least_plan = tuple(_C.fit.least_peak_plan(
                 problem.base, problem.atoms, problem.candidates,
-                atom_backward_extra_bytes=problem.backward_extras)[1])
+                **problem.options)[1])
             probe = _measure_plan(step, problem.calls, least_plan, compile_options, untraced)
             found = (None, probe, 0, probe)
             if probe <= budget:
@@ -2297,7 +2311,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             found, chosen, peak, predicted, _, least, _ = _C.fit.search(
                 problem.base, problem.atoms, problem.candidates, budget,
                 current.optimizer_peak, empty_peak, measure,
-                atom_backward_extra_bytes=problem.backward_extras)
+                **problem.options)
             signature = _signature(problem, compile_options) + (traced,)
             remembered = _LEAST_PLANS.get(model, {}).get(signature)
             if not found and remembered is not None and remembered[1] <= budget:
@@ -2307,7 +2321,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 found = peak <= budget
                 predicted = _C.fit.predicted_peak(
                     problem.base, problem.atoms, problem.candidates, chosen,
-                    atom_backward_extra_bytes=problem.backward_extras)
+                    **problem.options)
             if found:
                 return chosen, peak, predicted, least
             reached = [c for c, p in measured.items() if p == least]
@@ -2465,7 +2479,7 @@ def _floor(problem, measured: _Measured) -> int:
     budget under it skips their search (it would only measure plans that do not fit)."""
     floor = max(measured.optimizer_peak, _C.fit.least_peak_plan(
         problem.base, problem.atoms, problem.candidates,
-        atom_backward_extra_bytes=problem.backward_extras)[2])
+        **problem.options)[2])
     return floor - floor // 50
 
 
@@ -2485,6 +2499,7 @@ _LEAST_PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakK
 def _signature(problem, compile_options) -> tuple:
     """What a step's planner problem is, times left out (they differ between calls)."""
     return (problem.base, tuple(problem.atoms), tuple(problem.backward_extras),
+            tuple((n, tuple(ks)) for n, ks in problem.shared),
             tuple((b, e, freed, extra, held)
                   for b, e, freed, _, extra, held in problem.candidates),
             repr(compile_options))

@@ -17,10 +17,13 @@ namespace {
 namespace py = pybind11;
 // begin, end, freed_bytes, seconds, recompute_extra_bytes, input_bytes
 using CandidateTuple = std::tuple<int, int, int64_t, double, int64_t, int64_t>;
+// bytes, the candidates keeping it
+using SharedTuple = std::tuple<int64_t, std::vector<int>>;
 
 fit::Problem problem_of(int64_t base_bytes, std::vector<int64_t> atom_saved_bytes,
                         const std::vector<CandidateTuple>& candidates,
-                        std::vector<int64_t> atom_backward_extra_bytes) {
+                        std::vector<int64_t> atom_backward_extra_bytes,
+                        const std::vector<SharedTuple>& shared_inputs) {
   fit::Problem p;
   p.base_bytes = base_bytes;
   p.atom_saved_bytes = std::move(atom_saved_bytes);
@@ -29,6 +32,8 @@ fit::Problem problem_of(int64_t base_bytes, std::vector<int64_t> atom_saved_byte
   for (const auto& [begin, end, freed, seconds, extra, input] : candidates) {
     p.candidates.push_back({begin, end, freed, seconds, extra, input});
   }
+  p.shared_inputs.reserve(shared_inputs.size());
+  for (const auto& [bytes, readers] : shared_inputs) p.shared_inputs.push_back({bytes, readers});
   return p;
 }
 
@@ -44,8 +49,10 @@ void init_fit(py::module_& m) {
   s.def(
       "plan",
       [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
-         int64_t budget, int resolution, std::vector<int64_t> extras) {
-        const fit::Problem p = problem_of(base, std::move(atoms), candidates, std::move(extras));
+         int64_t budget, int resolution, std::vector<int64_t> extras,
+         const std::vector<SharedTuple>& shared) {
+        const fit::Problem p =
+            problem_of(base, std::move(atoms), candidates, std::move(extras), shared);
         fit::Plan plan;
         {
           py::gil_scoped_release release;
@@ -56,13 +63,17 @@ void init_fit(py::module_& m) {
       py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"),
       py::arg("budget_bytes"), py::arg("resolution") = 4096,
       py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
+      py::arg("shared_inputs") = std::vector<SharedTuple>{},
       "memlean::fit::plan: (feasible, chosen, predicted_peak_bytes, recompute_seconds); "
-      "candidates are (begin, end, freed_bytes, seconds, recompute_extra_bytes, input_bytes).");
+      "candidates are (begin, end, freed_bytes, seconds, recompute_extra_bytes, input_bytes); "
+      "shared_inputs are (bytes, [candidate, ...]).");
   s.def(
       "least_peak_plan",
       [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
-         int resolution, std::vector<int64_t> extras) {
-        const fit::Problem p = problem_of(base, std::move(atoms), candidates, std::move(extras));
+         int resolution, std::vector<int64_t> extras,
+         const std::vector<SharedTuple>& shared) {
+        const fit::Problem p =
+            problem_of(base, std::move(atoms), candidates, std::move(extras), shared);
         fit::Plan plan;
         {
           py::gil_scoped_release release;
@@ -72,23 +83,28 @@ void init_fit(py::module_& m) {
       },
       py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"),
       py::arg("resolution") = 4096, py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
+      py::arg("shared_inputs") = std::vector<SharedTuple>{},
       "memlean::fit::least_peak_plan, as plan().");
   s.def(
       "predicted_peak",
       [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
-         const std::vector<int>& chosen, std::vector<int64_t> extras) {
-        return fit::predicted_peak(problem_of(base, std::move(atoms), candidates, std::move(extras)),
-                                   chosen);
+         const std::vector<int>& chosen, std::vector<int64_t> extras,
+         const std::vector<SharedTuple>& shared) {
+        return fit::predicted_peak(
+            problem_of(base, std::move(atoms), candidates, std::move(extras), shared), chosen);
       },
       py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"), py::arg("chosen"),
       py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
+      py::arg("shared_inputs") = std::vector<SharedTuple>{},
       "memlean::fit::predicted_peak.");
   s.def(
       "search",
       [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
          int64_t budget, int64_t floor, int64_t empty_peak, const py::function& measure,
-         int resolution, std::vector<int64_t> extras) {
-        const fit::Problem p = problem_of(base, std::move(atoms), candidates, std::move(extras));
+         int resolution, std::vector<int64_t> extras,
+         const std::vector<SharedTuple>& shared) {
+        const fit::Problem p =
+            problem_of(base, std::move(atoms), candidates, std::move(extras), shared);
         fit::SearchOptions options;
         options.resolution = resolution;
         // The GIL stays held: measure is Python, and the planner's calls are short.
@@ -106,6 +122,7 @@ void init_fit(py::module_& m) {
       py::arg("budget_bytes"), py::arg("floor_bytes"), py::arg("empty_peak_bytes"),
       py::arg("measure"), py::arg("resolution") = 4096,
       py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
+      py::arg("shared_inputs") = std::vector<SharedTuple>{},
       "memlean::fit::search with measure(chosen) -> measured peak: (found, chosen, "
       "measured_peak_bytes, predicted_peak_bytes, recompute_seconds, "
       "least_measured_peak_bytes, measured_plans).");

@@ -444,6 +444,39 @@ class MBConv(nn.Module):
         return x + y if self.residual else y
 
 
+class DenseLayer(nn.Module):
+    """DenseNet-BC's layer: BN-ReLU-1x1 conv-BN-ReLU-3x3 conv over the concatenation of the
+    list of its block's earlier feature maps (which no op saves)."""
+
+    def __init__(self, channels, growth):
+        super().__init__()
+        self.body = nn.Sequential(nn.BatchNorm2d(channels), nn.ReLU(),
+                                  nn.Conv2d(channels, 4 * growth, 1, bias=False),
+                                  nn.BatchNorm2d(4 * growth), nn.ReLU(),
+                                  nn.Conv2d(4 * growth, growth, 3, padding=1, bias=False))
+
+    def forward(self, features):
+        return self.body(torch.cat(features, 1))
+
+
+class DenseNet(nn.Module):
+    """A stem and one dense block of 5 layers (each reading every earlier map), then a head."""
+
+    def __init__(self, growth=8, stem=16, layers=5):
+        super().__init__()
+        self.stem = nn.Conv2d(3, stem, 3, padding=1, bias=False)
+        self.layers = nn.ModuleList(DenseLayer(stem + i * growth, growth) for i in range(layers))
+        width = stem + layers * growth
+        self.head = nn.Sequential(nn.BatchNorm2d(width), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                                  nn.Flatten(), nn.Linear(width, 10))
+
+    def forward(self, x):
+        features = [self.stem(x)]
+        for layer in self.layers:
+            features.append(layer(features))
+        return self.head(torch.cat(features, 1))
+
+
 class MBNet(nn.Module):
     """EfficientNet's shape, small: resolution halving while width grows."""
 
@@ -976,16 +1009,16 @@ class FitTest(unittest.TestCase):
 
         def predicted(chosen):
             return _C.fit.predicted_peak(problem.base, problem.atoms, candidates, list(chosen),
-                                         atom_backward_extra_bytes=problem.backward_extras)
+                                         **problem.options)
 
         self.assertEqual(predicted(()), current.forward_backward_peak)
         least = _C.fit.least_peak_plan(problem.base, problem.atoms, candidates,
-                                       atom_backward_extra_bytes=problem.backward_extras)
+                                       **problem.options)
         plans = {tuple(least[1])}
         for i in range(1, 4):
             target = least[2] + (current.peak - least[2]) * i // 4
             plans.add(tuple(_C.fit.plan(problem.base, problem.atoms, candidates, target,
-                                        atom_backward_extra_bytes=problem.backward_extras)[1]))
+                                        **problem.options)[1]))
         self.assertGreaterEqual(len(plans), 3)
         for chosen in plans:
             measured = fitting._measure_plan(step, problem.calls, chosen)
@@ -1024,6 +1057,50 @@ class FitTest(unittest.TestCase):
         self.assertGreater(runs, 10)
         self.assertGreater(random_runs, 0)
 
+    def test_inputs_that_several_checkpoints_keep_are_counted_once(self):
+        # Each dense layer's input is the list of its block's earlier maps, which no op saves:
+        # a checkpoint of the layer keeps every map of it, and two checkpointed layers keep the
+        # same maps, which live once. The planner counts them once (shared inputs): every
+        # choice of dense layers is predicted within 64 bytes, where counted per layer the
+        # predictions of choices of two or more layers lay a map or more above the measured
+        # peak (DenseNet-121's least: 6 % above).
+        model, x, loss_fn, opt = classified(DenseNet, 32)
+        from memlean import _C, fitting
+
+        inputs, loss_fn, device = fitting._check(model, x, loss_fn, opt)
+        saved = fitting._Saved(model, opt, device)
+        step = fitting._Step(model, inputs, loss_fn, opt, device)
+        step.run()
+        current = step.run(record=True, dataflow=True)
+        problem = fitting._problem(current, model)
+        layers = [i for i, c in enumerate(problem.calls) if isinstance(c.module, DenseLayer)]
+        self.assertEqual(len(layers), 5)
+        # The stem's map is kept by all 5, the first layer's by the 4 after it, ...
+        self.assertEqual(sorted(len(ks) for _, ks in problem.shared), [2, 3, 4, 5])
+        per_layer = dict(problem.options, shared_inputs=[])
+        over = 0
+        for chosen in [layers[:1], layers[1:3], layers[::2], layers[1:], layers]:
+            measured = fitting._measure_plan(step, problem.calls, tuple(chosen))
+            predicted = _C.fit.predicted_peak(problem.base, problem.atoms, problem.candidates,
+                                              chosen, **problem.options)
+            self.assertLessEqual(abs(predicted - measured), 64, chosen)
+            counted_per_layer = _C.fit.predicted_peak(problem.base, problem.atoms,
+                                                      problem.candidates, chosen, **per_layer)
+            over += counted_per_layer > measured + 64
+        saved.restore()
+        self.assertEqual(over, 4)  # every choice of two layers or more
+        # fit's own plans, at its least and between it and eager's: predicted as measured.
+        least = None
+        try:
+            memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
+        except memlean.FitError as e:
+            least = e.least_peak_bytes
+        for budget in (least, (least + current.peak) // 2):
+            plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
+            self.assertLessEqual(plan.peak_bytes, budget)
+            self.assertLessEqual(abs(plan.predicted_peak_bytes - plan.peak_bytes), 64, str(plan))
+            plan.undo()
+
     def test_a_run_ending_in_a_layer_with_a_temporary_is_predicted_to_the_byte(self):
         # A chain of GELUs around a layer that adds a buffer's sum (x + table.sum(0): a
         # temporary as large as half its input, none of it saved). Checkpointed alone, and in
@@ -1058,7 +1135,7 @@ class FitTest(unittest.TestCase):
             measured = fitting._measure_plan(step, problem.calls, (i,))
             predicted = _C.fit.predicted_peak(
                 problem.base, problem.atoms, problem.candidates, [i],
-                atom_backward_extra_bytes=problem.backward_extras)
+                **problem.options)
             self.assertEqual(predicted, measured, call.module)
             if isinstance(call.module, fitting._Run) and isinstance(call.module.modules[-1],
                                                                    Table):
@@ -1124,7 +1201,7 @@ class FitTest(unittest.TestCase):
             measured = fitting._measure_plan(step, problem.calls, tuple(chosen))
             predicted = _C.fit.predicted_peak(problem.base, problem.atoms, problem.candidates,
                                               list(chosen),
-                                              atom_backward_extra_bytes=problem.backward_extras)
+                                              **problem.options)
             self.assertLessEqual(abs(predicted - measured), 64, (chosen, predicted, measured))
         saved.restore()
 
@@ -1574,7 +1651,7 @@ class FitTest(unittest.TestCase):
                     plan = memlean.fit(model, x, least + (eager - least) * i // 4,
                                        loss_fn=loss_fn, optimizer=opt)
                 self.assertTrue(plan.actions)
-                self.assertEqual(plan.predicted_peak_bytes, plan.peak_bytes, str(plan))
+                self.assertLessEqual(abs(plan.predicted_peak_bytes - plan.peak_bytes), 64, str(plan))
                 plan.undo()
             twin, ref = copy.deepcopy(model), copy.deepcopy(model).double()
             with region():
