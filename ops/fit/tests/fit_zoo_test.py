@@ -23,6 +23,7 @@ that fit checkpointed the attention modules handed the cache: the recompute appe
 again, attended over twice the keys, and the gradients were 100 % off, silently.
 """
 import argparse
+import contextlib
 import copy
 import sys
 import unittest
@@ -303,6 +304,93 @@ class FitTransformersTest(unittest.TestCase):
                                      1e-9 * max(b.abs().max().item(), 1e-6 * largest),
                                      f"{what} {name}")
         plan.undo()
+
+    def test_bert_split_mlps_in_a_bfloat16_autocast_step_and_compiled(self):
+        # The paths users take with a fitted encoder, float32: fit inside a bfloat16 autocast
+        # region (each step in a region of its own) slices the split MLPs there too, and the
+        # step keeps the least it names (measured here, predicted within max(2 %, 1 MiB));
+        # three training steps at that least, each in autocast, equal the unfitted twin's
+        # (to bfloat16's rounding: the sliced MLP sums its hidden slices' products in another
+        # order); and the model fitted at its float32 least, compiled (aot_eager and inductor:
+        # the sliced MLPs run unsliced there, as the plan says), trains as its twin does.
+        transformers = optional_deps.require("transformers")
+        ids = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(0))
+
+        def make():
+            torch.manual_seed(0)
+            # 1024 hidden features over 8 x 128 tokens: 2 MiB hidden tensors in bfloat16
+            config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, intermediate_size=1024,
+                                             vocab_size=256, max_position_embeddings=128)
+            return transformers.BertForMaskedLM(config).train()
+
+        def loss_fn(out):
+            return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(),
+                                                     ids.flatten())
+
+        def bf16():
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+
+        def sgd(model):
+            return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+        def least_plan(model, opt, region):
+            with region(), self.assertRaises(memlean.FitError) as error:
+                memlean.fit(model, ids, 1, loss_fn=loss_fn, optimizer=opt)
+            least = error.exception.least_peak_bytes
+            with region():
+                plan = memlean.fit(model, ids, least, loss_fn=loss_fn, optimizer=opt)
+            done = {(a.path, a.action) for a in plan.actions}
+            for i in range(2):
+                self.assertIn((f"bert.encoder.layer.{i}.(intermediate..output.dense)",
+                               "sliced mlp"), done, str(plan))
+            return least, plan
+
+        def train_beside_twin(model, twin, region, rtol):
+            opt, opt_twin = sgd(model), sgd(twin)
+            for step in range(3):
+                for m, o in ((model, opt), (twin, opt_twin)):
+                    torch.manual_seed(100 + step)  # the same dropout masks
+                    with region():
+                        out = m(ids)
+                    loss_fn(out).backward()
+                    if step < 2:
+                        o.step()
+                        o.zero_grad()
+            largest = max(q.grad.abs().max().item() for q in twin.parameters())
+            for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+                # (relative to each tensor's largest, or to 1e-3 of the largest gradient: the
+                # keys' biases get none but rounding, attention being invariant to them)
+                scale = max(q.grad.abs().max().item(), 1e-3 * largest)
+                self.assertLessEqual((p.grad - q.grad).abs().max().item(), rtol * scale, name)
+
+        model = make()
+        opt = sgd(model)
+        least, plan = least_plan(model, opt, bf16)
+        for _ in range(2):  # (the first makes the optimizer's state)
+            with bf16():
+                measured = step_peak(model, (ids,), loss_fn, opt)
+        self.assertLessEqual(measured, least, str(plan))
+        self.assertLessEqual(abs(plan.predicted_peak_bytes - measured),
+                             max(measured // 50, 1 << 20), str(plan))
+        plan.undo()
+        model = make()
+        twin = copy.deepcopy(model)
+        least_plan(model, sgd(model), bf16)
+        train_beside_twin(model, twin, bf16, 2e-2)
+        from torch._inductor import config as inductor_config
+
+        for backend in ("aot_eager", "inductor"):
+            with self.subTest(backend=backend):
+                model = make()
+                twin = copy.deepcopy(model)
+                # (inductor draws dropout masks its own way unless told to draw eager's)
+                with warnings.catch_warnings(), inductor_config.patch(fallback_random=True):
+                    warnings.simplefilter("ignore")  # (eager-only runs: the plan says so)
+                    least_plan(model, sgd(model), contextlib.nullcontext)
+                    train_beside_twin(torch.compile(model, backend=backend), twin,
+                                      contextlib.nullcontext, 1e-4)
+                torch._dynamo.reset()
 
 
 def main():
