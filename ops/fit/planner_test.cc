@@ -92,15 +92,12 @@ struct Outcome {
   size_t count = 0;
 };
 
-// Every set of pairwise-disjoint candidates (n <= 31 atoms).
-std::vector<Outcome> enumerate_all(const Problem& p) {
-  std::vector<Outcome> out;
+// Calls f with every set of pairwise-disjoint candidates (n <= 31 atoms), the empty one first.
+void for_each_disjoint(const Problem& p, const std::function<void(const std::vector<int>&)>& f) {
   std::vector<int> chosen;
   std::function<void(size_t, uint32_t)> visit = [&](size_t i, uint32_t used) {
     if (i == p.candidates.size()) {
-      double seconds = 0;
-      for (int c : chosen) seconds += p.candidates[c].seconds;
-      out.push_back({seconds, reference_peak(p, chosen), chosen.size()});
+      f(chosen);
       return;
     }
     visit(i + 1, used);
@@ -113,6 +110,16 @@ std::vector<Outcome> enumerate_all(const Problem& p) {
     }
   };
   visit(0, 0);
+}
+
+// Every set of pairwise-disjoint candidates, with its seconds and reference peak.
+std::vector<Outcome> enumerate_all(const Problem& p) {
+  std::vector<Outcome> out;
+  for_each_disjoint(p, [&](const std::vector<int>& chosen) {
+    double seconds = 0;
+    for (int c : chosen) seconds += p.candidates[c].seconds;
+    out.push_back({seconds, reference_peak(p, chosen), chosen.size()});
+  });
   return out;
 }
 
@@ -385,26 +392,13 @@ TEST(Planner, SharedInputsMatchTheReference) {
     Problem counted_per_reader = p;
     counted_per_reader.shared_inputs.clear();
     const std::vector<Outcome> all = enumerate_all(counted_per_reader);
-    std::vector<int> chosen;
-    std::function<void(size_t, uint32_t)> visit = [&](size_t i, uint32_t used) {
-      if (i == p.candidates.size()) {
-        const int64_t got = predicted_peak(p, chosen);
-        EXPECT_EQ(got, reference_peak(p, chosen));
-        const int64_t per_reader = predicted_peak(counted_per_reader, chosen);
-        EXPECT_LE(got, per_reader);
-        shared_lower += got < per_reader;
-        return;
-      }
-      visit(i + 1, used);
-      const Candidate& c = p.candidates[i];
-      const uint32_t mask = ((1u << (c.end - c.begin)) - 1) << c.begin;
-      if ((used & mask) == 0) {
-        chosen.push_back(static_cast<int>(i));
-        visit(i + 1, used | mask);
-        chosen.pop_back();
-      }
-    };
-    visit(0, 0);
+    for_each_disjoint(p, [&](const std::vector<int>& chosen) {
+      const int64_t got = predicted_peak(p, chosen);
+      EXPECT_EQ(got, reference_peak(p, chosen));
+      const int64_t per_reader = predicted_peak(counted_per_reader, chosen);
+      EXPECT_LE(got, per_reader);
+      shared_lower += got < per_reader;
+    });
     for (int64_t budget : budgets_for(rng, counted_per_reader, all)) {
       SCOPED_TRACE("budget " + std::to_string(budget));
       const Plan got = plan(p, budget);

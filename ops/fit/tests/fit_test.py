@@ -635,6 +635,21 @@ def wrapped_forwards(model):
     return [n for n, m in model.named_modules() if "forward" in m.__dict__]
 
 
+def recorded_problem(model, x, loss_fn, opt, runs=False):
+    """fit's first measurements, as fit makes them: (the training state saved, the step, a
+    recorded step after one that made the optimizer's state, the planner's problem from it,
+    with runs of sibling modules if `runs`). The caller restores the state (saved.restore())."""
+    from memlean import fitting
+
+    inputs, loss_fn, device = fitting._check(model, x, loss_fn, opt)
+    saved = fitting._Saved(model, opt, device)
+    step = fitting._Step(model, inputs, loss_fn, opt, device)
+    step.run()
+    current = step.run(record=True, dataflow=True)
+    found = fitting._runs(current.recorder, current.recorder, model) if runs else ()
+    return saved, step, current, fitting._problem(current, model, found)
+
+
 def train_side_by_side(model, opt, twin, opt_twin, x, loss_fn):
     """Three training steps of model and twin side by side, each step's forward from the same
     RNG state (dropout masks), the last without its optimizer step (its gradients kept)."""
@@ -996,13 +1011,7 @@ class FitTest(unittest.TestCase):
 
         from memlean import _C, fitting
 
-        inputs, loss_fn, device = fitting._check(model, inputs, loss_fn, opt)
-        saved = fitting._Saved(model, opt, device)
-        step = fitting._Step(model, inputs, loss_fn, opt, device)
-        step.run()
-        current = step.run(record=True, dataflow=True)
-        found = fitting._runs(current.recorder, current.recorder, model) if runs else ()
-        problem = fitting._problem(current, model, found)
+        saved, step, current, problem = recorded_problem(model, inputs, loss_fn, opt, runs)
         is_run = [isinstance(c.module, fitting._Run) for c in problem.calls]
         candidates = [(b, e, freed, float(e - b), extra, held)
                       for b, e, freed, _, extra, held in problem.candidates]
@@ -1067,12 +1076,7 @@ class FitTest(unittest.TestCase):
         model, x, loss_fn, opt = classified(DenseNet, 32)
         from memlean import _C, fitting
 
-        inputs, loss_fn, device = fitting._check(model, x, loss_fn, opt)
-        saved = fitting._Saved(model, opt, device)
-        step = fitting._Step(model, inputs, loss_fn, opt, device)
-        step.run()
-        current = step.run(record=True, dataflow=True)
-        problem = fitting._problem(current, model)
+        saved, step, current, problem = recorded_problem(model, x, loss_fn, opt)
         layers = [i for i, c in enumerate(problem.calls) if isinstance(c.module, DenseLayer)]
         self.assertEqual(len(layers), 5)
         # The stem's map is kept by all 5, the first layer's by the 4 after it, ...
@@ -1122,13 +1126,7 @@ class FitTest(unittest.TestCase):
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         from memlean import _C, fitting
 
-        inputs, loss_fn, device = fitting._check(model, x, loss_fn, opt)
-        saved = fitting._Saved(model, opt, device)
-        step = fitting._Step(model, inputs, loss_fn, opt, device)
-        step.run()
-        current = step.run(record=True, dataflow=True)
-        problem = fitting._problem(current, model,
-                                   fitting._runs(current.recorder, current.recorder, model))
+        saved, step, current, problem = recorded_problem(model, x, loss_fn, opt, runs=True)
         runs_with_table = 0
         for i, (b, e, freed, seconds, extra, held) in enumerate(problem.candidates):
             call = problem.calls[i]
@@ -1185,12 +1183,7 @@ class FitTest(unittest.TestCase):
         x = torch.randn(512, 256)
         loss_fn = cross_entropy_of(torch.randint(0, 10, (512,)))
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        inputs, loss_fn, device = fitting._check(model, x, loss_fn, opt)
-        saved = fitting._Saved(model, opt, device)
-        step = fitting._Step(model, inputs, loss_fn, opt, device)
-        step.run()
-        current = step.run(record=True, dataflow=True)
-        problem = fitting._problem(current, model)
+        saved, step, current, problem = recorded_problem(model, x, loss_fn, opt)
         blocks = [i for i, c in enumerate(problem.calls) if isinstance(c.module, Observed)]
         self.assertEqual(len(blocks), 4)
         for i in blocks:
