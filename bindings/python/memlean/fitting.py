@@ -1920,13 +1920,39 @@ def _slice_actions(chains, before: _Measured, after: _Measured, paths) -> List[F
     return actions
 
 
-def _problem(measured: _Measured, root, runs=(), exclude=frozenset()):
+def _dead_outputs(eager: _Recorder) -> dict:
+    """Per module called once (its id()), the positions among its outputs of those that
+    nothing uses after it: no op after its forward reads them, and the step's output does not
+    hold them (a transformers attention's weights, returned beside its output and dropped by
+    the layer). A checkpoint of the module keeps none of them. With the number of its
+    outputs, checked where a later step's call of it is looked up (_problem). Empty without
+    eager's dataflow."""
+    flow = eager.dataflow
+    if flow is None:
+        return {}
+    last_read = {key: max(seqs) for key, seqs in flow.reads.items()}
+    returned = {key for c in eager.calls if c.parent is None for key, _ in c.outputs}
+    counts = _call_counts(eager.calls)
+    dead = {}
+    for c in eager.calls:
+        if counts[id(c.module)] != 1:
+            continue
+        positions = frozenset(i for i, (key, _) in enumerate(c.outputs)
+                              if key is not None and key not in returned
+                              and last_read.get(key, -1) < c.seq_end)
+        if positions:
+            dead[id(c.module)] = (len(c.outputs), positions)
+    return dead
+
+
+def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), dead=None):
     """The planner's problem from a recorded step: base bytes, atoms, the candidates
     (modules called once, not the root, not writing their inputs in place, returning a
     tensor, keeping some bytes), their calls, and each atom's backward extra (what backward
     held above base and the saved bytes up to that atom: activation gradients and
     temporaries, largest in the early, wide layers, where checkpointed steps peak). exclude:
-    id() of modules that are no candidates (those of sliced chains)."""
+    id() of modules that are no candidates (those of sliced chains). dead: _dead_outputs of
+    this step (outputs that a checkpoint keeps not, though saved inside it)."""
     rec = measured.recorder
     atoms = list(rec.atom_bytes)
     prefix = [0]
@@ -1951,6 +1977,8 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset()):
     readers = {}  # key of an input no atom saves -> (its bytes, the candidates keeping it)
     run_calls, leftovers = [], {}
     paths = _paths(root) if runs else {}
+    dead = dead or {}
+    run_last = {}  # id() of a run's call -> its last module (whose outputs are the run's)
     for run in runs:
         first, last = rec.calls[run[0]], rec.calls[run[-1]]
         candidate = _Run((rec.calls[k].module for k in run), first.parent.module)
@@ -1972,6 +2000,7 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset()):
             if key is not None and key not in ends and key not in rec.saved
             and key not in rec.preexisting).values())
         run_calls.append(call)
+        run_last[id(call)] = last.module
     for c in sorted(rec.calls + run_calls, key=lambda c: (c.begin, -c.end)):
         if (c.module is root or counts.get(id(c.module), 1) != 1 or c.mutates_input
                 or not c.outputs or id(c.module) in exclude):
@@ -1992,12 +2021,15 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset()):
             if atom is None:
                 held += nbytes
                 readers.setdefault(key, (nbytes, []))[1].append(len(candidates))
-        for key, nbytes in c.outputs:
+        count, unused = dead.get(id(run_last.get(id(c), c.module)), (0, ()))
+        if count != len(c.outputs):
+            unused = ()
+        for position, (key, nbytes) in enumerate(c.outputs):
             if key is None or key in seen:
                 continue
             seen.add(key)
             atom = rec.saved.get(key)
-            if atom is not None and c.begin <= atom < c.end:
+            if atom is not None and c.begin <= atom < c.end and position not in unused:
                 kept += nbytes
         # What its recompute holds besides base, the kept bytes before it, its atoms' saved
         # bytes and its held inputs: its recomputed output (memlean.checkpoint frees it once
@@ -2267,7 +2299,8 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         # Runs of sibling modules are eager-only (not checkpointed under torch.compile).
         runs_found = (_runs(eager.recorder, current.recorder, model, exclude=unversioned)
                       if runs and not compiled else [])
-        problem = _problem(current, model, runs_found, exclude=unversioned)
+        dead = _dead_outputs(eager.recorder)
+        problem = _problem(current, model, runs_found, exclude=unversioned, dead=dead)
 
         def search(problem, empty_peak):
             """The search (ops/fit/search.h, the one loop of both languages): plan, measure
@@ -2383,7 +2416,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 actions.extend(slice_actions)
                 return done(thin.peak, thin.peak, len(chains))
             problem2 = _problem(thin, model, _runs_beside(runs_found, current, thin, chains),
-                                exclude=_inside(chains) | unversioned)
+                                exclude=_inside(chains) | unversioned, dead=dead)
             current = thin  # (the step the search measures against)
             finer_possible = any(c.finer for c in chains)
             floor2 = _floor(problem2, thin)
@@ -2406,7 +2439,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                     return done(finer.peak, finer.peak, len(chains))
                 problem3 = _problem(finer, model,
                                     _runs_beside(runs_found, lean_step, finer, chains),
-                                    exclude=_inside(chains) | unversioned)
+                                    exclude=_inside(chains) | unversioned, dead=dead)
                 current = finer
                 least2 = min(least2, finer.peak)
                 if _floor(problem3, finer) < floor2 or not skipped:

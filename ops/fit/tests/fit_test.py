@@ -477,6 +477,33 @@ class DenseNet(nn.Module):
         return self.head(torch.cat(features, 1))
 
 
+class Scored(nn.Module):
+    """Attention-like: returns (output, weights) as transformers' attention modules do; the
+    weights (batch x tokens x tokens) are saved by the product with the values."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.q = nn.Linear(width, width)
+        self.v = nn.Linear(width, width)
+
+    def forward(self, x):
+        weights = torch.softmax(self.q(x) @ x.transpose(-1, -2), -1)
+        return weights @ self.v(x), weights
+
+
+class ScoredLayer(nn.Module):
+    """A layer that drops its attention's weights, as transformers' decoder layers do."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.attn = Scored(width)
+        self.mlp = nn.Sequential(nn.Linear(width, width), nn.GELU())
+
+    def forward(self, x):
+        y, _ = self.attn(x)
+        return x + self.mlp(y)
+
+
 class MBNet(nn.Module):
     """EfficientNet's shape, small: resolution halving while width grows."""
 
@@ -647,7 +674,8 @@ def recorded_problem(model, x, loss_fn, opt, runs=False):
     step.run()
     current = step.run(record=True, dataflow=True)
     found = fitting._runs(current.recorder, current.recorder, model) if runs else ()
-    return saved, step, current, fitting._problem(current, model, found)
+    dead = fitting._dead_outputs(current.recorder)
+    return saved, step, current, fitting._problem(current, model, found, dead=dead)
 
 
 def train_side_by_side(model, opt, twin, opt_twin, x, loss_fn):
@@ -1103,6 +1131,57 @@ class FitTest(unittest.TestCase):
             plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
             self.assertLessEqual(plan.peak_bytes, budget)
             self.assertLessEqual(abs(plan.predicted_peak_bytes - plan.peak_bytes), 64, str(plan))
+            plan.undo()
+
+    def test_outputs_nothing_uses_after_a_checkpoint_are_not_kept(self):
+        # An attention module returning (output, weights), whose layer drops the weights (as
+        # transformers' layers do): the weights are saved inside it, but nothing reads them
+        # after it, so a checkpoint of it keeps them not. Each candidate alone is predicted
+        # within 64 bytes (but the last attention: its recompute sets the step's peak, which
+        # it predicts 131,072 bytes, its output's size, 1.8 %, low: not mended, docs/fit.md);
+        # counted as kept (as until 2026-11-28) the first attentions' predictions lay their
+        # weights above the measured peak (GPT-J, BLOOM and ELECTRA: 2 MiB per attention, up
+        # to 12 % at a plan, and GPT-J's least 16 % higher). fit's plans: within 2 %.
+        torch.manual_seed(0)
+        model = nn.Sequential(*[ScoredLayer(32) for _ in range(3)], nn.Flatten(),
+                              nn.Linear(32 * 256, 4))
+        x, y = torch.randn(4, 256, 32), torch.randn(4, 4)
+
+        def loss_fn(out):
+            return F.mse_loss(out, y)
+
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        from memlean import _C, fitting
+
+        saved, step, current, problem = recorded_problem(model, x, loss_fn, opt)
+        attentions = [i for i, c in enumerate(problem.calls) if isinstance(c.module, Scored)]
+        self.assertEqual(len(attentions), 3)
+        weights = 4 * 256 * 256 * 4
+        kept_too = fitting._problem(current, model)  # the weights counted as kept
+        for i, call in enumerate(problem.calls):
+            measured = fitting._measure_plan(step, problem.calls, (i,))
+            predicted = _C.fit.predicted_peak(problem.base, problem.atoms, problem.candidates,
+                                              [i], **problem.options)
+            if i == attentions[-1]:
+                self.assertLessEqual(abs(predicted - measured), measured // 50, call.module)
+                continue
+            self.assertLessEqual(abs(predicted - measured), 64, call.module)
+            if i in attentions:
+                self.assertEqual(kept_too.candidates[i][2] + weights, problem.candidates[i][2])
+                self.assertGreater(_C.fit.predicted_peak(
+                    kept_too.base, kept_too.atoms, kept_too.candidates, [i],
+                    **kept_too.options), measured + weights // 2)
+        saved.restore()
+        least = None
+        try:
+            memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
+        except memlean.FitError as e:
+            least = e.least_peak_bytes
+        for budget in (least, (least + current.peak) // 2):
+            plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
+            self.assertLessEqual(plan.peak_bytes, budget)
+            self.assertLessEqual(abs(plan.predicted_peak_bytes - plan.peak_bytes),
+                                 plan.peak_bytes // 50, str(plan))
             plan.undo()
 
     def test_a_run_ending_in_a_layer_with_a_temporary_is_predicted_to_the_byte(self):
