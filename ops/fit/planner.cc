@@ -34,7 +34,7 @@ struct Prepared {
   // What its recompute and backward hold on top of base and the kept bytes before it: its
   // atoms' bytes, its input_bytes, and the larger of its recompute_extra_bytes (the
   // recompute) and its atoms' largest backward extra less the bytes of its atoms after each,
-  // freed by then (the backward through it).
+  // freed by then, plus its backward_extra_bytes (the backward through it).
   int64_t recompute(int c) const { return recompute_bytes[c]; }
 };
 
@@ -125,7 +125,22 @@ Prepared prepare(const Problem& problem) {
       throw std::invalid_argument(candidate_field(i, "recompute_extra_bytes") +
                                   " must be >= 0 and keep the peak within int64");
     }
-    const int64_t held = std::max(c.recompute_extra_bytes, backward);
+    if (c.backward_extra_bytes < 0 || c.backward_extra_bytes > headroom - backward) {
+      throw std::invalid_argument(candidate_field(i, "backward_extra_bytes") +
+                                  " must be >= 0 and keep the peak within int64");
+    }
+    const int until = c.backward_extra_end == 0 ? c.end : c.backward_extra_end;
+    if (until <= c.begin || until > c.end) {
+      throw std::invalid_argument(candidate_field(i, "backward_extra_end") + ": need begin (" +
+                                  std::to_string(c.begin) + ") < it (" + std::to_string(until) +
+                                  ") <= end (" + std::to_string(c.end) + "), or 0");
+    }
+    // With the gradients it holds apart: the backward through its atoms [begin, until).
+    const int64_t apart = c.backward_extra_bytes == 0
+                              ? 0
+                              : reach_max.max(c.begin, until) - prep.prefix[c.end] +
+                                    c.backward_extra_bytes;
+    const int64_t held = std::max({c.recompute_extra_bytes, backward, apart});
     if (c.input_bytes < 0 || c.input_bytes > headroom - held) {
       throw std::invalid_argument(candidate_field(i, "input_bytes") +
                                   " must be >= 0 and keep the peak within int64");

@@ -75,6 +75,13 @@ struct Candidate {
   // Bytes of its inputs that none of its atoms saves: the checkpoint keeps them, alive
   // through its recompute and the backward through it; >= 0.
   int64_t input_bytes = 0;
+  // Bytes alive through the backward through its atoms [begin, backward_extra_end) (not its
+  // recompute) besides what backward held there without checkpoints: the gradients its
+  // backward makes for inputs that later readers have given a gradient already (a residual),
+  // which the checkpoint hands on whole where autograd would have summed them into that
+  // gradient in place, from the backward of the last atom reading them; >= 0.
+  int64_t backward_extra_bytes = 0;
+  int backward_extra_end = 0;  // in (begin, end]; 0: end
 };
 
 // A tensor kept by several candidates (see "Shared inputs" above): each of them counts its
@@ -95,6 +102,8 @@ struct Problem {
   // and a chosen c = [b, e) recomputes with
   //   backward(c) = max over k in [b, e) of atom_backward_extra_bytes[k]
   //                                        - sum(atom_saved_bytes(k, e))
+  //                                        + (k < its backward_extra_end: its
+  //                                           backward_extra_bytes, else 0)
   // bytes more (0 without extras). In a step without checkpoints
   // these terms are what backward reaches atom by atom, so measured ones keep the eager
   // prediction exact.
@@ -114,7 +123,8 @@ struct Plan {
 };
 
 // Throws std::invalid_argument, naming the field, for: negative base_bytes, atom_saved_bytes,
-// freed_bytes, recompute_extra_bytes, input_bytes or atom_backward_extra_bytes, or the latter
+// freed_bytes, recompute_extra_bytes, input_bytes, backward_extra_bytes or
+// atom_backward_extra_bytes, or the latter
 // not empty and not one per atom; a candidate with begin >= end or outside [0, n]; negative or
 // non-finite seconds; base_bytes + sum(atom_saved_bytes) overflowing int64; a shared input
 // with negative bytes or a candidate index out of range or repeated; a candidate whose shared

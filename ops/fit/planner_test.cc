@@ -67,10 +67,12 @@ int64_t reference_peak(const Problem& p, const std::vector<int>& chosen) {
     for (int k = 0; k < c.begin; ++k) before += kept[k];
     // Backward through atom k of c: its atoms up to k are alive again, with k's extra.
     int64_t backward = 0;
+    const int until = c.backward_extra_end == 0 ? c.end : c.backward_extra_end;
     for (int k = c.begin; k < c.end; ++k) {
       int64_t after = 0;
       for (int j = k + 1; j < c.end; ++j) after += p.atom_saved_bytes[j];
-      backward = std::max(backward, extra(k) - after);
+      backward = std::max(backward,
+                          extra(k) - after + (k < until ? c.backward_extra_bytes : 0));
       covered[k] = true;
     }
     // Its recompute, then backward through it: the larger of the two.
@@ -184,8 +186,13 @@ Problem random_laminar(std::mt19937_64& rng, int n, int64_t max_bytes) {
     const int64_t extra = std::uniform_int_distribution<int64_t>(-max_bytes, max_bytes)(rng);
     // A third of them keep inputs that none of their atoms saved.
     const int64_t input = std::uniform_int_distribution<int64_t>(-2 * max_bytes, max_bytes)(rng);
+    // A third of them hold gradients apart through their backward.
+    const int64_t apart = std::uniform_int_distribution<int64_t>(-2 * max_bytes, max_bytes)(rng);
+    // ... until a random atom's backward (0: through all of it).
+    const int until = std::uniform_int_distribution<int>(b, e)(rng);
     p.candidates.push_back({b, e, freed, double(std::uniform_int_distribution<int>(0, 6)(rng)),
-                            std::max<int64_t>(0, extra), std::max<int64_t>(0, input)});
+                            std::max<int64_t>(0, extra), std::max<int64_t>(0, input),
+                            std::max<int64_t>(0, apart), until == b ? 0 : until});
   }
   random_backward_extras(rng, &p, max_bytes);
   return p;
@@ -326,6 +333,24 @@ TEST(Planner, HandCheckedBackwardExtras) {
   p.candidates[1].recompute_extra_bytes = 0;
   p.candidates[1].input_bytes = 15;
   EXPECT_EQ(predicted_peak(p, {1}), 255);  // 100 + 30 + 70 + 15 + 40
+  // Gradients it holds apart through its backward add to that moment, not its recompute:
+  // 10 more reach 100 + 30 + 70 + 15 + 50.
+  p.candidates[1].backward_extra_bytes = 10;
+  EXPECT_EQ(predicted_peak(p, {1}), 265);
+  // Through atom 2's backward alone (end 3): there the 40 above are held (80 less atom 3's
+  // 40 bytes), so 265 again. Where atom 3's backward holds the most, they show only through
+  // all of it (end 0 or 4): 100 + 30 + 70 + 15 + 80 (atom 2: 30 - 40 + 10), then + 10.
+  p.candidates[1].backward_extra_end = 3;
+  EXPECT_EQ(predicted_peak(p, {1}), 265);
+  p.atom_backward_extra_bytes = {0, 0, 30, 80};
+  EXPECT_EQ(predicted_peak(p, {1}), 295);
+  p.candidates[1].backward_extra_end = 4;
+  EXPECT_EQ(predicted_peak(p, {1}), 305);
+  p.candidates[1].backward_extra_end = 0;
+  EXPECT_EQ(predicted_peak(p, {1}), 305);
+  // A recompute of 100 more sets it.
+  p.candidates[1].recompute_extra_bytes = 100;
+  EXPECT_EQ(predicted_peak(p, {1}), 315);
 }
 
 // A tensor both [0,2) and [2,4) keep (5 bytes, in the input_bytes of each: 5 and 8) lives once.
@@ -628,6 +653,14 @@ TEST(Validate, NamesTheBadField) {
            {[](Problem& p) { p.candidates[1].recompute_extra_bytes = -1; },
             "candidates[1].recompute_extra_bytes"},
            {[](Problem& p) { p.candidates[1].input_bytes = -1; }, "candidates[1].input_bytes"},
+           {[](Problem& p) { p.candidates[2].backward_extra_bytes = -1; },
+            "candidates[2].backward_extra_bytes"},
+           {[&](Problem& p) { p.candidates[2].backward_extra_bytes = max; },
+            "candidates[2].backward_extra_bytes"},
+           {[](Problem& p) { p.candidates[1].backward_extra_end = 2; },
+            "candidates[1].backward_extra_end"},
+           {[](Problem& p) { p.candidates[1].backward_extra_end = 5; },
+            "candidates[1].backward_extra_end"},
            {[](Problem& p) {
               p.candidates[1].input_bytes = std::numeric_limits<int64_t>::max() - 100;
             },

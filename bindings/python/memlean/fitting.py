@@ -59,6 +59,7 @@ memlean::fit).
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import copy
 import enum
@@ -406,6 +407,8 @@ class _Call:
     output_id: int = 0  # id() of its output when that is one tensor; else 0
     input_view: tuple = ()  # _view of that argument, of that output (else ())
     output_view: tuple = ()
+    # Per tensor input (as inputs): the bytes of its gradient where it requires one, else 0.
+    input_grad_bytes: tuple = ()
     # (id, nbytes) of the buffers of its tree that a checkpoint would rewind and that its
     # forward changed: a checkpoint of it keeps a copy of each until its backward.
     changed_buffers: tuple = ()
@@ -540,6 +543,7 @@ class _Recorder:
         self.dataflow = dataflow
         self.atom = 0
         self.atom_bytes = [0]
+        self.atom_seqs = [0]  # per atom: the dataflow's op number before its first op
         self.saved = {}  # storage identity -> atom that saved it first
         self.calls: List[_Call] = []
         self.stack: List[tuple] = []
@@ -576,6 +580,7 @@ class _Recorder:
     def _next_atom(self):
         self.atom += 1
         self.atom_bytes.append(0)
+        self.atom_seqs.append(self._seq())
         if self._forward is not None:
             self.forward_peaks.append(self._forward.peak)
             self._forward.reset_peak()
@@ -590,6 +595,8 @@ class _Recorder:
         single = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
         call = _Call(module, self.atom, seq_begin=self._seq(),
                      inputs=tuple(map(self.identities.key, tensors)),
+                     input_grad_bytes=tuple(t.numel() * t.element_size() if t.requires_grad
+                                            else 0 for t in tensors),
                      parent=self.stack[-1][0] if self.stack else None,
                      input_id=id(args[0]) if single else 0,
                      input_view=_view(args[0]) if single else (),
@@ -1920,39 +1927,59 @@ def _slice_actions(chains, before: _Measured, after: _Measured, paths) -> List[F
     return actions
 
 
-def _dead_outputs(eager: _Recorder) -> dict:
-    """Per module called once (its id()), the positions among its outputs of those that
-    nothing uses after it: no op after its forward reads them, and the step's output does not
-    hold them (a transformers attention's weights, returned beside its output and dropped by
-    the layer). A checkpoint of the module keeps none of them. With the number of its
-    outputs, checked where a later step's call of it is looked up (_problem). Empty without
-    eager's dataflow."""
+@dataclass
+class _Uses:
+    """What the ops after a module's call do with its inputs and outputs (_uses)."""
+
+    begin: int  # its first atom
+    end: int  # one past its last
+    seq_begin: int  # the op number before its forward's first
+    seq_end: int  # the op number after its forward's last
+    # per tensor input: ((op number, atom), ...) of the ops reading it, in order
+    input_reads: tuple
+    dead: frozenset  # positions of its outputs nothing uses after it
+    outputs: int  # how many tensor outputs it has
+
+
+def _uses(eager: _Recorder) -> dict:
+    """Per module called once (its id()), from eager's dataflow: which of its outputs nothing
+    uses after it (no op after its forward reads them, and the step's output does not hold
+    them: a transformers attention's weights, returned beside its output and dropped by the
+    layer; a checkpoint of it keeps none of them), and when each of its inputs is last read
+    (a later reader, e.g. a residual, gives that input a gradient before the module's
+    backward). Checked against a later step's call of the module by its counts of inputs and
+    outputs (_problem). Empty without eager's dataflow."""
     flow = eager.dataflow
     if flow is None:
         return {}
     last_read = {key: max(seqs) for key, seqs in flow.reads.items()}
     returned = {key for c in eager.calls if c.parent is None for key, _ in c.outputs}
     counts = _call_counts(eager.calls)
-    dead = {}
+    starts = eager.atom_seqs  # op r runs in atom a where starts[a] < r <= starts[a + 1]
+    uses = {}
     for c in eager.calls:
         if counts[id(c.module)] != 1:
             continue
-        positions = frozenset(i for i, (key, _) in enumerate(c.outputs)
-                              if key is not None and key not in returned
-                              and last_read.get(key, -1) < c.seq_end)
-        if positions:
-            dead[id(c.module)] = (len(c.outputs), positions)
-    return dead
+        dead = frozenset(i for i, (key, _) in enumerate(c.outputs)
+                         if key is not None and key not in returned
+                         and last_read.get(key, -1) < c.seq_end)
+        reads = tuple(tuple((r, bisect.bisect_left(starts, r) - 1)
+                            for r in sorted(flow.reads.get(key, ()))) if key is not None
+                      else () for key, _ in c.inputs)
+        uses[id(c.module)] = _Uses(c.begin, c.end, c.seq_begin, c.seq_end, reads, dead,
+                                   len(c.outputs))
+    return uses
 
 
-def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), dead=None):
+def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), uses=None):
     """The planner's problem from a recorded step: base bytes, atoms, the candidates
     (modules called once, not the root, not writing their inputs in place, returning a
     tensor, keeping some bytes), their calls, and each atom's backward extra (what backward
     held above base and the saved bytes up to that atom: activation gradients and
     temporaries, largest in the early, wide layers, where checkpointed steps peak). exclude:
-    id() of modules that are no candidates (those of sliced chains). dead: _dead_outputs of
-    this step (outputs that a checkpoint keeps not, though saved inside it)."""
+    id() of modules that are no candidates (those of sliced chains). uses: _uses of the
+    step's eager forward (outputs that a checkpoint keeps not, though saved inside it; inputs
+    whose gradients it holds apart)."""
     rec = measured.recorder
     atoms = list(rec.atom_bytes)
     prefix = [0]
@@ -1975,10 +2002,11 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), dead=None)
                        for k in range(len(atoms))]
     candidates, calls = [], []
     readers = {}  # key of an input no atom saves -> (its bytes, the candidates keeping it)
+    backward_apart = []  # per candidate: the planner's backward_extra_bytes
     run_calls, leftovers = [], {}
     paths = _paths(root) if runs else {}
-    dead = dead or {}
-    run_last = {}  # id() of a run's call -> its last module (whose outputs are the run's)
+    uses = uses or {}
+    run_ends = {}  # id() of a run's call -> its first and last modules
     for run in runs:
         first, last = rec.calls[run[0]], rec.calls[run[-1]]
         candidate = _Run((rec.calls[k].module for k in run), first.parent.module)
@@ -2000,7 +2028,7 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), dead=None)
             if key is not None and key not in ends and key not in rec.saved
             and key not in rec.preexisting).values())
         run_calls.append(call)
-        run_last[id(call)] = last.module
+        run_ends[id(call)] = (first.module, last.module)
     for c in sorted(rec.calls + run_calls, key=lambda c: (c.begin, -c.end)):
         if (c.module is root or counts.get(id(c.module), 1) != 1 or c.mutates_input
                 or not c.outputs or id(c.module) in exclude):
@@ -2021,9 +2049,9 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), dead=None)
             if atom is None:
                 held += nbytes
                 readers.setdefault(key, (nbytes, []))[1].append(len(candidates))
-        count, unused = dead.get(id(run_last.get(id(c), c.module)), (0, ()))
-        if count != len(c.outputs):
-            unused = ()
+        head, tail = run_ends.get(id(c), (c.module, c.module))
+        head, tail = uses.get(id(head)), uses.get(id(tail))
+        unused = tail.dead if tail is not None and tail.outputs == len(c.outputs) else ()
         for position, (key, nbytes) in enumerate(c.outputs):
             if key is None or key in seen:
                 continue
@@ -2031,6 +2059,29 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), dead=None)
             atom = rec.saved.get(key)
             if atom is not None and c.begin <= atom < c.end and position not in unused:
                 kept += nbytes
+        # The gradients its checkpoint's backward makes for inputs that an op after it reads
+        # (a residual's add, which gave them a gradient already): the checkpoint hands them
+        # on whole once its backward is done, where autograd would have summed each into that
+        # gradient in place, so they are alive apart through the backward through it (the
+        # last of a model's attentions, its backward the step's peak, was predicted its
+        # input's gradient low) if an op past its first atom reads them (one that only its
+        # first atom reads gets its gradient at the backward's end: a DenseNet layer's
+        # concatenation of its block's maps).
+        # Alive from the backward of the last atom reading them: through that of the atoms
+        # before it (a DenseNet layer's concatenation of its block's maps, in its first atom,
+        # holds none apart).
+        apart, until, held_apart = 0, 0, set()
+        if (head is not None and tail is not None and len(head.input_reads) == len(c.inputs)
+                and tail.end - head.begin == c.end - c.begin):
+            for (key, _), grad, reads in zip(c.inputs, c.input_grad_bytes, head.input_reads):
+                if key is None or not grad or key in held_apart or not reads:
+                    continue
+                inside = [a for r, a in reads if head.seq_begin < r < tail.seq_end]
+                if reads[-1][0] < tail.seq_end or not inside or max(inside) == head.begin:
+                    continue  # not read after it, or read by its first atom alone
+                held_apart.add(key)
+                apart += grad
+                until = max(until, c.begin + max(inside) - head.begin)
         # What its recompute holds besides base, the kept bytes before it, its atoms' saved
         # bytes and its held inputs: its recomputed output (memlean.checkpoint frees it once
         # its nodes hold what they need; one that its own atoms saved is in span already);
@@ -2064,6 +2115,7 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), dead=None)
         kept += rewind
         held += rewind
         candidates.append((c.begin, c.end, max(0, span - kept), extra, held))
+        backward_apart.append((apart, until))
         calls.append(c)
     candidates = [(b, e, freed, s, extra, held)
                   for (b, e, freed, extra, held), s in zip(candidates, _twin_seconds(calls))]
@@ -2072,7 +2124,7 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), dead=None)
     # planner's predictions count them once (ops/fit/planner.h, "Shared inputs"; DenseNet-121's
     # least was predicted 6 % high without, 2026-11-28).
     shared = [(n, ks) for n, ks in readers.values() if len(ks) > 1]
-    return _Problem(base, atoms, candidates, calls, backward_extras, shared)
+    return _Problem(base, atoms, candidates, calls, backward_extras, shared, backward_apart)
 
 
 @dataclass
@@ -2085,12 +2137,14 @@ class _Problem:
     calls: list
     backward_extras: list
     shared: list = ()  # (bytes, [candidate, ...]): inputs several candidates keep
+    apart: list = ()  # per candidate: (gradients held apart through its backward, until)
 
     @property
     def options(self) -> dict:
         """The planner's optional arguments for this problem (_C.fit's keywords)."""
         return dict(atom_backward_extra_bytes=self.backward_extras,
-                    shared_inputs=[(n, list(ks)) for n, ks in self.shared])
+                    shared_inputs=[(n, list(ks)) for n, ks in self.shared],
+                    candidate_backward_extras=list(self.apart))
 
 
 def _twin_seconds(calls) -> List[float]:
@@ -2299,8 +2353,8 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         # Runs of sibling modules are eager-only (not checkpointed under torch.compile).
         runs_found = (_runs(eager.recorder, current.recorder, model, exclude=unversioned)
                       if runs and not compiled else [])
-        dead = _dead_outputs(eager.recorder)
-        problem = _problem(current, model, runs_found, exclude=unversioned, dead=dead)
+        uses = _uses(eager.recorder)
+        problem = _problem(current, model, runs_found, exclude=unversioned, uses=uses)
 
         def search(problem, empty_peak):
             """The search (ops/fit/search.h, the one loop of both languages): plan, measure
@@ -2416,7 +2470,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 actions.extend(slice_actions)
                 return done(thin.peak, thin.peak, len(chains))
             problem2 = _problem(thin, model, _runs_beside(runs_found, current, thin, chains),
-                                exclude=_inside(chains) | unversioned, dead=dead)
+                                exclude=_inside(chains) | unversioned, uses=uses)
             current = thin  # (the step the search measures against)
             finer_possible = any(c.finer for c in chains)
             floor2 = _floor(problem2, thin)
@@ -2439,7 +2493,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                     return done(finer.peak, finer.peak, len(chains))
                 problem3 = _problem(finer, model,
                                     _runs_beside(runs_found, lean_step, finer, chains),
-                                    exclude=_inside(chains) | unversioned, dead=dead)
+                                    exclude=_inside(chains) | unversioned, uses=uses)
                 current = finer
                 least2 = min(least2, finer.peak)
                 if _floor(problem3, finer) < floor2 or not skipped:
@@ -2532,7 +2586,7 @@ _LEAST_PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakK
 def _signature(problem, compile_options) -> tuple:
     """What a step's planner problem is, times left out (they differ between calls)."""
     return (problem.base, tuple(problem.atoms), tuple(problem.backward_extras),
-            tuple((n, tuple(ks)) for n, ks in problem.shared),
+            tuple((n, tuple(ks)) for n, ks in problem.shared), tuple(problem.apart),
             tuple((b, e, freed, extra, held)
                   for b, e, freed, _, extra, held in problem.candidates),
             repr(compile_options))

@@ -3,6 +3,7 @@
 #include "ops/fit/python/fit_bindings.h"
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -19,11 +20,14 @@ namespace py = pybind11;
 using CandidateTuple = std::tuple<int, int, int64_t, double, int64_t, int64_t>;
 // bytes, the candidates keeping it
 using SharedTuple = std::tuple<int64_t, std::vector<int>>;
+// backward_extra_bytes, backward_extra_end
+using ApartTuple = std::tuple<int64_t, int>;
 
 fit::Problem problem_of(int64_t base_bytes, std::vector<int64_t> atom_saved_bytes,
                         const std::vector<CandidateTuple>& candidates,
                         std::vector<int64_t> atom_backward_extra_bytes,
-                        const std::vector<SharedTuple>& shared_inputs) {
+                        const std::vector<SharedTuple>& shared_inputs,
+                        const std::vector<ApartTuple>& candidate_backward_extras) {
   fit::Problem p;
   p.base_bytes = base_bytes;
   p.atom_saved_bytes = std::move(atom_saved_bytes);
@@ -31,6 +35,18 @@ fit::Problem problem_of(int64_t base_bytes, std::vector<int64_t> atom_saved_byte
   p.candidates.reserve(candidates.size());
   for (const auto& [begin, end, freed, seconds, extra, input] : candidates) {
     p.candidates.push_back({begin, end, freed, seconds, extra, input});
+  }
+  if (!candidate_backward_extras.empty()) {
+    if (candidate_backward_extras.size() != candidates.size()) {
+      throw std::invalid_argument(
+          "candidate_backward_extras: " + std::to_string(candidate_backward_extras.size()) +
+          " values for " + std::to_string(candidates.size()) +
+          " candidates (give one per candidate, or none)");
+    }
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      std::tie(p.candidates[i].backward_extra_bytes, p.candidates[i].backward_extra_end) =
+          candidate_backward_extras[i];
+    }
   }
   p.shared_inputs.reserve(shared_inputs.size());
   for (const auto& [bytes, readers] : shared_inputs) p.shared_inputs.push_back({bytes, readers});
@@ -50,9 +66,9 @@ void init_fit(py::module_& m) {
       "plan",
       [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
          int64_t budget, int resolution, std::vector<int64_t> extras,
-         const std::vector<SharedTuple>& shared) {
+         const std::vector<SharedTuple>& shared, const std::vector<ApartTuple>& apart) {
         const fit::Problem p =
-            problem_of(base, std::move(atoms), candidates, std::move(extras), shared);
+            problem_of(base, std::move(atoms), candidates, std::move(extras), shared, apart);
         fit::Plan plan;
         {
           py::gil_scoped_release release;
@@ -64,16 +80,18 @@ void init_fit(py::module_& m) {
       py::arg("budget_bytes"), py::arg("resolution") = 4096,
       py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
       py::arg("shared_inputs") = std::vector<SharedTuple>{},
+      py::arg("candidate_backward_extras") = std::vector<ApartTuple>{},
       "memlean::fit::plan: (feasible, chosen, predicted_peak_bytes, recompute_seconds); "
       "candidates are (begin, end, freed_bytes, seconds, recompute_extra_bytes, input_bytes); "
-      "shared_inputs are (bytes, [candidate, ...]).");
+      "shared_inputs are (bytes, [candidate, ...]); candidate_backward_extras, one per "
+      "candidate (or none), (backward_extra_bytes, backward_extra_end).");
   s.def(
       "least_peak_plan",
       [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
          int resolution, std::vector<int64_t> extras,
-         const std::vector<SharedTuple>& shared) {
+         const std::vector<SharedTuple>& shared, const std::vector<ApartTuple>& apart) {
         const fit::Problem p =
-            problem_of(base, std::move(atoms), candidates, std::move(extras), shared);
+            problem_of(base, std::move(atoms), candidates, std::move(extras), shared, apart);
         fit::Plan plan;
         {
           py::gil_scoped_release release;
@@ -84,27 +102,29 @@ void init_fit(py::module_& m) {
       py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"),
       py::arg("resolution") = 4096, py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
       py::arg("shared_inputs") = std::vector<SharedTuple>{},
+      py::arg("candidate_backward_extras") = std::vector<ApartTuple>{},
       "memlean::fit::least_peak_plan, as plan().");
   s.def(
       "predicted_peak",
       [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
          const std::vector<int>& chosen, std::vector<int64_t> extras,
-         const std::vector<SharedTuple>& shared) {
+         const std::vector<SharedTuple>& shared, const std::vector<ApartTuple>& apart) {
         return fit::predicted_peak(
-            problem_of(base, std::move(atoms), candidates, std::move(extras), shared), chosen);
+            problem_of(base, std::move(atoms), candidates, std::move(extras), shared, apart), chosen);
       },
       py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"), py::arg("chosen"),
       py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
       py::arg("shared_inputs") = std::vector<SharedTuple>{},
+      py::arg("candidate_backward_extras") = std::vector<ApartTuple>{},
       "memlean::fit::predicted_peak.");
   s.def(
       "search",
       [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
          int64_t budget, int64_t floor, int64_t empty_peak, const py::function& measure,
          int resolution, std::vector<int64_t> extras,
-         const std::vector<SharedTuple>& shared) {
+         const std::vector<SharedTuple>& shared, const std::vector<ApartTuple>& apart) {
         const fit::Problem p =
-            problem_of(base, std::move(atoms), candidates, std::move(extras), shared);
+            problem_of(base, std::move(atoms), candidates, std::move(extras), shared, apart);
         fit::SearchOptions options;
         options.resolution = resolution;
         // The GIL stays held: measure is Python, and the planner's calls are short.
@@ -123,6 +143,7 @@ void init_fit(py::module_& m) {
       py::arg("measure"), py::arg("resolution") = 4096,
       py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
       py::arg("shared_inputs") = std::vector<SharedTuple>{},
+      py::arg("candidate_backward_extras") = std::vector<ApartTuple>{},
       "memlean::fit::search with measure(chosen) -> measured peak: (found, chosen, "
       "measured_peak_bytes, predicted_peak_bytes, recompute_seconds, "
       "least_measured_peak_bytes, measured_plans).");

@@ -674,8 +674,8 @@ def recorded_problem(model, x, loss_fn, opt, runs=False):
     step.run()
     current = step.run(record=True, dataflow=True)
     found = fitting._runs(current.recorder, current.recorder, model) if runs else ()
-    dead = fitting._dead_outputs(current.recorder)
-    return saved, step, current, fitting._problem(current, model, found, dead=dead)
+    uses = fitting._uses(current.recorder)
+    return saved, step, current, fitting._problem(current, model, found, uses=uses)
 
 
 def train_side_by_side(model, opt, twin, opt_twin, x, loss_fn):
@@ -1137,11 +1137,12 @@ class FitTest(unittest.TestCase):
         # An attention module returning (output, weights), whose layer drops the weights (as
         # transformers' layers do): the weights are saved inside it, but nothing reads them
         # after it, so a checkpoint of it keeps them not. Each candidate alone is predicted
-        # within 64 bytes (but the last attention: its recompute sets the step's peak, which
-        # it predicts 131,072 bytes, its output's size, 1.8 %, low: not mended, docs/fit.md);
-        # counted as kept (as until 2026-11-28) the first attentions' predictions lay their
-        # weights above the measured peak (GPT-J, BLOOM and ELECTRA: 2 MiB per attention, up
-        # to 12 % at a plan, and GPT-J's least 16 % higher). fit's plans: within 2 %.
+        # within 64 bytes; counted as kept (as until 2026-11-28) the first attentions'
+        # predictions lay their weights above the measured peak (GPT-J, BLOOM and ELECTRA:
+        # 2 MiB per attention, up to 12 % at a plan, and GPT-J's least 16 % higher). The last
+        # attention's backward sets the step's peak, with its input's gradient apart from
+        # the residual's (the checkpoint hands it on whole): predicted that much (131,072
+        # bytes, 1.8 %) low until counted. fit's plans: within 64 bytes.
         torch.manual_seed(0)
         model = nn.Sequential(*[ScoredLayer(32) for _ in range(3)], nn.Flatten(),
                               nn.Linear(32 * 256, 4))
@@ -1162,11 +1163,8 @@ class FitTest(unittest.TestCase):
             measured = fitting._measure_plan(step, problem.calls, (i,))
             predicted = _C.fit.predicted_peak(problem.base, problem.atoms, problem.candidates,
                                               [i], **problem.options)
-            if i == attentions[-1]:
-                self.assertLessEqual(abs(predicted - measured), measured // 50, call.module)
-                continue
             self.assertLessEqual(abs(predicted - measured), 64, call.module)
-            if i in attentions:
+            if i in attentions[:2]:
                 self.assertEqual(kept_too.candidates[i][2] + weights, problem.candidates[i][2])
                 self.assertGreater(_C.fit.predicted_peak(
                     kept_too.base, kept_too.atoms, kept_too.candidates, [i],
@@ -1180,8 +1178,7 @@ class FitTest(unittest.TestCase):
         for budget in (least, (least + current.peak) // 2):
             plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
             self.assertLessEqual(plan.peak_bytes, budget)
-            self.assertLessEqual(abs(plan.predicted_peak_bytes - plan.peak_bytes),
-                                 plan.peak_bytes // 50, str(plan))
+            self.assertLessEqual(abs(plan.predicted_peak_bytes - plan.peak_bytes), 64, str(plan))
             plan.undo()
 
     def test_a_run_ending_in_a_layer_with_a_temporary_is_predicted_to_the_byte(self):
