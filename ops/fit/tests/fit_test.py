@@ -1094,6 +1094,18 @@ class FitTest(unittest.TestCase):
         self.assertGreater(runs, 10)
         self.assertGreater(random_runs, 0)
 
+    def assert_fit_predicted(self, model, x, loss_fn, opt, eager_peak):
+        """fit's own plans, at its least and halfway to the eager peak: within the budget,
+        predicted within 64 bytes of the peak fit measured."""
+        with self.assertRaises(memlean.FitError) as caught:
+            memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
+        least = caught.exception.least_peak_bytes
+        for budget in (least, (least + eager_peak) // 2):
+            plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
+            self.assertLessEqual(plan.peak_bytes, budget)
+            self.assertLessEqual(abs(plan.predicted_peak_bytes - plan.peak_bytes), 64, str(plan))
+            plan.undo()
+
     def test_inputs_that_several_checkpoints_keep_are_counted_once(self):
         # Each dense layer's input is the list of its block's earlier maps, which no op saves:
         # a checkpoint of the layer keeps every map of it, and two checkpointed layers keep the
@@ -1121,17 +1133,7 @@ class FitTest(unittest.TestCase):
             over += counted_per_layer > measured + 64
         saved.restore()
         self.assertEqual(over, 4)  # every choice of two layers or more
-        # fit's own plans, at its least and between it and eager's: predicted as measured.
-        least = None
-        try:
-            memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
-        except memlean.FitError as e:
-            least = e.least_peak_bytes
-        for budget in (least, (least + current.peak) // 2):
-            plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
-            self.assertLessEqual(plan.peak_bytes, budget)
-            self.assertLessEqual(abs(plan.predicted_peak_bytes - plan.peak_bytes), 64, str(plan))
-            plan.undo()
+        self.assert_fit_predicted(model, x, loss_fn, opt, current.peak)
 
     def test_outputs_nothing_uses_after_a_checkpoint_are_not_kept(self):
         # An attention module returning (output, weights), whose layer drops the weights (as
@@ -1170,16 +1172,7 @@ class FitTest(unittest.TestCase):
                     kept_too.base, kept_too.atoms, kept_too.candidates, [i],
                     **kept_too.options), measured + weights // 2)
         saved.restore()
-        least = None
-        try:
-            memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
-        except memlean.FitError as e:
-            least = e.least_peak_bytes
-        for budget in (least, (least + current.peak) // 2):
-            plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
-            self.assertLessEqual(plan.peak_bytes, budget)
-            self.assertLessEqual(abs(plan.predicted_peak_bytes - plan.peak_bytes), 64, str(plan))
-            plan.undo()
+        self.assert_fit_predicted(model, x, loss_fn, opt, current.peak)
 
     def test_a_run_ending_in_a_layer_with_a_temporary_is_predicted_to_the_byte(self):
         # A chain of GELUs around a layer that adds a buffer's sum (x + table.sum(0): a
