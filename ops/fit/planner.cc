@@ -34,7 +34,8 @@ struct Prepared {
   // What its recompute and backward hold on top of base and the kept bytes before it: its
   // atoms' bytes, its input_bytes, and the larger of its recompute_extra_bytes (the
   // recompute) and its atoms' largest backward extra less the bytes of its atoms after each,
-  // freed by then, plus its backward_extra_bytes (the backward through it).
+  // freed by then, plus its backward_extra_bytes for those before its backward_extra_end
+  // (the backward through it).
   int64_t recompute(int c) const { return recompute_bytes[c]; }
 };
 
@@ -208,15 +209,16 @@ int64_t peak_of_sorted(const Prepared& prep, const std::vector<int>& chosen, boo
     const int64_t kept_before = prep.prefix[cand.begin] - freed_before;
     int64_t again = 0;  // its shared inputs that an earlier chosen reader counts
     int64_t kept_again = 0;  // of those, what its kept bytes count (they may be clamped)
-    for (int s : prep.shared_of[c]) {
-      if (!share) break;
-      if (!counted[s]) {
-        counted[s] = true;
-        continue;
+    if (share) {
+      for (int s : prep.shared_of[c]) {
+        if (!counted[s]) {
+          counted[s] = true;
+          continue;
+        }
+        const int64_t bytes = prep.problem.shared_inputs[s].bytes;
+        again += bytes;
+        kept_again += std::min(bytes, prep.kept(c) - kept_again);
       }
-      const int64_t bytes = prep.problem.shared_inputs[s].bytes;
-      again += bytes;
-      kept_again += std::min(bytes, prep.kept(c) - kept_again);
     }
     peak = std::max(peak, base + kept_before + prep.recompute(c) - again);
     freed_before += prep.freed[c] + kept_again;

@@ -463,7 +463,7 @@ class _Dataflow(TorchDispatchMode):
         super().__init__()
         self.identities = identities
         self.seq = 0
-        self.reads = {}  # storage identity -> op numbers that read it
+        self.reads = {}  # storage identity -> op numbers that read it, in order
         self.writes = {}  # storage identity -> op numbers that write it
         # op number -> (the op, identities of its tensor arguments, of its tensor results,
         # whether it is the recorder's own: the detach of a tensor autograd saves, _pack; its
@@ -475,6 +475,10 @@ class _Dataflow(TorchDispatchMode):
         # a packed gate-and-up output each takes.
         self.views = {}
         self.packing = False
+
+    def last_reads(self) -> dict:
+        """Storage identity -> the number of the last op that read it."""
+        return {key: seqs[-1] for key, seqs in self.reads.items()}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -1423,7 +1427,7 @@ def _runs(eager: _Recorder, current: _Recorder, root, whole=False,
     if flow is None or not _same_forward(eager, current):
         return []  # not the same forward: no runs (module candidates only)
     counts = _call_counts(calls)
-    last_read = {key: max(seqs) for key, seqs in flow.reads.items()}
+    last_read = flow.last_reads()
     users = {}  # storage identity -> (begin, end) of the calls taking or returning it
     for c in eager.calls:
         for key, _ in c.inputs + c.outputs:
@@ -1691,7 +1695,7 @@ def _split_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
     calls = eager.calls
     counts = _call_counts(current.calls)
     index, kids = _children(calls)
-    last_read = {key: max(seqs) for key, seqs in flow.reads.items()}
+    last_read = flow.last_reads()
     users = {}  # storage identity -> the calls taking or returning it
     taking = {}  # id() of a call's one tensor argument -> the calls taking it
     for k, c in enumerate(calls):
@@ -1935,8 +1939,9 @@ class _Uses:
     end: int  # one past its last
     seq_begin: int  # the op number before its forward's first
     seq_end: int  # the op number after its forward's last
-    # per tensor input: ((op number, atom), ...) of the ops reading it, in order
+    # per tensor input: the numbers of the ops reading it, in order
     input_reads: tuple
+    atom_seqs: list  # the recorder's: op r runs in atom a where atom_seqs[a] < r <= [a + 1]
     dead: frozenset  # positions of its outputs nothing uses after it
     outputs: int  # how many tensor outputs it has
 
@@ -1952,10 +1957,9 @@ def _uses(eager: _Recorder) -> dict:
     flow = eager.dataflow
     if flow is None:
         return {}
-    last_read = {key: max(seqs) for key, seqs in flow.reads.items()}
+    last_read = flow.last_reads()
     returned = {key for c in eager.calls if c.parent is None for key, _ in c.outputs}
     counts = _call_counts(eager.calls)
-    starts = eager.atom_seqs  # op r runs in atom a where starts[a] < r <= starts[a + 1]
     uses = {}
     for c in eager.calls:
         if counts[id(c.module)] != 1:
@@ -1963,11 +1967,9 @@ def _uses(eager: _Recorder) -> dict:
         dead = frozenset(i for i, (key, _) in enumerate(c.outputs)
                          if key is not None and key not in returned
                          and last_read.get(key, -1) < c.seq_end)
-        reads = tuple(tuple((r, bisect.bisect_left(starts, r) - 1)
-                            for r in sorted(flow.reads.get(key, ()))) if key is not None
-                      else () for key, _ in c.inputs)
-        uses[id(c.module)] = _Uses(c.begin, c.end, c.seq_begin, c.seq_end, reads, dead,
-                                   len(c.outputs))
+        reads = tuple(flow.reads.get(key, ()) if key is not None else () for key, _ in c.inputs)
+        uses[id(c.module)] = _Uses(c.begin, c.end, c.seq_begin, c.seq_end, reads,
+                                   eager.atom_seqs, dead, len(c.outputs))
     return uses
 
 
@@ -2002,7 +2004,7 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), uses=None)
                        for k in range(len(atoms))]
     candidates, calls = [], []
     readers = {}  # key of an input no atom saves -> (its bytes, the candidates keeping it)
-    backward_apart = []  # per candidate: the planner's backward_extra_bytes
+    backward_apart = []  # per candidate: the planner's backward_extra_bytes and _end
     run_calls, leftovers = [], {}
     paths = _paths(root) if runs else {}
     uses = uses or {}
@@ -2062,26 +2064,25 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), uses=None)
         # The gradients its checkpoint's backward makes for inputs that an op after it reads
         # (a residual's add, which gave them a gradient already): the checkpoint hands them
         # on whole once its backward is done, where autograd would have summed each into that
-        # gradient in place, so they are alive apart through the backward through it (the
-        # last of a model's attentions, its backward the step's peak, was predicted its
-        # input's gradient low) if an op past its first atom reads them (one that only its
-        # first atom reads gets its gradient at the backward's end: a DenseNet layer's
-        # concatenation of its block's maps).
-        # Alive from the backward of the last atom reading them: through that of the atoms
-        # before it (a DenseNet layer's concatenation of its block's maps, in its first atom,
-        # holds none apart).
+        # gradient in place (the last of a model's attentions, its backward the step's peak,
+        # was predicted its input's gradient low). Alive from the backward of the last of its
+        # atoms reading them on, through that of the atoms before it: `until` (a DenseNet
+        # layer's concatenation of its block's maps, in its first atom, holds none apart).
         apart, until, held_apart = 0, 0, set()
         if (head is not None and tail is not None and len(head.input_reads) == len(c.inputs)
                 and tail.end - head.begin == c.end - c.begin):
             for (key, _), grad, reads in zip(c.inputs, c.input_grad_bytes, head.input_reads):
                 if key is None or not grad or key in held_apart or not reads:
                     continue
-                inside = [a for r, a in reads if head.seq_begin < r < tail.seq_end]
-                if reads[-1][0] < tail.seq_end or not inside or max(inside) == head.begin:
-                    continue  # not read after it, or read by its first atom alone
+                inside = [r for r in reads if head.seq_begin < r < tail.seq_end]
+                if reads[-1] < tail.seq_end or not inside:
+                    continue  # not read after it, or not inside it
+                last = bisect.bisect_left(head.atom_seqs, inside[-1]) - 1  # (eager's atom)
+                if last == head.begin:
+                    continue  # read by its first atom alone
                 held_apart.add(key)
                 apart += grad
-                until = max(until, c.begin + max(inside) - head.begin)
+                until = max(until, c.begin + last - head.begin)
         # What its recompute holds besides base, the kept bytes before it, its atoms' saved
         # bytes and its held inputs: its recomputed output (memlean.checkpoint frees it once
         # its nodes hold what they need; one that its own atoms saved is in span already);
