@@ -3,10 +3,12 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
+#include <system_error>
 #include <utility>
 
 namespace memlean::fit {
@@ -56,6 +58,23 @@ int64_t parse_budget(const std::string& text, const std::string& argument) {
     if (unit == name) scale = value;
   }
   if (scale == 0) bad(argument, text, "unknown unit '" + unit + "'");
+  if (number.find('.') == std::string::npos) {
+    // A whole number: exact in integers (a double holds whole numbers exactly only up to 2^53,
+    // and rounds 2^63 - 1 up to 2^63). Every unit is a whole number of bytes.
+    if (number[0] == '-') bad(argument, text, "a negative budget");
+    const char* first = number.data() + (number[0] == '+' ? 1 : 0);  // (from_chars: no '+')
+    const char* last = number.data() + number.size();
+    int64_t count = 0;
+    const std::from_chars_result read = std::from_chars(first, last, count);
+    int64_t bytes = 0;
+    if (read.ec == std::errc::result_out_of_range ||
+        __builtin_mul_overflow(count, static_cast<int64_t>(scale), &bytes)) {
+      bad(argument, text, "more than int64 bytes");
+    }
+    if (read.ec != std::errc() || read.ptr != last) bad(argument, text, "not a number");
+    if (bytes < 1) bad(argument, text, "a budget must be at least one byte");
+    return bytes;
+  }
   char* end = nullptr;
   const double value = std::strtod(number.c_str(), &end);
   if (end != number.c_str() + number.size() || !std::isfinite(value)) bad(argument, text, "not a number");

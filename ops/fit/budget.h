@@ -9,7 +9,8 @@ namespace memlean::fit {
 
 // Bytes of a budget written as a number with an optional unit: B, KB/MB/GB/TB (powers of
 // 1000), KiB/MiB/GiB/TiB (powers of 1024); case-insensitive units, spaces allowed between
-// number and unit; fractions allowed ("2.5GB"), rounded down to a whole byte. Throws
+// number and unit; whole numbers exact up to int64's largest ("9223372036854775807"), fractions
+// allowed ("2.5GB"), rounded down to a whole byte. Throws
 // std::invalid_argument naming `argument` for an empty, negative, zero, non-finite or
 // unparsable text, an unknown unit, or more than int64 bytes.
 int64_t parse_budget(const std::string& text, const std::string& argument = "budget_bytes");

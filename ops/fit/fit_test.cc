@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <random>
 #include <stdexcept>
@@ -1070,6 +1071,20 @@ void expect_invalid(F&& f, const std::string& needle) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
   }
+}
+
+TEST(Budget, WholeNumbersAreExactUpToInt64sLargest) {
+  // (a double holds whole numbers exactly only up to 2^53, and rounds 2^63 - 1 up to 2^63)
+  EXPECT_EQ(parse_budget("9007199254740993"), (int64_t{1} << 53) + 1);
+  EXPECT_EQ(parse_budget(" +9223372036854775807 B "), std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(parse_budget("8589934591GiB"), std::numeric_limits<int64_t>::max() - (1 << 30) + 1);
+  EXPECT_EQ(parse_budget("2.5GB"), 2'500'000'000);
+  for (const char* text : {"9223372036854775808", "8589934592GiB", "99999999999999999999999 KB"}) {
+    expect_invalid([&] { parse_budget(text, "budget"); }, "budget: more than int64 bytes");
+  }
+  expect_invalid([&] { parse_budget("-0", "budget"); }, "budget: a negative budget");
+  expect_invalid([&] { parse_budget("0 GiB", "budget"); }, "budget: a budget must be at least");
+  expect_invalid([&] { parse_budget("+", "budget"); }, "budget: no number");
 }
 
 TEST(Fit, BadInputIsAnErrorNamingTheArgument) {

@@ -271,6 +271,9 @@ class FitPlan:
 # ---- arguments -----------------------------------------------------------------------------
 
 
+_INT64_MAX = 2**63 - 1
+
+
 def parse_budget(budget, argument: str = "budget_bytes") -> int:
     """Bytes of a budget: a positive int, or a string such as "6GiB", "512MiB", "2.5GB"
     (KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB of 1024; the C++ parser of
@@ -281,6 +284,8 @@ def parse_budget(budget, argument: str = "budget_bytes") -> int:
         budget = int(budget)
         if budget <= 0:
             raise ValueError(f"{_NAME}: {argument} must be > 0 bytes, got {budget}")
+        if budget > _INT64_MAX:  # as the string form (memlean::fit::parse_budget) and C++
+            raise ValueError(f"{_NAME}: {argument}: more than int64 bytes, got {budget}")
         return budget
     if isinstance(budget, str):
         try:

@@ -1417,6 +1417,14 @@ class FitTest(unittest.TestCase):
         self.assertEqual(memlean.parse_budget("512MiB"), 512 * 2**20)
         self.assertEqual(memlean.parse_budget("2.5GB"), 2_500_000_000)
         self.assertEqual(memlean.parse_budget("6 gib"), 6 * 2**30)
+        # Whole numbers exactly, beyond a double's 2^53 and up to int64's largest.
+        self.assertEqual(memlean.parse_budget("9007199254740993"), 2**53 + 1)
+        self.assertEqual(memlean.parse_budget("+9223372036854775807 B"), 2**63 - 1)
+        self.assertEqual(memlean.parse_budget("8589934591GiB"), 2**63 - 2**30)
+        self.assertEqual(memlean.parse_budget(2**63 - 1), 2**63 - 1)
+        for text in ("9223372036854775808", "8589934592GiB", "99999999999999999999999 KB"):
+            with self.assertRaisesRegex(ValueError, "budget_bytes: more than int64 bytes"):
+                memlean.parse_budget(text)
 
     def test_fit_leaves_the_training_state_as_it_found_it(self):
         model, x, loss_fn, opt = self.conv_setup()
@@ -2284,6 +2292,8 @@ class FitTest(unittest.TestCase):
                                    ("-1GiB", ValueError, "budget_bytes"),
                                    ("six gigs", ValueError, "budget_bytes"),
                                    ("5 parsecs", ValueError, "unknown unit"),
+                                   (2**63, ValueError, "budget_bytes: more than int64 bytes"),
+                                   ("8EiB", ValueError, "budget_bytes"),
                                    (1.5, TypeError, "budget_bytes"), (True, TypeError, "budget_bytes")]:
             with self.assertRaisesRegex(kind, text):
                 memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
