@@ -24,6 +24,7 @@
 #include <optional>
 #include <sstream>
 #include <type_traits>
+#include <typeinfo>
 #include <unordered_set>
 #include <variant>
 
@@ -108,9 +109,15 @@ class RngSnapshot {
 };
 
 // Everything a measured step changes, saved on construction and put back by restore() (also
-// on destruction, so an exception leaves the model as it was). The optimizer's state objects
-// are moved out (the optimizer starts from no state, and a warm-up step makes one of the same
-// sizes) and moved back: they are never touched.
+// on destruction, so an exception leaves the model as it was). The values are copied to the
+// CPU, so that on CUDA fit needs no device memory beyond its steps': the parameters' and
+// buffers', and the optimizer's state where its type has fixed fields
+// (memstats::optimizer_state_fields: Adam, AdamW, SGD, RMSprop, Adagrad), whose tensors the
+// steps then update in place and restore() puts back into them (the state objects and their
+// tensors stay the caller's, their step counts as they were; a state the steps made for a
+// parameter that had none is dropped). A state of another type (LBFGS's, one of the caller's
+// own) is moved out instead (the optimizer starts from no state and the warm-up step makes one
+// of the same sizes: on the device, twice its bytes while fit runs) and moved back, untouched.
 class Snapshot {
  public:
   Snapshot(std::vector<at::Tensor> params, std::vector<at::Tensor> buffers,
@@ -122,10 +129,29 @@ class Snapshot {
         optimizer_(optimizer),
         rng_(device) {
     at::NoGradGuard no_grad;
-    for (const auto& p : params_) param_values_.push_back(p.detach().clone());
-    for (const auto& b : buffers_) buffer_values_.push_back(b.detach().clone());
+    for (const auto& p : params_) param_values_.push_back(on_cpu(p));
+    for (const auto& b : buffers_) buffer_values_.push_back(on_cpu(b));
     for (const auto& t : grad_holders_) grads_.push_back(t.grad());
-    if (optimizer_ != nullptr) optimizer_state_.swap(optimizer_->state());
+    if (optimizer_ == nullptr) return;
+    auto& state = optimizer_->state();
+    const bool fixed_fields = std::all_of(state.begin(), state.end(), [](const auto& entry) {
+      return entry.second == nullptr ||
+             memstats::optimizer_state_fields(*entry.second).has_value();
+    });
+    if (!fixed_fields) {
+      moved_state_.swap(state);
+      return;
+    }
+    for (const auto& [key, object] : state) {
+      if (object == nullptr) continue;
+      SavedState saved;
+      saved.original = object->clone();  // (shallow: the same tensors, the counts as they are)
+      const auto fields = memstats::optimizer_state_fields(*saved.original);
+      for (const at::Tensor* t : fields->tensors) {
+        saved.values.push_back(t->defined() ? on_cpu(*t) : at::Tensor());
+      }
+      saved_state_.emplace(key, std::move(saved));
+    }
   }
   ~Snapshot() {
     try {
@@ -149,16 +175,60 @@ class Snapshot {
     for (size_t i = 0; i < grad_holders_.size(); ++i) {
       grad_holders_[i].mutable_grad() = grads_[i];
     }
-    if (optimizer_ != nullptr) optimizer_->state().swap(optimizer_state_);
-    optimizer_state_.clear();  // the warm-up state, if any
+    if (optimizer_ != nullptr) restore_optimizer();
     rng_.restore();
   }
 
  private:
+  // A state as it was: a shallow copy (its tensors, the ones the caller's state holds; its
+  // counts) and its tensors' values on the CPU (undefined where the tensor is).
+  struct SavedState {
+    std::unique_ptr<torch::optim::OptimizerParamState> original;
+    std::vector<at::Tensor> values;
+  };
+
+  static at::Tensor on_cpu(const at::Tensor& t) {
+    return t.detach().to(t.options().device(c10::kCPU), /*non_blocking=*/false, /*copy=*/true);
+  }
+
+  void restore_optimizer() {
+    auto& state = optimizer_->state();
+    if (!moved_state_.empty() || saved_state_.empty()) {
+      state.swap(moved_state_);  // (with no state saved: the empty one, the warm-up's dropped)
+      moved_state_.clear();
+      return;
+    }
+    std::vector<void*> made;  // states the steps made
+    for (const auto& entry : state) {
+      if (saved_state_.count(entry.first) == 0) made.push_back(entry.first);
+    }
+    for (void* key : made) state.erase(key);
+    at::NoGradGuard no_grad;
+    for (auto& [key, saved] : saved_state_) {
+      const auto from = memstats::optimizer_state_fields(*saved.original);
+      for (size_t i = 0; i < from->tensors.size(); ++i) {
+        if (saved.values[i].defined()) from->tensors[i]->copy_(saved.values[i]);
+      }
+      auto live = state.find(key);
+      const bool same_type = live != state.end() && live->second != nullptr &&
+                             typeid(*live->second) == typeid(*saved.original);
+      if (!same_type) {
+        state[key] = std::move(saved.original);
+        continue;
+      }
+      // The live object (the caller's) gets its tensors and counts back.
+      const auto to = memstats::optimizer_state_fields(*live->second);
+      for (size_t i = 0; i < to->tensors.size(); ++i) *to->tensors[i] = *from->tensors[i];
+      for (size_t i = 0; i < to->counts.size(); ++i) *to->counts[i] = *from->counts[i];
+    }
+    saved_state_.clear();
+  }
+
   std::vector<at::Tensor> params_, buffers_, grad_holders_;
   std::vector<at::Tensor> param_values_, buffer_values_, grads_;
   torch::optim::Optimizer* optimizer_;
-  ska::flat_hash_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>> optimizer_state_;
+  ska::flat_hash_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>> moved_state_;
+  ska::flat_hash_map<void*, SavedState> saved_state_;
   RngSnapshot rng_;
   bool restored_ = false;
 };
@@ -1192,8 +1262,8 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   }
   const Runner eager = [&model](const at::Tensor& x) { return model->forward(x); };
 
-  // Warm-up: the optimizer makes its state (of the same sizes as the one moved out), and
-  // lazily allocated workspaces (cuBLAS's) are made before anything is measured.
+  // Warm-up: the optimizer makes its state where it has none (or one was moved out: Snapshot),
+  // and lazily allocated workspaces (cuBLAS's) are made before anything is measured.
   // (unversioned: the buffers that step changed through .data(), unversioned_changes)
   std::unordered_set<const c10::TensorImpl*> unversioned;
   {

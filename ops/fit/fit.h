@@ -54,9 +54,12 @@
 // budget: when none fits it throws FitError, naming the least peak measured. Everything the
 // measurement steps touch is restored exactly before fit() returns or throws: parameters,
 // buffers, gradients, the optimizer's state (its state objects are the same ones) and the
-// RNG state (CPU and the model's device). While fit() runs, a copy of the parameters and
-// buffers and, if the optimizer has state, a second optimizer state of the same sizes are
-// alive outside the counted step.
+// RNG state (CPU and the model's device). While fit() runs, copies of the parameters, buffers
+// and optimizer state are held on the CPU (host memory), so on CUDA fit needs no device memory
+// beyond its measured steps'; the steps update the optimizer's own state tensors, whose values
+// it puts back. An optimizer state of a type without fixed fields (LBFGS's, one of the
+// caller's own: memstats::optimizer_state_fields) is moved out instead, untouched, and the
+// steps make one of the same sizes: on the device, a second state while fit() runs.
 #pragma once
 
 #include <ATen/core/Tensor.h>

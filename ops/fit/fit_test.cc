@@ -19,6 +19,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 #include <torch/optim/adam.h>
+#include <torch/optim/optimizer.h>
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
@@ -1007,7 +1008,8 @@ TEST(Fit, LeavesParametersBuffersGradientsOptimizerStateAndRngAsTheyWere) {
                                        static_cast<torch::optim::Optimizer*>(&adam)}) {
     std::vector<const void*> state_objects;
     for (const auto& p : params) state_objects.push_back(opt->state().at(p.unsafeGetTensorImpl()).get());
-    const auto state_values = clones(memstats::optimizer_state_tensors(*opt));
+    const auto state_tensors = memstats::optimizer_state_tensors(*opt);
+    const auto state_values = clones(state_tensors);
     const at::Tensor rng = at::detail::getDefaultCPUGenerator().get_state();
     FitOptions o = s.options();
     o.optimizer = opt;
@@ -1025,8 +1027,31 @@ TEST(Fit, LeavesParametersBuffersGradientsOptimizerStateAndRngAsTheyWere) {
       EXPECT_EQ(opt->state().at(params[i].unsafeGetTensorImpl()).get(), state_objects[i]);
     }
     EXPECT_EQ(opt->state().size(), params.size());
-    expect_bitwise(memstats::optimizer_state_tensors(*opt), state_values, "optimizer state");
+    // The same tensors (fit's steps update them in place; it puts their values back), the
+    // same values and step counts.
+    const auto after = memstats::optimizer_state_tensors(*opt);
+    ASSERT_EQ(after.size(), state_tensors.size());
+    for (size_t i = 0; i < after.size(); ++i) {
+      EXPECT_TRUE(after[i].is_same(state_tensors[i])) << "optimizer state tensor " << i;
+    }
+    expect_bitwise(after, state_values, "optimizer state");
     EXPECT_TRUE(at::equal(at::detail::getDefaultCPUGenerator().get_state(), rng));
+  }
+  for (const auto& p : params) {
+    const auto& state = static_cast<const torch::optim::AdamParamState&>(
+        *adam.state().at(p.unsafeGetTensorImpl()));
+    EXPECT_EQ(state.step(), 1) << "Adam's step count, after one step and fit's";
+  }
+  // A parameter without state keeps none (the state fit's steps made for it is dropped), the
+  // others theirs.
+  adam.state().erase(params[0].unsafeGetTensorImpl());
+  {
+    FitOptions o = s.options();
+    o.optimizer = &adam;
+    fit(s.model, s.x, "1TiB", o);
+    EXPECT_THROW(fit(s.model, s.x, int64_t{1}, o), FitError);  // every step fit measures
+    EXPECT_EQ(adam.state().count(params[0].unsafeGetTensorImpl()), 0U);
+    EXPECT_EQ(adam.state().size(), params.size() - 1);
   }
   // An optimizer without state keeps none (fit's warm-up state is dropped).
   torch::optim::SGD fresh(s.model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.5));
@@ -1034,6 +1059,80 @@ TEST(Fit, LeavesParametersBuffersGradientsOptimizerStateAndRngAsTheyWere) {
   o.optimizer = &fresh;
   fit(s.model, s.x, "1TiB", o);
   EXPECT_TRUE(fresh.state().empty());
+  expect_bitwise(s.model->parameters(), param_values, "parameter");
+}
+
+// An optimizer of the caller's own, whose state memstats does not know: SGD with momentum in a
+// state type of its own.
+struct HeavyBallState : torch::optim::OptimizerCloneableParamState<HeavyBallState> {
+  at::Tensor velocity;
+  int64_t steps = 0;
+};
+
+class HeavyBall : public torch::optim::Optimizer {
+ public:
+  explicit HeavyBall(const std::vector<at::Tensor>& params)
+      : Optimizer({torch::optim::OptimizerParamGroup(params)},
+                  std::make_unique<torch::optim::SGDOptions>(0.01)) {}
+  at::Tensor step(LossClosure /*closure*/ = nullptr) override {
+    at::NoGradGuard no_grad;
+    for (auto& group : param_groups()) {
+      for (auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        auto& entry = state()[p.unsafeGetTensorImpl()];
+        if (entry == nullptr) {
+          auto made = std::make_unique<HeavyBallState>();
+          made->velocity = at::zeros_like(p);
+          entry = std::move(made);
+        }
+        auto& s = static_cast<HeavyBallState&>(*entry);
+        s.velocity.mul_(0.9).add_(p.grad());
+        ++s.steps;
+        p.sub_(s.velocity, 0.01);
+      }
+    }
+    return {};
+  }
+};
+
+// Its state is moved out while fit measures (the steps make one of the same sizes) and moved
+// back: the same objects, tensors, values and counts; the plan keeps the budget.
+TEST(Fit, AnOptimizerStateOfATypeOfItsOwnIsMovedOutAndBack) {
+  Bench s;
+  HeavyBall heavy(s.model->parameters());
+  FitOptions o = s.options();
+  o.optimizer = &heavy;
+  heavy.zero_grad();
+  at::mse_loss(s.model->forward(s.x), s.y).backward();
+  heavy.step();
+  heavy.zero_grad();
+  const auto params = s.model->parameters();
+  std::vector<const void*> objects;
+  std::vector<at::Tensor> velocities;
+  for (const auto& p : params) {
+    const auto* state = &static_cast<const HeavyBallState&>(*heavy.state().at(p.unsafeGetTensorImpl()));
+    objects.push_back(state);
+    velocities.push_back(state->velocity);
+  }
+  const auto values = clones(velocities), param_values = clones(params);
+  const int64_t eager = fit(s.model, s.x, int64_t{1} << 40, o).eager_peak_bytes;
+  const FitPlan plan = fit(s.model, s.x, eager - 2 * kMiB, o);
+  EXPECT_LE(plan.peak_bytes, eager - 2 * kMiB);
+  // The state's bytes are counted (what the warm-up step made): fixed_bytes holds them.
+  int64_t velocity_bytes = 0;
+  for (const auto& v : velocities) velocity_bytes += bytes(v);
+  int64_t param_bytes = 0;
+  for (const auto& p : params) param_bytes += bytes(p);
+  for (const auto& b : s.model->buffers()) param_bytes += bytes(b);
+  EXPECT_EQ(plan.fixed_bytes, param_bytes + velocity_bytes + bytes(s.x));
+  ASSERT_EQ(heavy.state().size(), params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& state = static_cast<const HeavyBallState&>(*heavy.state().at(params[i].unsafeGetTensorImpl()));
+    EXPECT_EQ(&state, objects[i]);
+    EXPECT_TRUE(state.velocity.is_same(velocities[i]));
+    EXPECT_EQ(state.steps, 1);
+  }
+  expect_bitwise(velocities, values, "velocity");
   expect_bitwise(s.model->parameters(), param_values, "parameter");
 }
 
@@ -1404,6 +1503,45 @@ TEST(FitCuda, EveryBudgetIsMetAsTorchCountsTheStep) {
       EXPECT_NE(plan.to_json().find("\"margin_bytes\": " + std::to_string(plan.margin_bytes)),
                 std::string::npos);
     }
+  }
+}
+
+// fit needs no device memory beyond its steps': what it saves to put back (parameters, buffers,
+// Adam's state) it holds on the CPU. The most allocated while it plans, above what was
+// allocated before the call, is at most the eager step's own bytes above its resident ones
+// (before 2026-11-28 fit held a copy of the parameters and buffers and a second optimizer state
+// on the device: 48 MiB more here).
+TEST(FitCuda, NeedsNoDeviceMemoryBeyondItsSteps) {
+  if (!have_cuda_device()) GTEST_SKIP() << "no GPU";
+  const c10::Device cuda(c10::DeviceType::CUDA, 0);
+  at::manual_seed(0);
+  namespace nn = torch::nn;
+  nn::Sequential model(nn::Linear(2048, 2048), nn::SiLU(), nn::Linear(2048, 2048), nn::SiLU(),
+                       nn::Linear(2048, 10));
+  model->to(cuda);
+  const at::Tensor x = at::randn({512, 2048}, at::TensorOptions().device(cuda));
+  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-3));
+  auto loss = [](const at::Tensor& out) { return out.square().mean(); };
+  loss(model->forward(x)).backward();
+  adam.step();
+  adam.zero_grad();
+  FitOptions o;
+  o.loss_fn = loss;
+  o.optimizer = &adam;
+  const FitPlan eager = fit(model, x, int64_t{1} << 50, o);
+  for (const int64_t budget : {int64_t{1} << 50, eager.eager_peak_bytes - 4 * kMiB}) {
+    synchronize(cuda);
+    const int64_t before = torch_allocated();
+    cuda_allocator()->resetPeakStats(0);
+    const FitPlan plan = fit(model, x, budget, o);
+    synchronize(cuda);
+    const int64_t most = torch_peak() - before;
+    std::printf("budget %lld: fit's most above its start %lld, the eager step's above its "
+                "resident bytes %lld\n", static_cast<long long>(budget),
+                static_cast<long long>(most),
+                static_cast<long long>(eager.eager_peak_bytes - eager.fixed_bytes));
+    EXPECT_LE(most, eager.eager_peak_bytes - eager.fixed_bytes + kMiB) << plan.str();
+    EXPECT_EQ(torch_allocated(), before) << "fit left device memory allocated";
   }
 }
 

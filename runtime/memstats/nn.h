@@ -12,6 +12,7 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
+#include <optional>
 #include <string>
 #include <typeinfo>
 #include <vector>
@@ -20,23 +21,49 @@
 
 namespace memlean::memstats {
 
+// The fields of one optimizer state of a type with fixed fields (Adam, AdamW, SGD, RMSprop,
+// Adagrad): its tensors (some may be undefined, e.g. Adam's max_exp_avg_sq without amsgrad)
+// and its step counts, as pointers into the state, so a caller may read, copy and put them
+// back (memlean::fit saves their values and restores them in the same tensors). nullopt for
+// other types (LBFGS's queues of tensors, a state of the caller's own).
+struct OptimizerStateFields {
+  std::vector<at::Tensor*> tensors;
+  std::vector<int64_t*> counts;
+};
+
+inline std::optional<OptimizerStateFields> optimizer_state_fields(
+    torch::optim::OptimizerParamState& state) {
+  torch::optim::OptimizerParamState* s = &state;
+  if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(s)) {
+    return OptimizerStateFields{{&a->exp_avg(), &a->exp_avg_sq(), &a->max_exp_avg_sq()},
+                                {&a->step()}};
+  }
+  if (auto* w = dynamic_cast<torch::optim::AdamWParamState*>(s)) {
+    return OptimizerStateFields{{&w->exp_avg(), &w->exp_avg_sq(), &w->max_exp_avg_sq()},
+                                {&w->step()}};
+  }
+  if (auto* g = dynamic_cast<torch::optim::SGDParamState*>(s)) {
+    return OptimizerStateFields{{&g->momentum_buffer()}, {}};
+  }
+  if (auto* r = dynamic_cast<torch::optim::RMSpropParamState*>(s)) {
+    return OptimizerStateFields{{&r->square_avg(), &r->momentum_buffer(), &r->grad_avg()},
+                                {&r->step()}};
+  }
+  if (auto* d = dynamic_cast<torch::optim::AdagradParamState*>(s)) {
+    return OptimizerStateFields{{&d->sum()}, {&d->step()}};
+  }
+  return std::nullopt;
+}
+
 // The tensors of one optimizer's state: Adam, AdamW, SGD, RMSprop, Adagrad and LBFGS;
 // an error naming the type for other states.
 inline std::vector<at::Tensor> optimizer_state_tensors(const torch::optim::Optimizer& optimizer) {
   std::vector<at::Tensor> out;
   for (const auto& [key, state] : optimizer.state()) {
-    const torch::optim::OptimizerParamState* s = state.get();
+    torch::optim::OptimizerParamState* s = state.get();
     if (s == nullptr) continue;
-    if (const auto* a = dynamic_cast<const torch::optim::AdamParamState*>(s)) {
-      out.insert(out.end(), {a->exp_avg(), a->exp_avg_sq(), a->max_exp_avg_sq()});
-    } else if (const auto* w = dynamic_cast<const torch::optim::AdamWParamState*>(s)) {
-      out.insert(out.end(), {w->exp_avg(), w->exp_avg_sq(), w->max_exp_avg_sq()});
-    } else if (const auto* g = dynamic_cast<const torch::optim::SGDParamState*>(s)) {
-      out.push_back(g->momentum_buffer());
-    } else if (const auto* r = dynamic_cast<const torch::optim::RMSpropParamState*>(s)) {
-      out.insert(out.end(), {r->square_avg(), r->momentum_buffer(), r->grad_avg()});
-    } else if (const auto* d = dynamic_cast<const torch::optim::AdagradParamState*>(s)) {
-      out.push_back(d->sum());
+    if (const auto fields = optimizer_state_fields(*s)) {
+      for (const at::Tensor* t : fields->tensors) out.push_back(*t);
     } else if (const auto* l = dynamic_cast<const torch::optim::LBFGSParamState*>(s)) {
       out.insert(out.end(), {l->d(), l->H_diag(), l->prev_flat_grad()});
       for (const auto* q : {&l->old_dirs(), &l->old_stps(), &l->ro()}) {
