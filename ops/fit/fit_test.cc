@@ -1062,6 +1062,49 @@ TEST(Fit, LeavesParametersBuffersGradientsOptimizerStateAndRngAsTheyWere) {
   expect_bitwise(s.model->parameters(), param_values, "parameter");
 }
 
+// While fit runs it holds its steps' bytes and its copies of what it puts back (parameters,
+// buffers, the optimizer's state, the RNG's state), nothing more, and leaves nothing behind: on the CPU, where
+// the copies live, the most memstats sees above fit's start is the eager step's own bytes
+// above its resident ones plus those copies.
+TEST(Fit, HoldsNothingBeyondItsStepsAndItsCopiesAndLeavesNothing) {
+  Bench s;
+  torch::optim::Adam adam(s.model->parameters(), torch::optim::AdamOptions(1e-3));
+  at::mse_loss(s.model->forward(s.x), s.y).backward();
+  adam.step();
+  adam.zero_grad();
+  FitOptions o = s.options();
+  o.optimizer = &adam;
+  int64_t copies = 0;
+  for (const auto& p : s.model->parameters()) copies += bytes(p);
+  for (const auto& b : s.model->buffers()) copies += bytes(b);
+  for (const auto& t : memstats::optimizer_state_tensors(adam)) {
+    if (t.defined()) copies += bytes(t);
+  }
+  copies += bytes(at::detail::getDefaultCPUGenerator().get_state());  // the RNG's, put back too
+  const FitPlan eager = fit(s.model, s.x, "1TiB", o);
+  const int64_t step = eager.eager_peak_bytes - eager.fixed_bytes;
+  int64_t least = 0;
+  for (const int64_t budget : {int64_t{1}, eager.eager_peak_bytes - 2 * kMiB}) {
+    memstats::Tracker tracker;
+    const int64_t start = tracker.current();
+    {
+      try {
+        const FitPlan plan = fit(s.model, s.x, budget, o);
+        EXPECT_FALSE(plan.actions.empty());
+      } catch (const FitError& e) {
+        least = e.least_peak_bytes;
+      }
+    }
+    EXPECT_EQ(tracker.current(), start) << "fit left bytes behind (budget " << budget << ")";
+    std::printf("budget %lld: most above start %lld, step %lld + copies %lld = %lld\n",
+                static_cast<long long>(budget), static_cast<long long>(tracker.peak() - start),
+                static_cast<long long>(step), static_cast<long long>(copies),
+                static_cast<long long>(step + copies));
+    EXPECT_LE(tracker.peak() - start, step + copies) << "budget " << budget;
+  }
+  EXPECT_GT(least, 0);
+}
+
 // An optimizer of the caller's own, whose state memstats does not know: SGD with momentum in a
 // state type of its own.
 struct HeavyBallState : torch::optim::OptimizerCloneableParamState<HeavyBallState> {

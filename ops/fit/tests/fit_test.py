@@ -4,8 +4,8 @@ statistics, dropout masks), the Swish swap is safe, fit leaves the training stat
 it, undo() and state_dict() work, and bad input is named."""
 import contextlib
 import copy
-import json
 import gc
+import json
 import unittest
 import warnings
 from unittest import mock
@@ -1446,6 +1446,44 @@ class FitTest(unittest.TestCase):
         # stays valid (and on CUDA, so do their allocator blocks, which the budget counts).
         for p, m in zip(model.parameters(), momenta):
             self.assertIs(opt.state[p]["momentum_buffer"], m)
+
+    def test_fit_holds_nothing_beyond_its_steps_and_copies_and_leaves_nothing(self):
+        # While fit runs it holds its steps' bytes and its copies of what it puts back
+        # (parameters, buffers, Adam's state, the RNG's state: on the CPU, so on CUDA no device
+        # memory), nothing more, and leaves nothing behind: on the CPU, where the copies live,
+        # the most memstats sees above fit's start is the eager step's bytes above its
+        # resident ones plus the copies. Every stage runs: a FitError (swaps, checkpoints,
+        # channel slices) and a plan halfway. (memlean::fit: HoldsNothingBeyondItsSteps...)
+        model, x, loss_fn, _ = classified(FlatMBNet, 32)
+        opt = torch.optim.Adam(model.parameters(), 1e-3)
+        loss_fn(model(x)).backward()
+        opt.step()
+        opt.zero_grad()
+        copies = sum(t.nbytes for t in list(model.parameters()) + list(model.buffers()))
+        copies += sum(t.nbytes for state in opt.state.values() for t in state.values()
+                      if isinstance(t, torch.Tensor))
+        copies += torch.get_rng_state().nbytes
+        eager = memlean.fit(model, x, "1TiB", loss_fn=loss_fn, optimizer=opt)
+        step = eager.eager_peak_bytes - eager.fixed_bytes
+        least = None
+        for budget in (1, None):
+            with memlean.memstats.Tracker() as tracker:
+                start = tracker.current
+                if budget is None:
+                    budget = (least + eager.eager_peak_bytes) // 2
+                    plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
+                    self.assertTrue(any(a.action == "checkpoint" for a in plan.actions),
+                                    str(plan))
+                    plan.undo()
+                    del plan
+                else:
+                    with self.assertRaises(memlean.FitError) as caught:
+                        memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
+                    least = caught.exception.least_peak_bytes
+                    del caught
+                gc.collect()
+                self.assertEqual(tracker.current, start, f"fit left bytes behind ({budget})")
+                self.assertLessEqual(tracker.peak - start, step + copies, f"budget {budget}")
 
     def test_a_fresh_optimizer_is_measured_with_the_state_a_real_first_step_gives(self):
         # fit gives a stateless optimizer its state by a step on zero gradients, except where
