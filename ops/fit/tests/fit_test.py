@@ -2595,6 +2595,34 @@ class FitCudaTest(unittest.TestCase):
         # (TF32 convolutions: both models run the same algorithms on the same shapes.)
         train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol=1e-3, atol=1e-4)
 
+    def test_fit_needs_no_device_memory_beyond_its_steps_on_cuda(self):
+        # What fit puts back it holds on the CPU: the most torch's allocator counts while fit
+        # runs, above what was allocated before it, is the eager step's own bytes above its
+        # resident ones (here 32 MiB of parameters and 64 MiB of AdamW state that copies on
+        # the device would add); nothing is left allocated. (C++: FitCuda's
+        # NeedsNoDeviceMemoryBeyondItsSteps.)
+        model = nn.Sequential(nn.Linear(2048, 2048), nn.SiLU(), nn.Linear(2048, 2048), nn.SiLU(),
+                              nn.Linear(2048, 10)).cuda()
+        x = torch.randn(512, 2048, device="cuda")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        cuda_step(model, x, squared_mean, opt, contextlib.nullcontext)
+        eager = memlean.fit(model, x, 2**50, loss_fn=squared_mean, optimizer=opt)
+        own = eager.eager_peak_bytes - eager.fixed_bytes
+        for budget in (2**50, eager.eager_peak_bytes - (4 << 20)):
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            plan = memlean.fit(model, x, budget, loss_fn=squared_mean, optimizer=opt)
+            torch.cuda.synchronize()
+            most = torch.cuda.max_memory_allocated() - before
+            print(f"cuda budget {budget}: fit's most above its start {most}, the eager "
+                  f"step's own {own}", flush=True)
+            self.assertLessEqual(most, own + (1 << 20), str(plan))
+            plan.undo()
+            del plan
+            torch.cuda.synchronize()
+            self.assertEqual(torch.cuda.memory_allocated(), before, "fit left device memory")
+
     def test_no_in_place_swish_where_a_later_op_writes_its_output_on_cuda(self):
         # FitTest's case on cuda:0 (the dataflow check and the recorder's version check see
         # device tensors as they see the CPU's), at 4 MiB per activation: fit keeps a margin
