@@ -18,8 +18,11 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
+#include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
+#include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
@@ -1060,6 +1063,68 @@ TEST(Fit, LeavesParametersBuffersGradientsOptimizerStateAndRngAsTheyWere) {
   fit(s.model, s.x, "1TiB", o);
   EXPECT_TRUE(fresh.state().empty());
   expect_bitwise(s.model->parameters(), param_values, "parameter");
+}
+
+// Every optimizer state memstats::optimizer_state_fields knows, each with all its fields
+// defined (RMSprop centered with momentum, AdamW with amsgrad) and an optimizer after two steps:
+// fit's steps update the state in place and it puts the values and counts back into the same
+// tensors and objects.
+TEST(Fit, PutsEveryKnownOptimizerStateBackInPlace) {
+  namespace optim = torch::optim;
+  Bench s;
+  const auto params = s.model->parameters();
+  std::vector<std::unique_ptr<optim::Optimizer>> optimizers;
+  optimizers.push_back(std::make_unique<optim::RMSprop>(
+      params, optim::RMSpropOptions(1e-3).momentum(0.9).centered(true)));
+  optimizers.push_back(std::make_unique<optim::Adagrad>(params, optim::AdagradOptions(1e-3)));
+  optimizers.push_back(
+      std::make_unique<optim::AdamW>(params, optim::AdamWOptions(1e-3).amsgrad(true)));
+  const auto param_values = clones(params);
+  for (auto& opt : optimizers) {
+    for (int i = 0; i < 2; ++i) {
+      opt->zero_grad();
+      at::mse_loss(s.model->forward(s.x), s.y).backward();
+      opt->step();
+    }
+    opt->zero_grad();
+    {
+      at::NoGradGuard no_grad;
+      for (size_t i = 0; i < params.size(); ++i) params[i].copy_(param_values[i]);
+    }
+    std::vector<const void*> objects;
+    std::vector<at::Tensor> tensors;
+    std::vector<int64_t> counts;
+    for (const auto& p : params) {
+      auto& state = *opt->state().at(p.unsafeGetTensorImpl());
+      objects.push_back(&state);
+      const auto fields = memstats::optimizer_state_fields(state);
+      ASSERT_TRUE(fields.has_value());
+      for (const at::Tensor* t : fields->tensors) {
+        ASSERT_TRUE(t->defined());
+        tensors.push_back(*t);
+      }
+      for (const int64_t* c : fields->counts) counts.push_back(*c);
+    }
+    const auto values = clones(tensors);
+    FitOptions o = s.options();
+    o.optimizer = opt.get();
+    EXPECT_THROW(fit(s.model, s.x, int64_t{1}, o), FitError);  // every step fit measures
+    std::vector<at::Tensor> after;
+    std::vector<int64_t> counts_after;
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto& state = *opt->state().at(params[i].unsafeGetTensorImpl());
+      EXPECT_EQ(&state, objects[i]);
+      const auto fields = memstats::optimizer_state_fields(state);
+      for (const at::Tensor* t : fields->tensors) after.push_back(*t);
+      for (const int64_t* c : fields->counts) counts_after.push_back(*c);
+    }
+    ASSERT_EQ(after.size(), tensors.size());
+    for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(after[i].is_same(tensors[i])) << i;
+    expect_bitwise(after, values, "optimizer state");
+    EXPECT_EQ(counts_after, counts);
+    for (const int64_t c : counts) EXPECT_EQ(c, 2);
+    expect_bitwise(s.model->parameters(), param_values, "parameter");
+  }
 }
 
 // While fit runs it holds its steps' bytes and its copies of what it puts back (parameters,
