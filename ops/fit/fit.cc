@@ -13,6 +13,7 @@
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/optim/lbfgs.h>
 
 #include <algorithm>
 #include <chrono>
@@ -115,8 +116,8 @@ class RngSnapshot {
 // (memstats::optimizer_state_fields: Adam, AdamW, SGD, RMSprop, Adagrad), whose tensors the
 // steps then update in place and restore() puts back into them (the state objects and their
 // tensors stay the caller's, their step counts as they were; a state the steps made for a
-// parameter that had none is dropped). A state of another type (LBFGS's, one of the caller's
-// own) is moved out instead (the optimizer starts from no state and the warm-up step makes one
+// parameter that had none is dropped). A state of another type (one of the caller's own) is
+// moved out instead (the optimizer starts from no state and the warm-up step makes one
 // of the same sizes: on the device, twice its bytes while fit runs) and moved back, untouched.
 class Snapshot {
  public:
@@ -1210,6 +1211,13 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   if (options.resolution < 1) {
     throw std::invalid_argument("memlean::fit: options.resolution must be >= 1, got " +
                                 std::to_string(options.resolution));
+  }
+  if (dynamic_cast<const torch::optim::LBFGS*>(options.optimizer) != nullptr) {
+    throw std::invalid_argument(
+        "memlean::fit: options.optimizer is a torch::optim::LBFGS, whose step() needs a "
+        "closure that evaluates the loss again (up to max_eval forward and backward passes per "
+        "step); fit measures steps of one forward and backward and calls step() without one, "
+        "so it cannot fit this optimizer's step");
   }
   std::vector<at::Tensor> params = model->parameters();
   if (params.empty()) {

@@ -57,9 +57,10 @@
 // RNG state (CPU and the model's device). While fit() runs, copies of the parameters, buffers
 // and optimizer state are held on the CPU (host memory), so on CUDA fit needs no device memory
 // beyond its measured steps'; the steps update the optimizer's own state tensors, whose values
-// it puts back. An optimizer state of a type without fixed fields (LBFGS's, one of the
-// caller's own: memstats::optimizer_state_fields) is moved out instead, untouched, and the
-// steps make one of the same sizes: on the device, a second state while fit() runs.
+// it puts back. An optimizer state of a type without fixed fields (one of the caller's own:
+// memstats::optimizer_state_fields) is moved out instead, untouched, and the steps make one of
+// the same sizes: on the device, a second state while fit() runs. torch::optim::LBFGS, whose
+// step() needs a closure (several forward and backward passes), is refused (options.optimizer).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -91,6 +92,7 @@ struct FitOptions {
   // The loss of the model's output: a scalar floating tensor. Default: output.sum().
   std::function<at::Tensor(const at::Tensor& output)> loss_fn;
   // Its step (and its state) is part of the training step; nullptr: no optimizer step.
+  // step() is called without a closure: torch::optim::LBFGS is refused.
   torch::optim::Optimizer* optimizer = nullptr;
   // The planner's resolution (planner.h).
   int resolution = 4096;

@@ -21,6 +21,7 @@
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/lbfgs.h>
 #include <torch/optim/optimizer.h>
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
@@ -1320,6 +1321,11 @@ TEST(Fit, BadInputIsAnErrorNamingTheArgument) {
   FitOptions resolution = o;
   resolution.resolution = 0;
   expect_invalid([&] { fit(s.model, s.x, "1GiB", resolution); }, "options.resolution must be >= 1");
+  torch::optim::LBFGS lbfgs(s.model->parameters(), torch::optim::LBFGSOptions(0.1));
+  FitOptions closure = o;
+  closure.optimizer = &lbfgs;
+  expect_invalid([&] { fit(s.model, s.x, "1GiB", closure); },
+                 "options.optimizer is a torch::optim::LBFGS, whose step() needs a closure");
   at::Tensor inference_input;
   {
     c10::InferenceMode inference;

@@ -63,6 +63,7 @@ import bisect
 import contextlib
 import copy
 import enum
+import inspect
 import json
 import numbers
 import time
@@ -713,6 +714,17 @@ class _Measured:
         return max(self.forward_backward_peak, self.optimizer_peak)
 
 
+def _needs_closure(optimizer) -> bool:
+    """Whether optimizer.step() cannot be called without arguments (LBFGS.step(closure))."""
+    try:
+        signature = inspect.signature(optimizer.step)
+    except (TypeError, ValueError):
+        return False  # (a builtin without a signature: called as it is)
+    return any(p.default is inspect.Parameter.empty
+               and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               for p in signature.parameters.values())
+
+
 class _Step:
     """Runs and measures training steps of one model, and puts its state back."""
 
@@ -1255,6 +1267,12 @@ def _check(model, example_inputs, loss_fn, optimizer):
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{_NAME}: optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
+    if optimizer is not None and _needs_closure(optimizer):
+        raise ValueError(f"{_NAME}: optimizer ({type(optimizer).__name__}) has a step() that needs "
+                         f"a closure that evaluates the loss again (torch.optim.LBFGS: up to "
+                         f"max_eval forward and backward passes per step); fit measures steps "
+                         f"of one forward and backward and calls optimizer.step() without one, "
+                         f"so it cannot fit this optimizer's step")
     return example_inputs, loss_fn, device
 
 

@@ -2360,6 +2360,12 @@ class FitTest(unittest.TestCase):
             memlean.fit(model, x, "1GiB", loss_fn=lambda out: out)
         with self.assertRaisesRegex(TypeError, "optimizer must be a torch.optim.Optimizer"):
             memlean.fit(model, x, "1GiB", optimizer="sgd")
+        before = [p.detach().clone() for p in model.parameters()]
+        with self.assertRaisesRegex(ValueError, r"optimizer \(LBFGS\) has a step\(\) that "
+                                                r"needs a closure"):
+            memlean.fit(model, x, "1GiB", optimizer=torch.optim.LBFGS(model.parameters()))
+        for b, p in zip(before, model.parameters()):
+            self.assertTrue(torch.equal(b, p))  # (refused before any step)
         with self.assertRaisesRegex(TypeError, "model must be a torch.nn.Module"):
             memlean.fit(lambda t: t, x, "1GiB")
 
