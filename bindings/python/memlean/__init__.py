@@ -38,8 +38,9 @@ from memlean.batchnorm import BatchNorm2d, batch_norm  # noqa: E402
 from memlean.conv import conv2d  # noqa: E402
 from memlean.sliced import sliced_chain, sliced_gated_mlp, sliced_mlp  # noqa: E402
 from memlean import memstats  # noqa: E402,F401  (memlean.memstats.track(), ...)
-from memlean.fitting import FitAction, FitError, FitPlan, fit, parse_budget  # noqa: E402
+from memlean.fitting import (  # noqa: E402
+    FitAction, FitError, FitPlan, apply_plan, fit, parse_budget)
 
 __all__ = ["Swish", "VARIANTS", "swish", "swish_", "__version__",
-           "BatchNorm2d", "batch_norm", "conv2d", "sliced_chain", "sliced_mlp", "sliced_gated_mlp", "FitAction", "FitError", "FitPlan", "fit", "parse_budget", "CheckpointFunction", "LayerCost", "SegmentPlan", "checkpoint",
+           "BatchNorm2d", "batch_norm", "conv2d", "sliced_chain", "sliced_mlp", "sliced_gated_mlp", "FitAction", "FitError", "FitPlan", "apply_plan", "fit", "parse_budget", "CheckpointFunction", "LayerCost", "SegmentPlan", "checkpoint",
            "checkpoint_sequential", "is_recomputing", "measure_layer_costs", "plan_segments"]

@@ -66,6 +66,7 @@ import enum
 import inspect
 import json
 import numbers
+import os
 import time
 import types
 import warnings
@@ -146,13 +147,15 @@ class FitPlan:
     (parameters, buffers, optimizer state and the batch at the step's start). eager_peak_bytes:
     the step's peak measured before any change. actions: the FitActions, in forward order.
     undo() puts the model back as it was; to_json() and str() report the plan (str() also
-    says when runs of sibling modules are checkpointed or sliced: in eager steps only).
+    says when runs of sibling modules are checkpointed or sliced: in eager steps only);
+    memlean.apply_plan applies the plan, or its to_json(), to a twin of the model.
     fit may be called again on a fitted model (another budget): the new plan is made on top
     of the earlier one, and undoing the earlier one undoes the later ones first.
     """
 
     def __init__(self, budget_bytes, peak_bytes, predicted_peak_bytes, fixed_bytes,
-                 eager_peak_bytes, actions, undo_steps, device, seconds, eager_only_runs=0):
+                 eager_peak_bytes, actions, undo_steps, device, seconds, eager_only_runs=0,
+                 fine_slices=False, compiled=False):
         self.budget_bytes = int(budget_bytes)
         self.peak_bytes = int(peak_bytes)
         self.predicted_peak_bytes = int(predicted_peak_bytes)
@@ -163,6 +166,8 @@ class FitPlan:
         self.fit_seconds = float(seconds)
         self._undo_steps = list(undo_steps)
         self._eager_only_runs = int(eager_only_runs)
+        self._fine_slices = bool(fine_slices)  # the sliced chains' finer slices (step 5b)
+        self._compiled = bool(compiled)  # made with fit(compile=...)
         self._later: List[FitPlan] = []  # plans fit made on the model after (on top of) it
 
     def _applied_to(self, model):
@@ -202,6 +207,10 @@ class FitPlan:
             "fit_seconds": self.fit_seconds,
             # Runs of sibling modules checkpointed or sliced: eager steps only (see __str__).
             "eager_only_runs": self._eager_only_runs,
+            # What memlean.apply_plan needs besides the actions: the chains' finer slices, and
+            # whether the plan was made for compiled steps (apply_plan refuses those).
+            "fine_slices": self._fine_slices,
+            "compile": self._compiled,
             "actions": [asdict(a) for a in self.actions],
         }
 
@@ -2296,35 +2305,18 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         step = _Step(model, inputs, loss_fn, optimizer, device, keep_grads)
         for p in step.params:
             p.grad = None  # the caller's stay in `saved`, untouched (keep_grads zeroes in place)
-        # The optimizer's state, as every later step has it. On the CPU it comes from an
-        # optimizer step on zero gradients (a whole training step less), unless the optimizer
-        # refuses them or a parameter then gets no gradient or a sparse one (a real first step
-        # would give it other state): then from a real step. On CUDA always a real step: it
-        # also makes lazily allocated workspaces (cuBLAS's) before anything is measured.
-        fresh = optimizer is not None and len(optimizer.state) == 0
-        warmed = fresh and not step.cuda and _warm_on_zero_gradients(optimizer, step.params)
-        if fresh and not warmed and not step.cuda:
-            saved.restore()  # a partial step on zero gradients
-        if (fresh and not warmed) or step.cuda:
-            step.run()
-
-        def recorded():
-            return step.run(record=True, dataflow=True)
-
-        # (unversioned: modules fit must not checkpoint, _with_unversioned_writers)
-        eager, unversioned = _with_unversioned_writers(model, recorded)
-        if warmed and not step.all_dense_grads:
-            saved.restore()
-            step.run()
-            eager, unversioned = _with_unversioned_writers(model, recorded)
+        eager, unversioned = _eager_step(model, step, saved, optimizer)
         fixed = eager.resident
         actions: List[FitAction] = []
+        sliced_now: list = []  # the chains recomputed in slices, while they are
 
         def done(peak, predicted, eager_only_runs=0):
             """The plan of what was changed so far, with the training state put back."""
             saved.restore()
             plan = FitPlan(requested, peak, predicted, fixed, eager.peak, actions, undo_steps,
-                           device, time.perf_counter() - started, eager_only_runs)
+                           device, time.perf_counter() - started, eager_only_runs,
+                           fine_slices=any(c.fine for c in sliced_now),
+                           compiled=compiled)
             plan._applied_to(model)
             return plan
 
@@ -2471,6 +2463,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         if chains:
             wraps = [_wrap(c) for c in chains]
             undo_steps.extend(wraps)
+            sliced_now[:] = chains
             try:
                 thin = step.run(record=True)
             except RuntimeError as e:
@@ -2479,6 +2472,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 for w in reversed(wraps):
                     w()
                     undo_steps.remove(w)
+                sliced_now.clear()
                 warnings.warn(f"{_NAME}: the step with {len(chains)} chain(s) recomputed in "
                               f"slices failed ({type(e).__name__}: {e}); fit goes on without "
                               f"slicing. Please report this.", RuntimeWarning, stacklevel=2)
@@ -2545,6 +2539,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 for w in reversed(wraps):
                     w()
                     undo_steps.remove(w)
+                sliced_now.clear()
                 current = lean_step
                 plan, least = checkpointed(problem, empty_peak)
                 if plan is not None:
@@ -2577,6 +2572,200 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             import torch._dynamo
 
             torch._dynamo.reset()  # fit's compiled code: the caller compiles the fitted model
+
+
+_APPLY = "memlean.apply_plan"
+_SLICE_ACTIONS = ("sliced recompute", "sliced mlp")
+
+
+def _plan_dict(plan) -> dict:
+    """The dict of a plan given to apply_plan: a FitPlan, its to_dict(), its to_json() text,
+    or the path of a file to_json(path) wrote."""
+    if isinstance(plan, FitPlan):
+        return plan.to_dict()
+    if isinstance(plan, (str, os.PathLike)) and not (isinstance(plan, str)
+                                                     and plan.lstrip().startswith("{")):
+        try:
+            with open(plan) as f:
+                plan = f.read()
+        except OSError as e:
+            raise ValueError(f"{_APPLY}: plan is neither JSON text nor a file that can be "
+                             f"read ({e})") from None
+    if isinstance(plan, str):
+        try:
+            plan = json.loads(plan)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{_APPLY}: plan is not the JSON of a FitPlan ({e})") from None
+    if not isinstance(plan, dict):
+        raise TypeError(f"{_APPLY}: plan must be a FitPlan, its to_dict(), its to_json() text "
+                        f"or the path of a file to_json(path) wrote, got {type(plan).__name__}")
+    missing = [k for k in ("budget_bytes", "actions") if k not in plan]
+    if missing:
+        raise ValueError(f"{_APPLY}: plan has no {', '.join(missing)}: not a FitPlan's "
+                         f"to_dict()")
+    actions = plan["actions"]
+    if not isinstance(actions, list) or not all(
+            isinstance(a, dict) and isinstance(a.get("path"), str)
+            and isinstance(a.get("action"), str) for a in actions):
+        raise ValueError(f"{_APPLY}: plan's actions must be a list of {{path, action, ...}} "
+                         f"objects, as to_dict() writes them")
+    known = _SWAPS + _SLICE_ACTIONS + ("checkpoint",)
+    for a in actions:
+        if a["action"] not in known:
+            raise ValueError(f"{_APPLY}: plan's action {a['action']!r} on {a['path']!r} is none "
+                             f"of fit's ({', '.join(known)})")
+    if plan.get("compile"):
+        raise ValueError(f"{_APPLY}: plan was made with fit(compile=...), whose checkpoints "
+                         f"are traced into compiled graphs and measured compiled: apply_plan "
+                         f"re-applies plans for eager steps only; call memlean.fit again")
+    return plan
+
+
+def _mismatch(what: str) -> ValueError:
+    return ValueError(f"{_APPLY}: plan does not match this model's training step: {what}. "
+                      f"The plan was made for another model, batch or setting; call "
+                      f"memlean.fit for this one")
+
+
+def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
+               loss_fn: Optional[Callable] = None,
+               optimizer: Optional[torch.optim.Optimizer] = None,
+               keep_grads: bool = False) -> FitPlan:
+    """Apply a plan memlean.fit made, without searching again, and check that the step keeps
+    its budget: for another process that trains the same model on the same batches (each
+    rank of a data-parallel job; a job restarted), which then needs three measured steps
+    (one more where the optimizer's state comes from a real step, as in fit) where fit
+    measures one per stage and plan it tries, and gets the same plan as the others.
+
+    Args:
+        model, example_inputs, loss_fn, optimizer, keep_grads: as for memlean.fit (the model
+            as it was when fit was called, e.g. freshly built: not fitted already).
+        plan: the FitPlan, its ``to_dict()``, its ``to_json()`` text, or the path of the file
+            ``to_json(path)`` wrote.
+
+    apply_plan records one eager step (and, where the plan swaps modules and also
+    checkpoints or slices runs of them, one step after the swaps), finds every module the plan
+    names where fit found it (the same checks: an in-place Swish only where it is safe in this
+    step, a checkpoint only where fit offers one), makes the same changes, and measures one
+    step under them. Everything the steps change is put back.
+
+    Returns:
+        FitPlan: as fit's, with this step's measured peaks (on the CPU, bytes equal to the
+        plan's for the same model, batch and optimizer) and the plan's actions.
+
+    Raises:
+        FitError: the step under the plan peaks above the plan's budget (less fit's margin on
+            CUDA) here; the model is left unchanged.
+        ValueError / TypeError: plan is no FitPlan (or its dict, JSON or file), was made with
+            ``compile=``, or names a module or change this model's step does not have; or a
+            bad argument as for fit. The model is left unchanged.
+    """
+    started = time.perf_counter()
+    data = _plan_dict(plan)
+    requested = parse_budget(data["budget_bytes"], "plan's budget_bytes")
+    inputs, loss_fn, device = _check(model, example_inputs, loss_fn, optimizer)
+    if not isinstance(keep_grads, bool):
+        raise TypeError(f"{_APPLY}: keep_grads must be a bool, got {type(keep_grads).__name__}")
+    budget = requested - _cuda_margin(requested) if device.type == "cuda" else requested
+    wanted = [FitAction(a["path"], a["action"], int(a.get("bytes_saved", 0)),
+                        float(a.get("recompute_seconds", 0.0))) for a in data["actions"]]
+    swaps = {(a.path, a.action) for a in wanted if a.action in _SWAPS}
+    slices = {(a.path, a.action) for a in wanted if a.action in _SLICE_ACTIONS}
+    checkpoints = [a.path for a in wanted if a.action == "checkpoint"]
+    saved = _Saved(model, optimizer, device)
+    undo_steps: List[Callable] = []
+    try:
+        model.train()
+        step = _Step(model, inputs, loss_fn, optimizer, device, keep_grads)
+        for p in step.params:
+            p.grad = None
+        eager, unversioned = _eager_step(model, step, saved, optimizer)
+        rec = eager.recorder
+        # 1. The swaps fit made (it swaps every Swish it may, and keeps every lean module
+        # whose forward ran lean): the same set here, or the plan is another model's.
+        made = set()
+        if any(action.endswith("swish") for _, action in swaps):
+            in_place = any(action == "inplace swish" for _, action in swaps)
+            made |= {(path, action) for path, action, _ in
+                     _swap_swish(model, rec, in_place, undo_steps, saved.training)}
+        if any(not action.endswith("swish") for _, action in swaps):
+            for path, action, _, (undo, _taken) in _lean_modules(model, rec, undo_steps):
+                if (path, action) in swaps:
+                    made.add((path, action))
+                else:
+                    undo()
+                    undo_steps.remove(undo)
+        if made != swaps:
+            path, action = sorted(swaps - made or made - swaps)[0]
+            raise _mismatch(f"fit's {action} of {path} is " + (
+                "not possible here" if (path, action) in swaps else "not in the plan"))
+        # 2. The chains recomputed in slices, found as fit found them (on the step after the
+        # swaps: their modules are the swapped ones).
+        current = eager
+        if (slices or checkpoints) and made:
+            current = step.run(record=True)
+        paths = _paths(model)  # (the swapped modules')
+        unversioned = unversioned | _stateful_modules(rec, paths)
+        chains = []
+        if slices:
+            found = {(c.path(paths), "sliced mlp" if isinstance(c, (_MlpSlice, _GatedSlice))
+                      else "sliced recompute"): c
+                     for c in _slices(rec, current.recorder, model, unversioned)}
+            if set(found) != slices:
+                path, action = sorted(slices - set(found) or set(found) - slices)[0]
+                raise _mismatch(f"fit's {action} of {path} is " + (
+                    "not possible here" if (path, action) in slices else "not in the plan"))
+            chains = list(found.values())
+            for c in chains:
+                c.fine = bool(data.get("fine_slices", False))
+                undo_steps.append(_wrap(c))
+        # 3. The checkpoints, among the candidates fit plans with (runs of sibling modules
+        # among them where the plan names one).
+        if checkpoints:
+            plain = {paths.get(id(c.module)) for c in current.recorder.calls}
+            runs_found = []
+            if any(path not in plain for path in checkpoints):
+                inside = _inside(chains)
+                runs_found = [run for run in _runs(rec, current.recorder, model,
+                                                   exclude=unversioned)
+                              if not any(id(current.recorder.calls[k].module) in inside
+                                         for k in run)]
+            problem = _problem(current, model, runs_found,
+                               exclude=_inside(chains) | unversioned, uses=_uses(rec))
+            offered = {}
+            for i, a in enumerate(_checkpoint_actions(problem.calls, problem.candidates,
+                                                      range(len(problem.calls)), paths)):
+                offered.setdefault(a.path, i)
+            for path in checkpoints:
+                if path not in offered:
+                    raise _mismatch(f"fit's checkpoint of {path} is not possible here")
+                undo_steps.append(_wrap(problem.calls[offered[path]].module))
+        # 4. The step under the plan, measured.
+        measured = step.run() if wanted else eager
+        if measured.peak > budget:
+            margin = (f" less the {_C.fit.describe_bytes(requested - budget)} fit keeps on CUDA"
+                      if budget != requested else "")
+            raise FitError(
+                f"{_APPLY}: the step under the plan peaks at "
+                f"{_C.fit.describe_bytes(measured.peak)}, above the plan's budget_bytes="
+                f"{requested} ({_gib(requested)}){margin}: the plan was made for another "
+                f"model, batch or setting (fit measured "
+                f"{_C.fit.describe_bytes(int(data.get('peak_bytes', 0)))}); call memlean.fit "
+                f"for this one", requested, measured.peak)
+        saved.restore()
+        result = FitPlan(requested, measured.peak,
+                         int(data.get("predicted_peak_bytes", measured.peak)), eager.resident,
+                         eager.peak, wanted, undo_steps, device,
+                         time.perf_counter() - started,
+                         int(data.get("eager_only_runs", 0)),
+                         fine_slices=bool(data.get("fine_slices", False)))
+        result._applied_to(model)
+        return result
+    except BaseException:
+        for undo in reversed(undo_steps):
+            undo()
+        saved.restore()
+        raise
 
 
 def _cuda_margin(budget: int) -> int:
@@ -2614,6 +2803,32 @@ def _signature(problem, compile_options) -> tuple:
             tuple((b, e, freed, extra, held)
                   for b, e, freed, _, extra, held in problem.candidates),
             repr(compile_options))
+
+
+def _eager_step(model, step: _Step, saved: _Saved, optimizer):
+    """The eager step, recorded with its dataflow, after the optimizer got the state every
+    later step has; and the modules no checkpoint may hold (unversioned:
+    _with_unversioned_writers). The optimizer's state comes, on the CPU, from an optimizer
+    step on zero gradients (a whole training step less), unless the optimizer refuses them or
+    a parameter then gets no gradient or a sparse one (a real first step would give it other
+    state): then from a real step. On CUDA always a real step: it also makes lazily allocated
+    workspaces (cuBLAS's) before anything is measured."""
+    fresh = optimizer is not None and len(optimizer.state) == 0
+    warmed = fresh and not step.cuda and _warm_on_zero_gradients(optimizer, step.params)
+    if fresh and not warmed and not step.cuda:
+        saved.restore()  # a partial step on zero gradients
+    if (fresh and not warmed) or step.cuda:
+        step.run()
+
+    def recorded():
+        return step.run(record=True, dataflow=True)
+
+    eager, unversioned = _with_unversioned_writers(model, recorded)
+    if warmed and not step.all_dense_grads:
+        saved.restore()
+        step.run()
+        eager, unversioned = _with_unversioned_writers(model, recorded)
+    return eager, unversioned
 
 
 def _warm_on_zero_gradients(optimizer, params) -> bool:

@@ -8,7 +8,9 @@ the whole batch, and BatchNorm counts each training forward once. The same again
 model fitted at its least peak, where fit recomputes channelwise chains slice by slice of
 channels (memlean.sliced_chain) beside its checkpoints, and with a token net fitted at its
 least peak, where fit slices its MLPs (a plain and a packed gated one) over their hidden
-features.
+features. "ddp+mlp_applied" and "ddp+sliced_applied": rank 0 fits, broadcasts the plan's
+JSON, and the other rank applies it with memlean.apply_plan (no search there): the same plan,
+trained as one process does.
 
 fit is called before wrapping (docs/fit.md): it measures and changes the plain module.
 Without SyncBatchNorm each rank normalizes with its own half's statistics, so the reference
@@ -36,7 +38,8 @@ DEADLINE_S = 300
 # bn1..act2 chain and the stem recomputed slice by slice of channels). "+mlp": a token net
 # fitted at its least peak, which slicing its MLPs over their hidden features reaches
 # (memlean::sliced_mlp, C++, run with the Python activations: a plain and a packed gated one).
-CONFIGS = ["ddp", "fsdp", "ddp+sliced", "fsdp+sliced", "ddp+mlp", "fsdp+mlp"]
+CONFIGS = ["ddp", "fsdp", "ddp+sliced", "fsdp+sliced", "ddp+mlp", "fsdp+mlp",
+           "ddp+sliced_applied", "ddp+mlp_applied"]
 
 
 class Block(nn.Module):
@@ -146,13 +149,9 @@ def halves():
     return [(x[r * n:(r + 1) * n], y[r * n:(r + 1) * n]) for r in range(WORLD)]
 
 
-def fitted(sliced=False, mlp=False):
-    """The model, fitted on half a batch to the budget halfway between the least peak fit
-    reaches and the eager peak: a plan with checkpoints, swapped SiLUs and the lean BatchNorm
-    and depthwise-convolution backwards, the same in every process (memory does not depend
-    on the values). sliced: a net of Expanding blocks at its least peak, with channel-sliced
-    recompute (its chains are far under the 1 MiB fit slices from and a slice's 1 MiB: both
-    lowered); mlp: a TokenNet at its least peak, its MLPs sliced (the same sizes lowered)."""
+def _setup(sliced, mlp):
+    """The model (fit's sizes lowered to these small nets), half 0 of the batch, its loss,
+    SGD."""
     from memlean import fitting, sliced as slicing
 
     fitting._SLICE_MIN_BYTES = 0 if sliced or mlp else 1 << 20
@@ -160,7 +159,37 @@ def fitted(sliced=False, mlp=False):
     model = TokenNet() if mlp else Net(block=Expanding) if sliced else Net()
     x, y = halves()[0]
     loss_fn = lambda out: F.cross_entropy(out, y)  # noqa: E731
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    return model, x, loss_fn, torch.optim.SGD(model.parameters(), lr=LR)
+
+
+def applied(sliced, mlp, rank):
+    """fitted() on rank 0; on the others the same model with rank 0's plan applied
+    (memlean.apply_plan of the JSON rank 0 broadcast): the same actions."""
+    import json
+
+    import torch.distributed as dist
+
+    model, box = None, [None]
+    if rank == 0:
+        model, plan = fitted(sliced, mlp)
+        box = [plan.to_json()]
+    dist.broadcast_object_list(box, src=0)
+    if rank == 0:
+        return model
+    model, x, loss_fn, opt = _setup(sliced, mlp)
+    plan = memlean.apply_plan(model, x, box[0], loss_fn=loss_fn, optimizer=opt)
+    assert plan.actions == [memlean.FitAction(**a) for a in json.loads(box[0])["actions"]]
+    return model
+
+
+def fitted(sliced=False, mlp=False):
+    """The model, fitted on half a batch to the budget halfway between the least peak fit
+    reaches and the eager peak: a plan with checkpoints, swapped SiLUs and the lean BatchNorm
+    and depthwise-convolution backwards, the same in every process (memory does not depend
+    on the values). sliced: a net of Expanding blocks at its least peak, with channel-sliced
+    recompute (its chains are far under the 1 MiB fit slices from and a slice's 1 MiB: both
+    lowered); mlp: a TokenNet at its least peak, its MLPs sliced (the same sizes lowered)."""
+    model, x, loss_fn, opt = _setup(sliced, mlp)
     try:
         memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
         raise AssertionError("a budget of 1 byte fitted")
@@ -184,7 +213,9 @@ def fitted(sliced=False, mlp=False):
 def _train(config, mesh, rank):
     x, y = halves()[rank]
     how, _, what = config.partition("+")
-    model, _ = fitted(what == "sliced", what == "mlp")
+    what, _, apply = what.partition("_")
+    model = (applied(what == "sliced", what == "mlp", rank) if apply
+             else fitted(what == "sliced", what == "mlp")[0])
     return train_steps(model, wrap(model, how, mesh), x, y, steps=STEPS, lr=LR)
 
 

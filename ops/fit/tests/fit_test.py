@@ -2324,6 +2324,105 @@ class FitTest(unittest.TestCase):
         self.assertEqual((plan.actions, plan.peak_bytes), ([], plan.eager_peak_bytes))
         self.assertIsInstance(model[1], nn.SiLU)
 
+    def test_a_saved_plan_applies_to_a_twin_without_a_search(self):
+        # memlean.apply_plan: fit's plan (its JSON file) applied to a fresh twin of the model
+        # (another rank, a restarted job) makes the same changes, measured in three steps at
+        # most: the same exact peak, the same actions, training bitwise as the fitted model's.
+        # Plans of every kind: lean backwards, Swish swaps, slices, module and run checkpoints.
+        import os
+        import tempfile
+
+        model, x, loss_fn, opt = classified(FlatMBNet, 32)
+        twin = copy.deepcopy(model)
+        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+        least, eager = self.least_and_eager(model, x, loss_fn, opt, runs=True)
+        kinds, run_checkpoints = set(), 0
+        calls = []
+        twin.register_forward_pre_hook(lambda m, a: calls.append(1))
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "plan.json")
+            for budget in (least, (least + eager) // 2, eager - 1):
+                plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt, runs=True)
+                plan.to_json(path)
+                calls.clear()
+                applied = memlean.apply_plan(twin, x, path, loss_fn=loss_fn, optimizer=opt_twin)
+                self.assertLessEqual(len(calls), 3, str(plan))  # steps: no search
+                self.assertEqual(applied.peak_bytes, plan.peak_bytes, str(plan))
+                self.assertEqual(applied.actions, plan.actions)
+                self.assertEqual(applied.eager_peak_bytes, plan.eager_peak_bytes)
+                self.assertEqual(applied.budget_bytes, budget)
+                for m, o in ((model, opt), (twin, opt_twin)):  # (in step, as trained below)
+                    torch.manual_seed(7)
+                    if not o.state:
+                        step_peak(m, (x,), loss_fn, o)  # (the optimizer's state, as fit's)
+                    torch.manual_seed(8)
+                    self.assertEqual(step_peak(m, (x,), loss_fn, o), plan.peak_bytes)
+                kinds |= {a.action for a in plan.actions}
+                run_checkpoints += sum(a.action == "checkpoint" and "(" in a.path
+                                       for a in plan.actions)
+                train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol=0, atol=0)
+                plan.undo()
+                applied.undo()
+                self.assertEqual(wrapped_forwards(twin), [])
+        self.assertTrue({"sliced recompute", "checkpoint", "lean batchnorm",
+                         "lean depthwise conv", "inplace swish"} <= kinds, kinds)
+        self.assertGreater(run_checkpoints, 0)
+
+    def test_apply_plan_refuses_a_plan_that_does_not_match(self):
+        # A plan applied where it does not hold is refused with the model left as it was: a
+        # module it names that this step does not offer, a larger batch that peaks above its
+        # budget, a plan for compiled steps, a model fitted already, and what is no plan.
+        model, x, loss_fn, opt = self.conv_setup()
+        least, eager = self.least_and_eager(model, x, loss_fn, opt)
+        plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
+        text = plan.to_json()
+        # (fitted already: its Swishes are memlean's in-place ones, no longer swappable)
+        with self.assertRaisesRegex(ValueError, "plan does not match this model's training "
+                                                "step: fit's inplace swish of"):
+            memlean.apply_plan(model, x, text, loss_fn=loss_fn, optimizer=opt)
+        plan.undo()
+        other, x_other, loss_other, opt_other = classified(FlatMBNet, 32)
+        state = copy.deepcopy(other.state_dict())
+        with self.assertRaisesRegex(ValueError, "plan does not match this model's training "
+                                                "step"):
+            memlean.apply_plan(other, x_other, text, loss_fn=loss_other, optimizer=opt_other)
+        self.assertEqual(wrapped_forwards(other), [])
+        for k, v in other.state_dict().items():
+            self.assertTrue(torch.equal(v, state[k]), k)
+        twice = torch.cat([x, x])
+        with self.assertRaises(memlean.FitError) as caught:
+            memlean.apply_plan(model, twice, text, loss_fn=lambda out: out.square().mean(),
+                               optimizer=opt)
+        self.assertIn("above the plan's budget_bytes", str(caught.exception))
+        self.assertGreater(caught.exception.least_peak_bytes, least)
+        self.assertEqual(wrapped_forwards(model), [])
+        self.assertTrue(all(type(m) is not memlean.Swish for m in model.modules()))
+        compiled = json.loads(text)
+        compiled["compile"] = True
+        with self.assertRaisesRegex(ValueError, r"made with fit\(compile=...\)"):
+            memlean.apply_plan(model, x, compiled, loss_fn=loss_fn, optimizer=opt)
+        unknown = json.loads(text)
+        unknown["actions"][0]["action"] = "teleport"
+        with self.assertRaisesRegex(ValueError, "plan's action 'teleport'"):
+            memlean.apply_plan(model, x, unknown, loss_fn=loss_fn, optimizer=opt)
+        with self.assertRaisesRegex(ValueError, "plan has no budget_bytes, actions"):
+            memlean.apply_plan(model, x, {}, loss_fn=loss_fn, optimizer=opt)
+        with self.assertRaisesRegex(ValueError, "plan is not the JSON of a FitPlan"):
+            memlean.apply_plan(model, x, "{not json", loss_fn=loss_fn, optimizer=opt)
+        with self.assertRaisesRegex(ValueError, "neither JSON text nor a file"):
+            memlean.apply_plan(model, x, "/nonexistent/plan.json", loss_fn=loss_fn)
+        with self.assertRaisesRegex(TypeError, "plan must be a FitPlan"):
+            memlean.apply_plan(model, x, 42, loss_fn=loss_fn)
+        zero = json.loads(text)
+        zero["budget_bytes"] = 0
+        with self.assertRaisesRegex(ValueError, "plan's budget_bytes"):
+            memlean.apply_plan(model, x, zero, loss_fn=loss_fn)
+        self.assertEqual(wrapped_forwards(model), [])
+        # The plan object itself, applied as it is (to the model it came from, undone).
+        again = memlean.apply_plan(model, x, plan, loss_fn=loss_fn, optimizer=opt)
+        self.assertEqual(again.peak_bytes, plan.peak_bytes)
+        again.undo()
+
     def test_bad_input_is_named(self):
         model, x, loss_fn, opt = self.conv_setup()
         for budget, kind, text in [(0, ValueError, "budget_bytes"), (-5, ValueError, "budget_bytes"),
