@@ -19,6 +19,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -937,6 +939,245 @@ std::string FitPlan::to_json() const {
 
 namespace {
 
+// A JSON value, as FitPlan::from_json reads it (numbers kept as their text, so int64 values are
+// exact).
+struct JsonValue {
+  enum class Kind { kNull, kBool, kNumber, kString, kArray, kObject } kind = Kind::kNull;
+  std::string text;  // a string's value, a number's text
+  bool boolean = false;
+  std::vector<JsonValue> items;
+  std::vector<std::pair<std::string, JsonValue>> fields;
+  const JsonValue* field(const std::string& key) const {
+    for (const auto& [k, v] : fields) {
+      if (k == key) return &v;
+    }
+    return nullptr;
+  }
+};
+
+class JsonReader {
+ public:
+  explicit JsonReader(const std::string& s) : s_(s) {}
+
+  JsonValue document() {
+    JsonValue v = value(0);
+    space();
+    if (i_ != s_.size()) fail("text after the JSON value");
+    return v;
+  }
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw std::invalid_argument("memlean::fit::FitPlan::from_json: plan_json is not the JSON of "
+                                "a FitPlan (FitPlan::to_json): " + what + " at offset " +
+                                std::to_string(i_));
+  }
+
+ private:
+  void space() {
+    while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\n' || s_[i_] == '\t' || s_[i_] == '\r')) {
+      ++i_;
+    }
+  }
+  bool eat(char c) {
+    space();
+    if (i_ < s_.size() && s_[i_] == c) {
+      ++i_;
+      return true;
+    }
+    return false;
+  }
+  void expect(char c) {
+    if (!eat(c)) fail(std::string("'") + c + "' expected");
+  }
+  bool word(const char* w) {
+    const size_t n = std::char_traits<char>::length(w);
+    if (s_.compare(i_, n, w) != 0) return false;
+    i_ += n;
+    return true;
+  }
+
+  std::string string() {
+    expect('"');
+    std::string out;
+    while (true) {
+      if (i_ >= s_.size()) fail("an unterminated string");
+      const char c = s_[i_++];
+      if (c == '"') return out;
+      if (static_cast<unsigned char>(c) < 0x20) fail("a control character in a string");
+      if (c != '\\') {
+        out += c;
+        continue;
+      }
+      if (i_ >= s_.size()) fail("an unterminated string");
+      const char e = s_[i_++];
+      switch (e) {
+        case '"': case '\\': case '/': out += e; break;
+        case 'b': out += '\b'; break;
+        case 'f': out += '\f'; break;
+        case 'n': out += '\n'; break;
+        case 'r': out += '\r'; break;
+        case 't': out += '\t'; break;
+        case 'u': {
+          if (i_ + 4 > s_.size()) fail("a short \\u escape");
+          unsigned code = 0;
+          for (int k = 0; k < 4; ++k) {
+            const char h = s_[i_++];
+            code <<= 4;
+            if (h >= '0' && h <= '9') code |= h - '0';
+            else if (h >= 'a' && h <= 'f') code |= h - 'a' + 10;
+            else if (h >= 'A' && h <= 'F') code |= h - 'A' + 10;
+            else fail("a bad \\u escape");
+          }
+          if (code >= 0xD800 && code < 0xE000) fail("a surrogate \\u escape");  // (to_json writes none)
+          if (code < 0x80) {
+            out += static_cast<char>(code);
+          } else if (code < 0x800) {
+            out += static_cast<char>(0xC0 | (code >> 6));
+            out += static_cast<char>(0x80 | (code & 0x3F));
+          } else {
+            out += static_cast<char>(0xE0 | (code >> 12));
+            out += static_cast<char>(0x80 | ((code >> 6) & 0x3F));
+            out += static_cast<char>(0x80 | (code & 0x3F));
+          }
+          break;
+        }
+        default: fail("a bad escape");
+      }
+    }
+  }
+
+  JsonValue value(int depth) {
+    if (depth > 32) fail("values nested too deep");
+    space();
+    JsonValue v;
+    if (i_ >= s_.size()) fail("a value expected");
+    const char c = s_[i_];
+    if (c == '{') {
+      ++i_;
+      v.kind = JsonValue::Kind::kObject;
+      if (eat('}')) return v;
+      do {
+        space();
+        std::string key = string();
+        expect(':');
+        v.fields.emplace_back(std::move(key), value(depth + 1));
+      } while (eat(','));
+      expect('}');
+    } else if (c == '[') {
+      ++i_;
+      v.kind = JsonValue::Kind::kArray;
+      if (eat(']')) return v;
+      do {
+        v.items.push_back(value(depth + 1));
+      } while (eat(','));
+      expect(']');
+    } else if (c == '"') {
+      v.kind = JsonValue::Kind::kString;
+      v.text = string();
+    } else if (word("true")) {
+      v.kind = JsonValue::Kind::kBool;
+      v.boolean = true;
+    } else if (word("false")) {
+      v.kind = JsonValue::Kind::kBool;
+    } else if (word("null")) {
+      v.kind = JsonValue::Kind::kNull;
+    } else {
+      const size_t start = i_;
+      while (i_ < s_.size() && std::strchr("+-0123456789.eE", s_[i_]) != nullptr) ++i_;
+      if (i_ == start) fail("a value expected");
+      v.kind = JsonValue::Kind::kNumber;
+      v.text = s_.substr(start, i_ - start);
+    }
+    return v;
+  }
+
+  const std::string& s_;
+  size_t i_ = 0;
+};
+
+// The fields of a FitPlan's JSON, checked as read (JsonReader::fail names what is wrong).
+struct PlanFields {
+  const JsonReader& reader;
+  const JsonValue& root;
+
+  const JsonValue& need(const JsonValue& object, const std::string& key,
+                        JsonValue::Kind kind) const {
+    const JsonValue* v = object.field(key);
+    if (v == nullptr) reader.fail("no \"" + key + "\"");
+    if (v->kind != kind) reader.fail("\"" + key + "\" of another type");
+    return *v;
+  }
+  int64_t integer(const JsonValue& v, const std::string& key) const {
+    if (v.kind != JsonValue::Kind::kNumber) reader.fail("\"" + key + "\" is not a number");
+    size_t used = 0;
+    int64_t out = 0;
+    try {
+      out = std::stoll(v.text, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != v.text.size()) reader.fail("\"" + key + "\" is not an int64: " + v.text);
+    return out;
+  }
+  int64_t integer(const std::string& key, bool required) const {
+    const JsonValue* v = root.field(key);
+    if (v == nullptr) {
+      if (required) reader.fail("no \"" + key + "\"");
+      return 0;
+    }
+    return integer(*v, key);
+  }
+  double number(const JsonValue& v, const std::string& key) const {
+    if (v.kind != JsonValue::Kind::kNumber) reader.fail("\"" + key + "\" is not a number");
+    char* end = nullptr;
+    const double out = std::strtod(v.text.c_str(), &end);
+    if (end != v.text.c_str() + v.text.size()) reader.fail("\"" + key + "\" is not a number");
+    return out;
+  }
+  std::vector<std::pair<int64_t, int64_t>> runs(const std::string& key) const {
+    std::vector<std::pair<int64_t, int64_t>> out;
+    for (const JsonValue& r : need(root, key, JsonValue::Kind::kArray).items) {
+      if (r.kind != JsonValue::Kind::kArray || r.items.size() != 2) {
+        reader.fail("\"" + key + "\" holds something other than [begin, end] pairs");
+      }
+      out.emplace_back(integer(r.items[0], key), integer(r.items[1], key));
+    }
+    return out;
+  }
+};
+
+}  // namespace
+
+FitPlan FitPlan::from_json(const std::string& plan_json) {
+  JsonReader reader(plan_json);
+  const JsonValue root = reader.document();
+  if (root.kind != JsonValue::Kind::kObject) reader.fail("not an object");
+  const PlanFields fields{reader, root};
+  FitPlan plan;
+  plan.budget_bytes = fields.integer("budget_bytes", true);
+  plan.peak_bytes = fields.integer("peak_bytes", false);
+  plan.predicted_peak_bytes = fields.integer("predicted_peak_bytes", false);
+  plan.fixed_bytes = fields.integer("fixed_bytes", false);
+  plan.eager_peak_bytes = fields.integer("eager_peak_bytes", false);
+  plan.margin_bytes = fields.integer("margin_bytes", false);
+  plan.checkpointed = fields.runs("checkpointed");
+  plan.sliced = fields.runs("sliced");
+  for (const JsonValue& a : fields.need(root, "actions", JsonValue::Kind::kArray).items) {
+    if (a.kind != JsonValue::Kind::kObject) reader.fail("an action that is not an object");
+    FitAction action;
+    action.path = fields.need(a, "path", JsonValue::Kind::kString).text;
+    action.action = fields.need(a, "action", JsonValue::Kind::kString).text;
+    if (const JsonValue* b = a.field("bytes_saved")) action.bytes_saved = fields.integer(*b, "bytes_saved");
+    if (const JsonValue* t = a.field("recompute_seconds")) {
+      action.recompute_seconds = fields.number(*t, "recompute_seconds");
+    }
+    plan.actions.push_back(std::move(action));
+  }
+  return plan;
+}
+
+namespace {
+
 // What every attempt of fit's search shares (fit(), below): the step it measures, the example
 // input, the layers' names, the budget it plans against (the budget less the CUDA margin), the
 // eager step's figures and the buffers a step changes unseen by autograd.
@@ -1003,6 +1244,51 @@ Swapped swap_layers(const FitContext& ctx, const torch::nn::Sequential& base, co
   out.actions.insert(out.actions.end(), sliced.actions.begin(), sliced.actions.end());
   return out;
 }
+
+// Which runs [b, e) of the walked layers a checkpoint may hold: why_not() is "" for one, else
+// why not (fit's candidates and apply_plan's check).
+class Checkpointable {
+ public:
+  Checkpointable(const LayerWalk& walk, const SlicedMlps& sliced,
+                 const std::unordered_set<const c10::TensorImpl*>& unversioned)
+      : walk_(walk), sliced_(sliced), holds_unversioned_(walk.layers.size(), false) {
+    // A layer holding a buffer changed behind autograd's back (unversioned) is in no
+    // checkpointed run.
+    for (size_t i = 0; i < walk.layers.size() && !unversioned.empty(); ++i) {
+      for (const auto& b : walk.layers[i].ptr()->buffers()) {
+        if (unversioned.count(b.unsafeGetTensorImpl()) > 0) holds_unversioned_[i] = true;
+      }
+    }
+  }
+
+  std::string why_not(int64_t b, int64_t e) const {
+    const auto n = static_cast<int64_t>(walk_.layers.size());
+    if (b < 0 || e <= b || e > n) return "not a run of the model's layers";
+    // (its backward comes first, right after it is recomputed: it saves nothing at the peak)
+    if (e == n) return "it ends at the last layer";
+    // memlean::checkpoint refuses a function that overwrites its input.
+    for (int64_t i = b; i < e; ++i) {
+      if (walk_.writes_input[i]) return "a layer of it overwrites the run's input";
+      if (!walk_.passes_input[i]) break;
+    }
+    // A run holding part of a sliced MLP (its head computes the MLP with all its layers'
+    // parameters; memlean::checkpoint takes only the run's).
+    for (const auto& r : sliced_.runs) {
+      if (b < r.second && e > r.first && (b > r.first || e < r.second)) {
+        return "it splits a sliced MLP";
+      }
+    }
+    for (int64_t i = b; i < e; ++i) {
+      if (holds_unversioned_[i]) return "a layer of it changes a buffer unseen by autograd";
+    }
+    return "";
+  }
+
+ private:
+  const LayerWalk& walk_;
+  const SlicedMlps& sliced_;
+  std::vector<bool> holds_unversioned_;
+};
 
 // Step 3's problem for the swapped step (ctx.step runs it; its peak without checkpoints
 // `empty_peak`): what each layer keeps for backward, backward's own bytes there, and the runs
@@ -1082,34 +1368,9 @@ Problem checkpoint_problem(const FitContext& ctx, const LayerWalk& walk, const S
     for (const auto& t : unique_tensors(run)) total += static_cast<int64_t>(t.nbytes());
     return total;
   };
-  // A layer holding a buffer changed behind autograd's back (unversioned) is in no
-  // checkpointed run.
-  std::vector<bool> holds_unversioned(n, false);
-  for (int64_t i = 0; i < n && !ctx.unversioned.empty(); ++i) {
-    for (const auto& b : layer_buffers[i]) {
-      if (ctx.unversioned.count(b.unsafeGetTensorImpl()) > 0) holds_unversioned[i] = true;
-    }
-  }
-  auto writes_run_input = [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      if (walk.writes_input[i]) return true;
-      if (!walk.passes_input[i]) return false;
-    }
-    return false;
-  };
-  // A run holding part of a sliced MLP (its head computes the MLP with all its layers'
-  // parameters; memlean::checkpoint takes only the run's).
-  auto splits_a_sliced_mlp = [&](int64_t b, int64_t e) {
-    return std::any_of(sliced.runs.begin(), sliced.runs.end(), [&](const auto& r) {
-      return b < r.second && e > r.first && (b > r.first || e < r.second);
-    });
-  };
+  const Checkpointable checkpointable(walk, sliced, ctx.unversioned);
   for (Candidate c : chain_candidates(problem.atom_saved_bytes, output_kept, walk.seconds)) {
-    if (c.end == n || writes_run_input(c.begin, c.end) || splits_a_sliced_mlp(c.begin, c.end) ||
-        std::any_of(holds_unversioned.begin() + c.begin, holds_unversioned.begin() + c.end,
-                    [](bool held) { return held; })) {
-      continue;
-    }
+    if (!checkpointable.why_not(c.begin, c.end).empty()) continue;
     c.freed_bytes = std::max<int64_t>(0, c.freed_bytes - freed[c.begin]);
     if (c.freed_bytes == 0) continue;  // (it keeps all it held: no plan is lower with it)
     c.input_bytes = freed[c.begin];
@@ -1200,94 +1461,113 @@ Attempt attempt(const FitContext& ctx, const torch::nn::Sequential& base,
   return out;
 }
 
+// What fit() and apply_plan() share: the arguments checked (`who` names the function in the
+// errors), the step they measure, the training state saved (put back by snapshot->restore(),
+// and on destruction, so an exception leaves the model as it was), and the warm-up step made.
+struct Session {
+  Session(const std::string& who, const torch::nn::Sequential& model,
+          const at::Tensor& example_input, const FitOptions& options) {
+    if (model.is_empty()) {
+      throw std::invalid_argument(who + ": model is an empty Sequential holder (nullptr)");
+    }
+    if (options.resolution < 1) {
+      throw std::invalid_argument(who + ": options.resolution must be >= 1, got " +
+                                  std::to_string(options.resolution));
+    }
+    if (dynamic_cast<const torch::optim::LBFGS*>(options.optimizer) != nullptr) {
+      throw std::invalid_argument(
+          who + ": options.optimizer is a torch::optim::LBFGS, whose step() needs a closure "
+                "that evaluates the loss again (up to max_eval forward and backward passes per "
+                "step); fit measures steps of one forward and backward and calls step() "
+                "without one, so it cannot fit this optimizer's step");
+    }
+    std::vector<at::Tensor> params = model->parameters();
+    if (params.empty()) {
+      throw std::invalid_argument(who + ": model has no parameters (nothing to train)");
+    }
+    if (!example_input.defined()) {
+      throw std::invalid_argument(who + ": example_input is an undefined tensor");
+    }
+    if (c10::InferenceMode::is_enabled()) {
+      throw std::invalid_argument(
+          who + ": called inside c10::InferenceMode, where no training step can run "
+          "(autograd records nothing there); call fit outside it");
+    }
+    if (example_input.is_inference()) {
+      throw std::invalid_argument(
+          who + ": example_input was made in c10::InferenceMode, which autograd cannot use "
+          "in a training step; make it outside");
+    }
+    const c10::Device device = params.front().device();
+    if (example_input.device() != device) {
+      throw std::invalid_argument(who + ": example_input is on " + example_input.device().str() +
+                                  " but the model's parameters are on " + device.str());
+    }
+    memstats::check_device(device);
+
+    step.model = model;
+    step.input = example_input;
+    step.loss_fn = options.loss_fn;
+    step.optimizer = options.optimizer;
+    step.device = device;
+    step.keep_grads = options.keep_grads;
+    if (options.optimizer != nullptr) {
+      for (const auto& group : options.optimizer->param_groups()) {
+        params.insert(params.end(), group.params().begin(), group.params().end());
+      }
+    }
+    step.params = unique_tensors(params);
+    step.buffers = unique_tensors(model->buffers());
+    step.grad_holders = step.params;
+    if (example_input.requires_grad() && example_input.is_leaf()) {
+      step.grad_holders.push_back(example_input);
+    }
+    memstats::enable();
+    snapshot = std::make_unique<Snapshot>(step.params, step.buffers, step.grad_holders,
+                                          options.optimizer, device);
+    // The caller's gradients stay in the snapshot, untouched (keep_grads zeroes gradients in
+    // place: fit's own).
+    for (const auto& t : step.grad_holders) {
+      if (t.grad().defined()) t.mutable_grad().reset();
+    }
+    const Runner eager = [m = model](const at::Tensor& x) mutable { return m->forward(x); };
+
+    // Warm-up: the optimizer makes its state where it has none (or one was moved out: Snapshot),
+    // and lazily allocated workspaces (cuBLAS's) are made before anything is measured.
+    // (unversioned: the buffers that step changed through .data(), unversioned_changes)
+    {
+      step.clear_grads();
+      const int64_t before = memstats::memory_allocated(device);
+      unversioned = unversioned_changes(*model, [&] { (void)step.measure(eager); });
+      if (options.optimizer != nullptr) {
+        try {
+          memstats::optimizer_state_tensors(*options.optimizer);
+        } catch (const c10::Error&) {
+          // A state memstats does not know: its bytes are what the warm-up step kept.
+          step.unknown_state_bytes =
+              std::max<int64_t>(0, memstats::memory_allocated(device) - before);
+        }
+      }
+    }
+  }
+
+  Step step;
+  std::unique_ptr<Snapshot> snapshot;
+  // The buffers the warm-up step changed through .data() (unversioned_changes).
+  std::unordered_set<const c10::TensorImpl*> unversioned;
+};
+
 }  // namespace
 
 FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_t budget_bytes,
             FitOptions options) {
   check_budget(budget_bytes, "budget_bytes");
-  if (model.is_empty()) {
-    throw std::invalid_argument("memlean::fit: model is an empty Sequential holder (nullptr)");
-  }
-  if (options.resolution < 1) {
-    throw std::invalid_argument("memlean::fit: options.resolution must be >= 1, got " +
-                                std::to_string(options.resolution));
-  }
-  if (dynamic_cast<const torch::optim::LBFGS*>(options.optimizer) != nullptr) {
-    throw std::invalid_argument(
-        "memlean::fit: options.optimizer is a torch::optim::LBFGS, whose step() needs a "
-        "closure that evaluates the loss again (up to max_eval forward and backward passes per "
-        "step); fit measures steps of one forward and backward and calls step() without one, "
-        "so it cannot fit this optimizer's step");
-  }
-  std::vector<at::Tensor> params = model->parameters();
-  if (params.empty()) {
-    throw std::invalid_argument("memlean::fit: model has no parameters (nothing to train)");
-  }
-  if (!example_input.defined()) {
-    throw std::invalid_argument("memlean::fit: example_input is an undefined tensor");
-  }
-  if (c10::InferenceMode::is_enabled()) {
-    throw std::invalid_argument(
-        "memlean::fit: called inside c10::InferenceMode, where no training step can run "
-        "(autograd records nothing there); call fit outside it");
-  }
-  if (example_input.is_inference()) {
-    throw std::invalid_argument(
-        "memlean::fit: example_input was made in c10::InferenceMode, which autograd cannot use "
-        "in a training step; make it outside");
-  }
-  const c10::Device device = params.front().device();
-  if (example_input.device() != device) {
-    throw std::invalid_argument("memlean::fit: example_input is on " + example_input.device().str() +
-                                " but the model's parameters are on " + device.str());
-  }
-  memstats::check_device(device);
-
-  Step step;
-  step.model = model;
-  step.input = example_input;
-  step.loss_fn = options.loss_fn;
-  step.optimizer = options.optimizer;
-  step.device = device;
-  step.keep_grads = options.keep_grads;
-  if (options.optimizer != nullptr) {
-    for (const auto& group : options.optimizer->param_groups()) {
-      params.insert(params.end(), group.params().begin(), group.params().end());
-    }
-  }
-  step.params = unique_tensors(params);
-  step.buffers = unique_tensors(model->buffers());
-  step.grad_holders = step.params;
-  if (example_input.requires_grad() && example_input.is_leaf()) {
-    step.grad_holders.push_back(example_input);
-  }
-  memstats::enable();
-  Snapshot snapshot(step.params, step.buffers, step.grad_holders, options.optimizer, device);
-  // The caller's gradients stay in the snapshot, untouched (keep_grads zeroes gradients in
-  // place: fit's own).
-  for (const auto& t : step.grad_holders) {
-    if (t.grad().defined()) t.mutable_grad().reset();
-  }
+  Session session("memlean::fit", model, example_input, options);
+  Step& step = session.step;
+  Snapshot& snapshot = *session.snapshot;
+  const std::unordered_set<const c10::TensorImpl*>& unversioned = session.unversioned;
+  const c10::Device device = step.device;
   const Runner eager = [&model](const at::Tensor& x) { return model->forward(x); };
-
-  // Warm-up: the optimizer makes its state where it has none (or one was moved out: Snapshot),
-  // and lazily allocated workspaces (cuBLAS's) are made before anything is measured.
-  // (unversioned: the buffers that step changed through .data(), unversioned_changes)
-  std::unordered_set<const c10::TensorImpl*> unversioned;
-  {
-    step.clear_grads();
-    const int64_t before = memstats::memory_allocated(device);
-    unversioned = unversioned_changes(*model, [&] { (void)step.measure(eager); });
-    if (options.optimizer != nullptr) {
-      try {
-        memstats::optimizer_state_tensors(*options.optimizer);
-      } catch (const c10::Error&) {
-        // A state memstats does not know: its bytes are what the warm-up step kept.
-        step.unknown_state_bytes =
-            std::max<int64_t>(0, memstats::memory_allocated(device) - before);
-      }
-    }
-  }
 
   // On CUDA every decision is made against the budget less a margin (cuda_margin): fit's
   // measured step is one history of the caching allocator, the caller's steps are others.
@@ -1372,6 +1652,117 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
       << " are parameters, buffers, optimizer state and input. Raise the budget to at least "
       << best << " bytes, or lower the batch size.";
   throw FitError(msg.str(), budget_bytes, best);
+}
+
+namespace {
+
+[[noreturn]] void plan_mismatch(const std::string& what) {
+  throw std::invalid_argument(
+      "memlean::fit::apply_plan: plan does not match this model's training step: " + what +
+      ". The plan was made for another model, input or setting; call memlean::fit::fit for "
+      "this one");
+}
+
+bool is_swap(const std::string& action) {
+  return action != "checkpoint" && action != "sliced mlp";
+}
+
+}  // namespace
+
+FitPlan apply_plan(torch::nn::Sequential model, const at::Tensor& example_input,
+                   const FitPlan& plan, FitOptions options) {
+  check_budget(plan.budget_bytes, "plan.budget_bytes");
+  Session session("memlean::fit::apply_plan", model, example_input, options);
+  Step& step = session.step;
+  const c10::Device device = step.device;
+  const Runner eager = [&model](const at::Tensor& x) { return model->forward(x); };
+  const int64_t margin = device.is_cpu() ? 0 : cuda_margin(plan.budget_bytes);
+  FitPlan result;
+  result.budget_bytes = plan.budget_bytes;
+  result.margin_bytes = margin;
+  result.eager_peak_bytes = step.measure(eager);
+  result.fixed_bytes = step.fixed_bytes();
+  result.predicted_peak_bytes = plan.predicted_peak_bytes;
+  result.actions = plan.actions;
+  result.checkpointed = plan.checkpointed;
+  result.sliced = plan.sliced;
+  const auto n = static_cast<int64_t>(model->size());
+  std::vector<std::string> names;
+  for (const auto& item : model->named_children()) names.push_back(item.key());
+  names.resize(n);
+  const FitContext ctx{step,   example_input, device, names, result, plan.budget_bytes - margin,
+                       options.resolution, session.unversioned};
+
+  // 2. The MLPs fit sliced: all it finds, or none (on the CPU).
+  torch::nn::Sequential base = model;
+  SlicedMlps sliced;
+  if (!plan.sliced.empty()) {
+    const LayerWalk walk = walk_safely(ctx, model);
+    Attempt walked;
+    walked.output_bytes = walk.output_bytes;
+    walked.saved.assign(walk.output_bytes.size(), 0);  // (the actions' bytes: the plan's)
+    walked.seconds = walk.seconds;
+    if (device.is_cpu()) sliced = slice_mlps(model, names, walked);
+    if (sliced.runs != plan.sliced) {
+      plan_mismatch(sliced.runs.empty() ? "it slices MLPs, and this step has none fit slices"
+                                        : "it slices other MLPs than fit finds in this step");
+    }
+    base = sliced.model;
+  }
+  // 1. The swaps, as fit makes them on this step: the same layers, the same actions.
+  const LayerWalk walk = walk_safely(ctx, base);
+  std::vector<std::pair<std::string, std::string>> made, wanted;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!walk.swapped[i].empty()) made.emplace_back(path_of(i, i + 1, names), walk.swapped[i]);
+  }
+  for (const FitAction& a : plan.actions) {
+    if (is_swap(a.action)) wanted.emplace_back(a.path, a.action);
+  }
+  if (wanted != made) {
+    std::string what;
+    for (const auto& w : wanted) {
+      if (what.empty() && std::find(made.begin(), made.end(), w) == made.end()) {
+        what = "fit's " + w.second + " of " + w.first + " is not what fit makes here";
+      }
+    }
+    for (const auto& m : made) {
+      if (what.empty() && std::find(wanted.begin(), wanted.end(), m) == wanted.end()) {
+        what = "fit makes a " + m.second + " of " + m.first + " here, which the plan does not";
+      }
+    }
+    plan_mismatch(what.empty() ? "its swaps are in another order" : what);
+  }
+  torch::nn::Sequential work = base;
+  if (!made.empty()) {
+    work = torch::nn::Sequential();
+    for (int64_t i = 0; i < n; ++i) work->push_back(names[i], walk.layers[i]);
+  }
+  // 3. The checkpointed runs: each one fit offers, in order, none overlapping.
+  const Checkpointable checkpointable(walk, sliced, session.unversioned);
+  int64_t end = 0;
+  for (const auto& [b, e] : plan.checkpointed) {
+    std::string why = b < end ? "it overlaps the run before" : checkpointable.why_not(b, e);
+    if (!why.empty()) {
+      plan_mismatch("its checkpointed run [" + std::to_string(b) + ", " + std::to_string(e) +
+                    ") is none fit offers here: " + why);
+    }
+    end = e;
+  }
+  FitPlanAccess::set_runner(result, work);
+  result.peak_bytes =
+      step.measure([&result](const at::Tensor& x) { return result.forward(x); });
+  if (result.peak_bytes > ctx.planned) {
+    std::ostringstream msg;
+    msg << "memlean::fit::apply_plan: the step under the plan peaks at "
+        << describe_bytes(result.peak_bytes) << ", above the plan's budget_bytes = "
+        << describe_bytes(plan.budget_bytes);
+    if (margin > 0) msg << " less the " << describe_bytes(margin) << " fit keeps on CUDA";
+    msg << ": the plan was made for another model, input or setting (fit measured "
+        << describe_bytes(plan.peak_bytes) << "); call memlean::fit::fit for this one";
+    throw FitError(msg.str(), plan.budget_bytes, result.peak_bytes);
+  }
+  session.snapshot->restore();
+  return result;
 }
 
 void testing::set_problem_observer(ProblemObserver observer) {

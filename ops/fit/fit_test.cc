@@ -1505,6 +1505,117 @@ TEST(Fit, ASlicedPlanTrainsAsTheModel) {
   s.model->train();
 }
 
+// memlean::fit::apply_plan: fit's plan, written as JSON and read back (FitPlan::from_json),
+// applied to a twin of the model (another rank of a job, a job restarted) at the least peak
+// and halfway to eager's: the same JSON (exact peak, eager and fixed bytes, actions, runs), and
+// one step through it gives the fitted plan's gradients to the bit. Returns the plans' actions.
+std::vector<FitAction> expect_applied_alike(Bench& s, Bench& twin) {
+  s.train_step();
+  twin.train_step();
+  std::vector<FitAction> actions;
+  const int64_t least = one_byte_budget(s).least_peak_bytes;
+  const int64_t eager = fit(s.model, s.x, int64_t{1} << 40, s.options()).eager_peak_bytes;
+  for (const int64_t budget : {least, (least + eager) / 2}) {
+    const FitPlan plan = fit(s.model, s.x, budget, s.options());
+    const FitPlan read = FitPlan::from_json(plan.to_json());
+    EXPECT_EQ(read.to_json(), plan.to_json());
+    const FitPlan applied = apply_plan(twin.model, twin.x, read, twin.options());
+    EXPECT_EQ(applied.to_json(), plan.to_json()) << plan.str();
+    EXPECT_LE(applied.peak_bytes, budget);
+    actions.insert(actions.end(), plan.actions.begin(), plan.actions.end());
+    std::vector<at::Tensor> grads[2];
+    int k = 0;
+    for (auto [b, p] : {std::make_pair(&s, &plan), std::make_pair(&twin, &applied)}) {
+      b->sgd.zero_grad();
+      at::manual_seed(3);
+      at::mse_loss(p->forward(b->x), b->y).backward();
+      for (const auto& q : b->model->parameters()) grads[k].push_back(q.grad().clone());
+      b->sgd.zero_grad();
+      ++k;
+    }
+    EXPECT_EQ(grads[0].size(), grads[1].size());
+    for (size_t i = 0; i < std::min(grads[0].size(), grads[1].size()); ++i) {
+      EXPECT_TRUE(at::equal(grads[0][i], grads[1][i])) << i;
+    }
+  }
+  return actions;
+}
+
+TEST(Fit, ASavedPlanAppliesToATwinAsFitted) {
+  Bench s, twin;
+  const std::vector<FitAction> actions = expect_applied_alike(s, twin);
+  EXPECT_TRUE(std::any_of(actions.begin(), actions.end(),
+                          [](const FitAction& a) { return a.action == "checkpoint"; }));
+  EXPECT_TRUE(std::any_of(actions.begin(), actions.end(),
+                          [](const FitAction& a) { return a.action == "lean batchnorm"; }));
+  MlpBench mlps(true), mlps_twin(true);
+  const std::vector<FitAction> sliced = expect_applied_alike(mlps, mlps_twin);
+  EXPECT_TRUE(std::any_of(sliced.begin(), sliced.end(),
+                          [](const FitAction& a) { return a.action == "sliced mlp"; }));
+}
+
+// A plan that does not hold for the model it is applied to is refused, the model as it was:
+// another model's, a run fit does not offer, a swap fit does not make, a larger input whose
+// step peaks above the budget (FitError), a budget of 0; and text that is not a plan's JSON.
+TEST(Fit, ApplyPlanRefusesAPlanThatDoesNotMatch) {
+  Bench s;
+  s.train_step();
+  const FitPlan plan = fit(s.model, s.x, one_byte_budget(s).least_peak_bytes, s.options());
+  ASSERT_FALSE(plan.checkpointed.empty()) << plan.str();
+  std::vector<at::Tensor> before;
+  for (const auto& p : s.model->parameters()) before.push_back(p.detach().clone());
+  MlpBench other(true);
+  expect_invalid([&] { apply_plan(other.model, other.x, plan, other.options()); },
+                 "plan does not match this model's training step");
+  const auto n = static_cast<int64_t>(s.model->size());
+  FitPlan last = plan;
+  last.checkpointed = {{n - 2, n}};
+  expect_invalid([&] { apply_plan(s.model, s.x, last, s.options()); },
+                 "its checkpointed run [14, 16) is none fit offers here: it ends at the last layer");
+  FitPlan overlapping = plan;
+  overlapping.checkpointed = {{0, 3}, {2, 5}};
+  expect_invalid([&] { apply_plan(s.model, s.x, overlapping, s.options()); },
+                 "it overlaps the run before");
+  FitPlan swap = plan;
+  swap.actions.push_back({"layer 1", "inplace swish", 0, 0.0});
+  expect_invalid([&] { apply_plan(s.model, s.x, swap, s.options()); },
+                 "fit's inplace swish of layer 1 is not what fit makes here");
+  FitPlan zero = plan;
+  zero.budget_bytes = 0;
+  expect_invalid([&] { apply_plan(s.model, s.x, zero, s.options()); }, "plan.budget_bytes");
+  FitOptions any_target = s.options();
+  any_target.loss_fn = [](const at::Tensor& out) { return out.square().mean(); };
+  try {
+    apply_plan(s.model, at::cat({s.x, s.x}), plan, any_target);
+    ADD_FAILURE() << "a twice larger input kept the budget";
+  } catch (const FitError& e) {
+    EXPECT_GT(e.least_peak_bytes, plan.budget_bytes);
+    EXPECT_NE(std::string(e.what()).find("above the plan's budget_bytes"), std::string::npos)
+        << e.what();
+  }
+  const auto params = s.model->parameters();
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(at::equal(params[i], before[i])) << i;
+  for (const char* bad :
+       {"", "{", "[]", "{\"budget_bytes\": 1}", "{\"budget_bytes\": 1.5, \"checkpointed\": [], "
+        "\"sliced\": [], \"actions\": []}", "{\"budget_bytes\": 99999999999999999999, "
+        "\"checkpointed\": [], \"sliced\": [], \"actions\": []}", "{\"budget_bytes\": 1, "
+        "\"checkpointed\": [[1]], \"sliced\": [], \"actions\": []}", "{\"budget_bytes\": 1, "
+        "\"checkpointed\": [], \"sliced\": [], \"actions\": [{\"path\": 3}]}"}) {
+    expect_invalid([&] { (void)FitPlan::from_json(bad); },
+                   "plan_json is not the JSON of a FitPlan");
+  }
+  const FitPlan text = FitPlan::from_json(
+      " {\"budget_bytes\": 5, \"checkpointed\": [[0, 2]], \"sliced\": [], \"extra\": [null, "
+      "true, {\"a\": \"\\u00e9\\n\"}], \"actions\": [{\"path\": \"layers 0-1 (a\\\"b)\", "
+      "\"action\": \"checkpoint\", \"bytes_saved\": 7, \"recompute_seconds\": 2.5e-3}]} ");
+  EXPECT_EQ(text.budget_bytes, 5);
+  ASSERT_EQ(text.actions.size(), 1u);
+  EXPECT_EQ(text.actions[0].path, "layers 0-1 (a\"b)");
+  EXPECT_EQ(text.actions[0].bytes_saved, 7);
+  EXPECT_DOUBLE_EQ(text.actions[0].recompute_seconds, 2.5e-3);
+  expect_invalid([&] { (void)text.forward(s.x); }, "this plan has no model");
+}
+
 // ---- On CUDA: the budget as torch's own counters count it --------------------------------
 
 // torch.cuda.memory_allocated and max_memory_allocated for cuda:0, read from the caching
