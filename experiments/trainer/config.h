@@ -39,6 +39,9 @@ struct Config {
   // step must fit in, by memlean::fit checkpointing runs of the model's stages.
   std::string memory_budget_text;
   int64_t memory_budget = 0;
+  // --save_fit_plan: where to write the plan fit made ("" = nowhere); --fit_plan: a plan's
+  // JSON to apply (memlean::fit::apply_plan) instead of fitting ("" = fit, or no plan).
+  std::string save_fit_plan, fit_plan;
   // Resolved sizes (the flags' 0 = the model's and the data's defaults).
   int64_t num_classes = 10;
   int64_t image_size = 32;

@@ -33,6 +33,14 @@ ABSL_FLAG(std::string, memory_budget, "",
           "fit one training step into this many bytes, e.g. 6GiB, 512MiB, 2.5GB (\"\" = off): "
           "memlean::fit measures a step on the first batch and checkpoints the runs of the "
           "model's stages that make it fit at the least recompute time (with --checkpoint=none)");
+ABSL_FLAG(std::string, save_fit_plan, "",
+          "with --memory_budget: write the plan memlean::fit made (its JSON) to this path, for "
+          "--fit_plan of a later run (another rank, the job restarted)");
+ABSL_FLAG(std::string, fit_plan, "",
+          "apply the plan in this file (the JSON --save_fit_plan wrote) with "
+          "memlean::fit::apply_plan instead of fitting: the same changes, checked and measured "
+          "on the first batch without fit's search; the budget is the plan's (not with "
+          "--memory_budget)");
 ABSL_FLAG(int64_t, batch, 64, "batch size");
 ABSL_FLAG(int64_t, steps, 20, "training steps");
 ABSL_FLAG(std::string, optimizer, "sgd", "sgd (with --momentum) | adam");
@@ -172,6 +180,24 @@ Config config_from_flags() {
     check(c.checkpoint.kind == models::Checkpointing::Kind::kNone, "memory_budget",
           "memlean::fit chooses what to checkpoint itself; use it with --checkpoint=none (got "
           "--checkpoint=" + models::to_string(c.checkpoint) + ")");
+  }
+  c.save_fit_plan = user_path(absl::GetFlag(FLAGS_save_fit_plan));
+  if (!c.save_fit_plan.empty()) {
+    check(c.memory_budget > 0, "save_fit_plan",
+          "needs --memory_budget (the plan it writes is the one memlean::fit makes for it)");
+    const auto parent = std::filesystem::absolute(c.save_fit_plan).parent_path();
+    check(std::filesystem::is_directory(parent), "save_fit_plan",
+          "the folder " + parent.string() + " does not exist");
+  }
+  c.fit_plan = user_path(absl::GetFlag(FLAGS_fit_plan));
+  if (!c.fit_plan.empty()) {
+    check(c.memory_budget == 0, "fit_plan",
+          "applies a plan made for its own budget; use it without --memory_budget");
+    check(c.checkpoint.kind == models::Checkpointing::Kind::kNone, "fit_plan",
+          "the plan says what to checkpoint; use it with --checkpoint=none (got --checkpoint=" +
+              models::to_string(c.checkpoint) + ")");
+    check(std::filesystem::is_regular_file(c.fit_plan), "fit_plan",
+          "no file " + c.fit_plan);
   }
   c.batch = absl::GetFlag(FLAGS_batch);
   check(c.batch >= 1, "batch", "must be >= 1, got " + std::to_string(c.batch));

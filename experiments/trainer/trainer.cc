@@ -238,7 +238,7 @@ Result train(const Config& c, std::ostream& progress_out, ProgressMode mode,
   };
   std::optional<fit::FitPlan> plan;
   std::optional<Batch> first;
-  if (c.memory_budget > 0) {
+  if (c.memory_budget > 0 || !c.fit_plan.empty()) {
     FitChain f = fit_chain(model);
     first = data->next();
     {
@@ -248,14 +248,35 @@ Result train(const Config& c, std::ostream& progress_out, ProgressMode mode,
         return regression ? at::mse_loss(out, y) : at::cross_entropy_loss(out, y);
       };
       options.optimizer = optimizer.get();
-      try {
-        plan = fit::fit(f.chain, x, c.memory_budget, options);
-      } catch (const fit::FitError& e) {
-        throw UsageError(std::string("--memory_budget: ") + e.what());
+      if (c.fit_plan.empty()) {
+        try {
+          plan = fit::fit(f.chain, x, c.memory_budget, options);
+        } catch (const fit::FitError& e) {
+          throw UsageError(std::string("--memory_budget: ") + e.what());
+        }
+      } else {
+        // --fit_plan: the plan read back and applied (a FitError: the step under it peaks
+        // above its budget here; an invalid_argument: it is not this model's plan).
+        std::ifstream file(c.fit_plan);
+        std::stringstream text;
+        text << file.rdbuf();
+        if (!file) throw UsageError("--fit_plan: cannot read " + c.fit_plan);
+        try {
+          plan = fit::apply_plan(f.chain, x, fit::FitPlan::from_json(text.str()), options);
+        } catch (const std::invalid_argument& e) {
+          throw UsageError(std::string("--fit_plan: ") + e.what());
+        }
       }
     }
     r.fit_table = plan->str();
     r.fit_json = plan->to_json();
+    r.fit_budget_bytes = plan->budget_bytes;
+    if (!c.save_fit_plan.empty()) {
+      std::ofstream file(c.save_fit_plan);
+      file << r.fit_json << "\n";
+      file.close();
+      if (!file) throw UsageError("--save_fit_plan: cannot write " + c.save_fit_plan);
+    }
     r.fit_checkpoints = static_cast<int64_t>(plan->checkpointed.size());
     r.fit_sliced = static_cast<int64_t>(plan->sliced.size());
     r.fit_peak_bytes = plan->peak_bytes;
@@ -330,7 +351,8 @@ std::string summary(const Config& c, const Result& r) {
                 r.steps_per_second_after_first, mib(r.peak_bytes).c_str());
   out << line;
   if (!r.fit_json.empty()) {
-    out << "memory budget " << fit::describe_bytes(c.memory_budget) << ": memlean::fit checkpoints "
+    out << "memory budget " << fit::describe_bytes(r.fit_budget_bytes)
+        << (c.fit_plan.empty() ? "" : " (--fit_plan)") << ": memlean::fit checkpoints "
         << r.fit_checkpoints << (r.fit_checkpoints == 1 ? " run" : " runs") << " of layers";
     if (r.fit_sliced > 0) {
       out << " and slices " << r.fit_sliced << (r.fit_sliced == 1 ? " MLP" : " MLPs");

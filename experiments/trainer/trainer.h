@@ -30,6 +30,7 @@ struct Result {
   memstats::Categories categories, categories_end;
   // --memory_budget: memlean::fit's plan (FitPlan::str() and to_json()); empty when off.
   std::string fit_table, fit_json;
+  int64_t fit_budget_bytes = 0;  // the plan's budget (--memory_budget's, or --fit_plan's)
   int64_t fit_checkpoints = 0, fit_sliced = 0, fit_peak_bytes = 0;  // (runs, MLPs sliced)
 };
 
@@ -41,6 +42,9 @@ enum class ProgressMode { kBar, kLines, kNone };
 // chain of stages, then a "head" stage doing the rest of its forward) on the first batch,
 // with the trainer's optimizer and loss, prints the plan on `plan_out` (when given) and
 // trains with the plan; a budget that no plan fits is a UsageError naming --memory_budget.
+// With --fit_plan, memlean::fit::apply_plan applies the plan in that file instead (a plan that
+// does not match the model or peaks above its budget is a UsageError naming --fit_plan), and
+// with --save_fit_plan the plan's JSON is written there.
 Result train(const Config& config, std::ostream& progress, ProgressMode mode,
              std::ostream* plan_out = nullptr);
 

@@ -171,6 +171,14 @@ TEST_F(TrainerTest, BadFlagsNameTheFlag) {
       {{"--memory_budget=1GiB", "--checkpoint=segments:2"},
        "--memory_budget: memlean::fit chooses what to checkpoint itself; use it with "
        "--checkpoint=none (got --checkpoint=segments:2)"},
+      {{"--save_fit_plan=plan.json"}, "--save_fit_plan: needs --memory_budget"},
+      {{"--memory_budget=1GiB", "--save_fit_plan=/no/such/folder/plan.json"},
+       "--save_fit_plan: the folder /no/such/folder does not exist"},
+      {{"--fit_plan=/no/such/plan.json"}, "--fit_plan: no file /no/such/plan.json"},
+      {{"--fit_plan=/no/such/plan.json", "--memory_budget=1GiB"},
+       "--fit_plan: applies a plan made for its own budget; use it without --memory_budget"},
+      {{"--fit_plan=/no/such/plan.json", "--checkpoint=memlean"},
+       "--fit_plan: the plan says what to checkpoint; use it with --checkpoint=none"},
   };
   for (const auto& [args, want] : cases) {
     const std::string got = error(args);
@@ -381,6 +389,35 @@ TEST_F(TrainerRun, MemoryBudgetSlicesTheMlp) {
   ASSERT_EQ(fitted.losses.size(), plain.losses.size());
   for (size_t i = 0; i < plain.losses.size(); ++i) {
     EXPECT_NEAR(fitted.losses[i], plain.losses[i], 1e-5 * plain.losses[i]);
+  }
+}
+
+// --save_fit_plan writes the plan memlean::fit made; --fit_plan applies it in a later run
+// (another rank, the job restarted) with memlean::fit::apply_plan, without fit's search: the
+// same plan (its JSON: the sliced MLP, the peak to the byte) and the same losses. A plan for
+// another model is a usage error naming --fit_plan.
+TEST_F(TrainerRun, AFitPlanSavedIsAppliedByALaterRun) {
+  const Args base = with(kTinyMlp, {"--mlp_in=64", "--mlp_hidden=8192", "--batch=512",
+                                    "--steps=3", "--threads=1", "--swish=silu"});
+  const Result eager = train_with(with(base, {"--memory_budget=1TiB"}));
+  const std::string path = (temp("fit_plan") / "plan.json").string();
+  const Result fitted = train_with(with(base, {"--memory_budget=" +
+                                                   std::to_string(eager.fit_peak_bytes / 4),
+                                               "--save_fit_plan=" + path}));
+  EXPECT_EQ(fitted.fit_sliced, 1) << fitted.fit_table;
+  const Result applied = train_with(with(base, {"--fit_plan=" + path}));
+  EXPECT_EQ(applied.fit_json, fitted.fit_json);
+  EXPECT_EQ(applied.fit_budget_bytes, eager.fit_peak_bytes / 4);
+  EXPECT_EQ(applied.losses, fitted.losses);
+  try {
+    train_with(with(kTinyEfficientNet, {"--threads=1", "--fit_plan=" + path}));
+    ADD_FAILURE() << "another model's plan was applied";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find(
+                  "--fit_plan: memlean::fit::apply_plan: plan does not match this model's "
+                  "training step"),
+              std::string::npos)
+        << e.what();
   }
 }
 
