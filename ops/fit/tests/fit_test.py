@@ -2368,6 +2368,24 @@ class FitTest(unittest.TestCase):
                          "lean depthwise conv", "inplace swish"} <= kinds, kinds)
         self.assertGreater(run_checkpoints, 0)
 
+    def test_plans_made_on_top_of_each_other_apply_in_turn(self):
+        # fit called twice (a tighter budget on the fitted model): the two plans applied to a
+        # twin in the same order reach the same peaks; undoing the first undoes both, as fit's.
+        model, x, loss_fn, opt = self.conv_setup()
+        twin = copy.deepcopy(model)
+        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+        least, eager = self.least_and_eager(model, x, loss_fn, opt)
+        first = memlean.fit(model, x, (least + 3 * eager) // 4, loss_fn=loss_fn, optimizer=opt)
+        second = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
+        self.assertLess(second.peak_bytes, first.peak_bytes)
+        again = [memlean.apply_plan(twin, x, p.to_json(), loss_fn=loss_fn, optimizer=opt_twin)
+                 for p in (first, second)]
+        self.assertEqual([p.peak_bytes for p in again], [first.peak_bytes, second.peak_bytes])
+        again[0].undo()
+        self.assertTrue(again[1].undone)
+        self.assertEqual(wrapped_forwards(twin), [])
+        first.undo()
+
     def test_apply_plan_refuses_a_plan_that_does_not_match(self):
         # A plan applied where it does not hold is refused with the model left as it was: a
         # module it names that this step does not offer, a larger batch that peaks above its
