@@ -155,7 +155,7 @@ class FitPlan:
 
     def __init__(self, budget_bytes, peak_bytes, predicted_peak_bytes, fixed_bytes,
                  eager_peak_bytes, actions, undo_steps, device, seconds, eager_only_runs=0,
-                 fine_slices=False, compiled=False):
+                 fine_slices=False, compiled=False, traced=False):
         self.budget_bytes = int(budget_bytes)
         self.peak_bytes = int(peak_bytes)
         self.predicted_peak_bytes = int(predicted_peak_bytes)
@@ -168,6 +168,7 @@ class FitPlan:
         self._eager_only_runs = int(eager_only_runs)
         self._fine_slices = bool(fine_slices)  # the sliced chains' finer slices (step 5b)
         self._compiled = bool(compiled)  # made with fit(compile=...)
+        self._traced = bool(traced)  # (compiled) its checkpoints traced into the graph
         self._later: List[FitPlan] = []  # plans fit made on the model after (on top of) it
 
     def _applied_to(self, model):
@@ -207,10 +208,12 @@ class FitPlan:
             "fit_seconds": self.fit_seconds,
             # Runs of sibling modules checkpointed or sliced: eager steps only (see __str__).
             "eager_only_runs": self._eager_only_runs,
-            # What memlean.apply_plan needs besides the actions: the chains' finer slices, and
-            # whether the plan was made for compiled steps (apply_plan refuses those).
+            # What memlean.apply_plan needs besides the actions: the chains' finer slices,
+            # whether the plan was made for compiled steps, and then whether its checkpoints
+            # are traced into the compiled graph (else run between graphs).
             "fine_slices": self._fine_slices,
             "compile": self._compiled,
+            "traced": self._traced,
             "actions": [asdict(a) for a in self.actions],
         }
 
@@ -2270,22 +2273,11 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
     started = time.perf_counter()
     budget = parse_budget(budget_bytes)
     inputs, loss_fn, device = _check(model, example_inputs, loss_fn, optimizer)
-    if isinstance(compile, bool):
-        compile_options = {} if compile else None
-    elif isinstance(compile, dict):
-        compile_options = dict(compile)
-    else:
-        raise TypeError(f"{_NAME}: compile must be a bool or a dict of torch.compile keyword "
-                        f"arguments, got {type(compile).__name__}")
+    compile_options = _compile_options(compile, _NAME)
     if not isinstance(runs, bool):
         raise TypeError(f"{_NAME}: runs must be a bool, got {type(runs).__name__}")
     if not isinstance(keep_grads, bool):
         raise TypeError(f"{_NAME}: keep_grads must be a bool, got {type(keep_grads).__name__}")
-    if compile_options is not None:
-        # fit measures one example batch: static shapes, unless the caller says otherwise.
-        # (With dynamo's automatic dynamic shapes, recompiling a plan's graphs made inductor
-        # fail on timm convnext_tiny: "cannot determine truth value of Relational".)
-        compile_options.setdefault("dynamic", False)
     # On CUDA every decision is made against the budget less a margin (_cuda_margin), and the
     # least a FitError names includes twice that margin: fit's measured step is one history
     # of the caching allocator, the caller's steps are others.
@@ -2309,6 +2301,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         fixed = eager.resident
         actions: List[FitAction] = []
         sliced_now: list = []  # the chains recomputed in slices, while they are
+        traced_now = [False]  # whether the plan's checkpoints are traced (compile=)
 
         def done(peak, predicted, eager_only_runs=0):
             """The plan of what was changed so far, with the training state put back."""
@@ -2316,7 +2309,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             plan = FitPlan(requested, peak, predicted, fixed, eager.peak, actions, undo_steps,
                            device, time.perf_counter() - started, eager_only_runs,
                            fine_slices=any(c.fine for c in sliced_now),
-                           compiled=compiled)
+                           compiled=compiled, traced=traced_now[0])
             plan._applied_to(model)
             return plan
 
@@ -2440,6 +2433,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 return None, least
             actions.extend(taken)
             traced = compiled and tuple(chosen) not in untraced
+            traced_now[0] = traced
             undo_steps.extend(_wrap(problem.calls[i].module,
                                     traced=_traced(problem.calls[i], traced)) for i in chosen)
             actions.extend(_checkpoint_actions(problem.calls, problem.candidates, chosen,
@@ -2614,10 +2608,6 @@ def _plan_dict(plan) -> dict:
         if a["action"] not in known:
             raise ValueError(f"{_APPLY}: plan's action {a['action']!r} on {a['path']!r} is none "
                              f"of fit's ({', '.join(known)})")
-    if plan.get("compile"):
-        raise ValueError(f"{_APPLY}: plan was made with fit(compile=...), whose checkpoints "
-                         f"are traced into compiled graphs and measured compiled: apply_plan "
-                         f"re-applies plans for eager steps only; call memlean.fit again")
     return plan
 
 
@@ -2630,7 +2620,7 @@ def _mismatch(what: str) -> ValueError:
 def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
                loss_fn: Optional[Callable] = None,
                optimizer: Optional[torch.optim.Optimizer] = None,
-               keep_grads: bool = False) -> FitPlan:
+               compile=False, keep_grads: bool = False) -> FitPlan:
     """Apply a plan memlean.fit made, without searching again, and check that the step keeps
     its budget: for another process that trains the same model on the same batches (each
     rank of a data-parallel job; a job restarted), which then needs three measured steps
@@ -2640,6 +2630,10 @@ def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
     Args:
         model, example_inputs, loss_fn, optimizer, keep_grads: as for memlean.fit (the model
             as it was when fit was called, e.g. freshly built: not fitted already).
+        compile (bool or dict): as given to the fit that made the plan (a plan for compiled
+            steps is applied with compile=, an eager plan without): with it the step under
+            the plan is measured compiled (torch.compile(model, **compile), compiled afresh),
+            its checkpoints traced into the graph where fit's were.
         plan: the FitPlan, its ``to_dict()``, its ``to_json()`` text, or the path of the file
             ``to_json(path)`` wrote.
 
@@ -2656,9 +2650,10 @@ def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
     Raises:
         FitError: the step under the plan peaks above the plan's budget (less fit's margin on
             CUDA) here; the model is left unchanged.
-        ValueError / TypeError: plan is no FitPlan (or its dict, JSON or file), was made with
-            ``compile=``, or names a module or change this model's step does not have; or a
-            bad argument as for fit. The model is left unchanged.
+        ValueError / TypeError: plan is no FitPlan (or its dict, JSON or file), was made
+            with ``compile=`` and is applied without (or the other way round), or names a
+            module or change this model's step does not have; or a bad argument as for fit.
+            The model is left unchanged.
     """
     started = time.perf_counter()
     data = _plan_dict(plan)
@@ -2666,6 +2661,13 @@ def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
     inputs, loss_fn, device = _check(model, example_inputs, loss_fn, optimizer)
     if not isinstance(keep_grads, bool):
         raise TypeError(f"{_APPLY}: keep_grads must be a bool, got {type(keep_grads).__name__}")
+    compile_options = _compile_options(compile, _APPLY)
+    if bool(data.get("compile", False)) != (compile_options is not None):
+        raise ValueError(f"{_APPLY}: plan was made for " + (
+            "compiled steps (fit(compile=...)): apply it with compile= as given to fit"
+            if data.get("compile") else "eager steps (fit without compile=): apply it without "
+            "compile=, or fit with compile= for compiled steps"))
+    traced = compile_options is not None and bool(data.get("traced", False))
     budget = requested - _cuda_margin(requested) if device.type == "cuda" else requested
     wanted = [FitAction(a["path"], a["action"], int(a.get("bytes_saved", 0)),
                         float(a.get("recompute_seconds", 0.0))) for a in data["actions"]]
@@ -2739,26 +2741,37 @@ def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
             for path in checkpoints:
                 if path not in offered:
                     raise _mismatch(f"fit's checkpoint of {path} is not possible here")
-                undo_steps.append(_wrap(problem.calls[offered[path]].module))
-        # 4. The step under the plan, measured.
-        measured = step.run() if wanted else eager
-        if measured.peak > budget:
+            chosen = [offered[path] for path in checkpoints]
+            calls = problem.calls
+        else:
+            chosen, calls = [], []
+        # 4. The step under the plan, measured (compiled: as fit measured it, _measure_plan),
+        # and the checkpoints wrapped.
+        if compile_options is not None:
+            peak = _measure_plan(step, calls, chosen, compile_options,
+                                 None if traced else {tuple(chosen)})
+        undo_steps.extend(_wrap(calls[i].module, traced=_traced(calls[i], traced))
+                          for i in chosen)
+        if compile_options is None:
+            peak = step.run().peak if wanted else eager.peak
+        if peak > budget:
             margin = (f" less the {_C.fit.describe_bytes(requested - budget)} fit keeps on CUDA"
                       if budget != requested else "")
             raise FitError(
                 f"{_APPLY}: the step under the plan peaks at "
-                f"{_C.fit.describe_bytes(measured.peak)}, above the plan's budget_bytes="
+                f"{_C.fit.describe_bytes(peak)}, above the plan's budget_bytes="
                 f"{requested} ({_gib(requested)}){margin}: the plan was made for another "
                 f"model, batch or setting (fit measured "
                 f"{_C.fit.describe_bytes(int(data.get('peak_bytes', 0)))}); call memlean.fit "
-                f"for this one", requested, measured.peak)
+                f"for this one", requested, peak)
         saved.restore()
-        result = FitPlan(requested, measured.peak,
-                         int(data.get("predicted_peak_bytes", measured.peak)), eager.resident,
+        result = FitPlan(requested, peak,
+                         int(data.get("predicted_peak_bytes", peak)), eager.resident,
                          eager.peak, wanted, undo_steps, device,
                          time.perf_counter() - started,
                          int(data.get("eager_only_runs", 0)),
-                         fine_slices=bool(data.get("fine_slices", False)))
+                         fine_slices=bool(data.get("fine_slices", False)),
+                         compiled=compile_options is not None, traced=traced)
         result._applied_to(model)
         return result
     except BaseException:
@@ -2766,6 +2779,28 @@ def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
             undo()
         saved.restore()
         raise
+    finally:
+        if compile_options is not None:
+            import torch._dynamo
+
+            torch._dynamo.reset()  # (as fit: the caller compiles the fitted model)
+
+
+def _compile_options(compile, name: str) -> Optional[dict]:
+    """torch.compile's keyword arguments for fit's compile= argument (None: eager steps)."""
+    if isinstance(compile, bool):
+        options = {} if compile else None
+    elif isinstance(compile, dict):
+        options = dict(compile)
+    else:
+        raise TypeError(f"{name}: compile must be a bool or a dict of torch.compile keyword "
+                        f"arguments, got {type(compile).__name__}")
+    if options is not None:
+        # fit measures one example batch: static shapes, unless the caller says otherwise.
+        # (With dynamo's automatic dynamic shapes, recompiling a plan's graphs made inductor
+        # fail on timm convnext_tiny: "cannot determine truth value of Relational".)
+        options.setdefault("dynamic", False)
+    return options
 
 
 def _cuda_margin(budget: int) -> int:

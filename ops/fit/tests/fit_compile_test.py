@@ -126,6 +126,8 @@ class FitForCompileTest(unittest.TestCase):
         # the compiled step's peak without checkpoints: each plan tried compiles afresh, and
         # the least budget tries several).
         model, x, loss_fn, opt = classified(MBNet, 64)
+        twin = copy.deepcopy(model)  # (for memlean.apply_plan of the plan, below)
+        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
         with self.assertRaises(memlean.FitError) as caught:
             memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt, compile=True)
         least = caught.exception.least_peak_bytes
@@ -156,6 +158,14 @@ class FitForCompileTest(unittest.TestCase):
             loss_fn(model(x)).backward()
             _same(self, grads, [p.grad for p in model.parameters()], "gradient")
             _same(self, stats, list(model.buffers()), "buffer")
+            # The plan applied to a twin of the model (memlean.apply_plan, compiled as fit's
+            # steps): the same actions and peak, its checkpoints traced too.
+            applied = memlean.apply_plan(twin, x, plan.to_json(), loss_fn=loss_fn,
+                                         optimizer=opt_twin, compile=True)
+            self.assertEqual(applied.actions, plan.actions)
+            self.assertEqual(applied.peak_bytes, plan.peak_bytes)
+            _assert_traced(self, twin, applied, True)
+            applied.undo()
         torch._dynamo.reset()
 
     # The paths users compile: channels_last weights and batch, and a bf16 autocast step (fit,
@@ -365,6 +375,41 @@ class FitForCompileTest(unittest.TestCase):
         self.assertLessEqual(measured, budget, str(plan))
         self.assertEqual(refused, [])
         plan.undo()
+        torch._dynamo.reset()
+
+    def test_a_saved_compile_plan_whose_checkpoints_run_between_graphs_applies_to_a_twin(self):
+        # memlean.apply_plan(compile=True) of a plan fit(compile=True) made whose checkpoints
+        # run between compiled graphs (on this small net no traced plan fits): on a twin, the
+        # same actions and peak, its checkpoints not traced, and the twin's compiled step,
+        # measured here, within the budget. Applied without compile=, it is refused. (A plan
+        # with traced checkpoints: test_fit_for_compile_keeps_the_budget_of_the_compiled_step.)
+        torch.manual_seed(0)
+
+        def block():
+            return nn.Sequential(nn.Conv2d(8, 32, 1), nn.BatchNorm2d(32), nn.SiLU(),
+                                 nn.Conv2d(32, 8, 1))
+
+        model = nn.Sequential(*[block() for _ in range(4)], nn.Flatten(), nn.Linear(512, 4))
+        x = torch.randn(32, 8, 8, 8)
+        loss_fn = lambda out, y=torch.randint(0, 4, (32,)): F.cross_entropy(out, y)  # noqa: E731
+        twin = copy.deepcopy(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+        budget, plan = _fit_at_four_fifths(model, x, loss_fn, opt, contextlib.nullcontext)
+        self.assertTrue(any(a.action == "checkpoint" for a in plan.actions), str(plan))
+        _assert_traced(self, model, plan, False)
+        text = plan.to_json()
+        plan.undo()
+        with self.assertRaisesRegex(ValueError, "plan was made for compiled steps"):
+            memlean.apply_plan(twin, x, text, loss_fn=loss_fn, optimizer=opt_twin)
+        applied = memlean.apply_plan(twin, x, text, loss_fn=loss_fn, optimizer=opt_twin,
+                                     compile=True)
+        self.assertEqual(applied.actions, plan.actions)
+        self.assertEqual(applied.peak_bytes, plan.peak_bytes)
+        _assert_traced(self, twin, applied, False)
+        _, measured = _compiled_step_peak(twin, x, loss_fn, opt_twin, dynamic=False)
+        self.assertLessEqual(measured, budget, str(applied))
+        applied.undo()
         torch._dynamo.reset()
 
     def test_compile_argument_is_checked(self):

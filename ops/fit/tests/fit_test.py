@@ -2417,8 +2417,10 @@ class FitTest(unittest.TestCase):
         self.assertTrue(all(type(m) is not memlean.Swish for m in model.modules()))
         compiled = json.loads(text)
         compiled["compile"] = True
-        with self.assertRaisesRegex(ValueError, r"made with fit\(compile=...\)"):
+        with self.assertRaisesRegex(ValueError, "plan was made for compiled steps"):
             memlean.apply_plan(model, x, compiled, loss_fn=loss_fn, optimizer=opt)
+        with self.assertRaisesRegex(ValueError, "plan was made for eager steps"):
+            memlean.apply_plan(model, x, text, loss_fn=loss_fn, optimizer=opt, compile=True)
         unknown = json.loads(text)
         unknown["actions"][0]["action"] = "teleport"
         with self.assertRaisesRegex(ValueError, "plan's action 'teleport'"):
