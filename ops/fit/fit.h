@@ -185,8 +185,8 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input,
 // the layer alone holds its input), checkpoints the plan's runs (each one fit() offers: no
 // run whose input a layer of it overwrites, that splits a sliced MLP, holds a layer changing a
 // buffer unseen, or ends at the last layer), and measures one step under it. Three steps and
-// a forward (a forward more with sliced MLPs) where fit() measures one per plan it tries. The plan it
-// returns has this step's figures (on the CPU the same bytes as the plan's for the same model,
+// a forward (a forward more with sliced MLPs) where fit() measures one per plan it tries. The
+// plan it returns has this step's figures (on the CPU the same bytes as the plan's for the same model,
 // input and optimizer) and the plan's actions and runs; `model` itself is not changed, and
 // everything the steps change is put back. Throws std::invalid_argument naming "plan" where
 // the plan does not match this model's step (another model; a run out of its layers), and
