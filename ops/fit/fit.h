@@ -177,21 +177,20 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
 FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input,
             const std::string& budget, FitOptions options = {});
 
-// Applies a plan fit() made (FitPlan::from_json of its to_json(), or the plan itself) to
-// `model`, a twin of the model it was made for (another rank of a data-parallel job, a job
-// restarted), without fit()'s search, and checks it: it walks the layers as fit() does,
-// slices the MLPs the plan slices (fit slices all it finds, or none), makes the swaps the
-// plan makes (the same layers, each as fit() would swap it here: an in-place Swish only where
-// the layer alone holds its input), checkpoints the plan's runs (each one fit() offers: no
-// run whose input a layer of it overwrites, that splits a sliced MLP, holds a layer changing a
-// buffer unseen, or ends at the last layer), and measures one step under it. Three steps and
-// a forward (a forward more with sliced MLPs) where fit() measures one per plan it tries. The
-// plan it returns has this step's figures (on the CPU the same bytes as the plan's for the same model,
-// input and optimizer) and the plan's actions and runs; `model` itself is not changed, and
-// everything the steps change is put back. Throws std::invalid_argument naming "plan" where
-// the plan does not match this model's step (another model; a run out of its layers), and
-// FitError where the step under it peaks above plan.budget_bytes (less the CUDA margin); the
-// arguments are checked as fit()'s.
+// Applies a plan fit() made (FitPlan::from_json of its to_json(), or the plan itself) to `model`, a
+// twin of the model it was made for (another rank of a data-parallel job, a job restarted), without
+// fit()'s search, and checks it: it walks the layers as fit() does, slices the MLPs the plan slices
+// (fit slices all it finds, or none), makes the swaps the plan makes (the same layers, each as
+// fit() would swap it here: an in-place Swish only where the layer alone holds its input),
+// checkpoints the plan's runs (each one fit() offers: no run whose input a layer of it overwrites,
+// that splits a sliced MLP, holds a layer changing a buffer unseen, or ends at the last layer), and
+// measures one step under it. Three steps and a forward (a forward more with sliced MLPs) where
+// fit() measures one per plan it tries. The plan it returns has this step's figures (on the CPU the
+// same bytes as the plan's for the same model, input and optimizer) and the plan's actions and
+// runs; `model` itself is not changed, and everything the steps change is put back. Throws
+// std::invalid_argument naming "plan" where the plan does not match this model's step (another
+// model; a run out of its layers), and FitError where the step under it peaks above
+// plan.budget_bytes (less the CUDA margin); the arguments are checked as fit()'s.
 FitPlan apply_plan(torch::nn::Sequential model, const at::Tensor& example_input,
                    const FitPlan& plan, FitOptions options = {});
 
