@@ -1463,10 +1463,11 @@ Attempt attempt(const FitContext& ctx, const torch::nn::Sequential& base,
 
 // What fit() and apply_plan() share: the arguments checked (`who` names the function in the
 // errors), the step they measure, the training state saved (put back by snapshot->restore(),
-// and on destruction, so an exception leaves the model as it was), and the warm-up step made.
+// and on destruction, so an exception leaves the model as it was), the warm-up step made, the
+// eager step measured after it and the layers' names.
 struct Session {
   Session(const std::string& who, const torch::nn::Sequential& model,
-          const at::Tensor& example_input, const FitOptions& options) {
+          const at::Tensor& example_input, int64_t budget_bytes, const FitOptions& options) {
     if (model.is_empty()) {
       throw std::invalid_argument(who + ": model is an empty Sequential holder (nullptr)");
     }
@@ -1530,7 +1531,7 @@ struct Session {
     for (const auto& t : step.grad_holders) {
       if (t.grad().defined()) t.mutable_grad().reset();
     }
-    const Runner eager = [m = model](const at::Tensor& x) mutable { return m->forward(x); };
+    const Runner run = [m = model](const at::Tensor& x) mutable { return m->forward(x); };
 
     // Warm-up: the optimizer makes its state where it has none (or one was moved out: Snapshot),
     // and lazily allocated workspaces (cuBLAS's) are made before anything is measured.
@@ -1538,7 +1539,7 @@ struct Session {
     {
       step.clear_grads();
       const int64_t before = memstats::memory_allocated(device);
-      unversioned = unversioned_changes(*model, [&] { (void)step.measure(eager); });
+      unversioned = unversioned_changes(*model, [&] { (void)step.measure(run); });
       if (options.optimizer != nullptr) {
         try {
           memstats::optimizer_state_tensors(*options.optimizer);
@@ -1549,12 +1550,24 @@ struct Session {
         }
       }
     }
+
+    // On CUDA every decision is made against the budget less a margin (cuda_margin): fit's
+    // measured step is one history of the caching allocator, the caller's steps are others.
+    eager.budget_bytes = budget_bytes;
+    eager.margin_bytes = device.is_cpu() ? 0 : cuda_margin(budget_bytes);
+    eager.eager_peak_bytes = step.measure(run);
+    eager.fixed_bytes = step.fixed_bytes();
+    for (const auto& item : model->named_children()) names.push_back(item.key());
+    names.resize(model->size());
   }
 
   Step step;
   std::unique_ptr<Snapshot> snapshot;
   // The buffers the warm-up step changed through .data() (unversioned_changes).
   std::unordered_set<const c10::TensorImpl*> unversioned;
+  // budget_bytes, margin_bytes, eager_peak_bytes and fixed_bytes: the eager step's figures.
+  FitPlan eager;
+  std::vector<std::string> names;  // the layers', in order
 };
 
 }  // namespace
@@ -1562,22 +1575,12 @@ struct Session {
 FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_t budget_bytes,
             FitOptions options) {
   check_budget(budget_bytes, "budget_bytes");
-  Session session("memlean::fit", model, example_input, options);
+  Session session("memlean::fit", model, example_input, budget_bytes, options);
   Step& step = session.step;
   Snapshot& snapshot = *session.snapshot;
-  const std::unordered_set<const c10::TensorImpl*>& unversioned = session.unversioned;
   const c10::Device device = step.device;
-  const Runner eager = [&model](const at::Tensor& x) { return model->forward(x); };
-
-  // On CUDA every decision is made against the budget less a margin (cuda_margin): fit's
-  // measured step is one history of the caching allocator, the caller's steps are others.
-  const int64_t margin = device.is_cpu() ? 0 : cuda_margin(budget_bytes);
-  const int64_t planned = budget_bytes - margin;
-  FitPlan result;
-  result.budget_bytes = budget_bytes;
-  result.margin_bytes = margin;
-  result.eager_peak_bytes = step.measure(eager);
-  result.fixed_bytes = step.fixed_bytes();
+  FitPlan result = session.eager;
+  const int64_t planned = budget_bytes - result.margin_bytes;
   if (result.eager_peak_bytes <= planned) {
     result.peak_bytes = result.predicted_peak_bytes = result.eager_peak_bytes;
     FitPlanAccess::set_runner(result, model);
@@ -1601,11 +1604,9 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input, int64_
   // keeps every output alive, so it counts outputs that the next layer does not save, e.g. a
   // Linear's before a Tanh, and its sum exceeds what the forward keeps.)
   const auto n = static_cast<int64_t>(model->size());
-  std::vector<std::string> names;
-  for (const auto& item : model->named_children()) names.push_back(item.key());
-  names.resize(n);
+  const std::vector<std::string>& names = session.names;
   const FitContext ctx{step, example_input, device, names, result, planned, options.resolution,
-                       unversioned};
+                       session.unversioned};
   // 1. and 3. with every layer as it is (but the swaps); if no plan fits, 2., and again.
   Attempt tried = attempt(ctx, model, {});
   if (!tried.plan) {
@@ -1672,24 +1673,17 @@ bool is_swap(const std::string& action) {
 FitPlan apply_plan(torch::nn::Sequential model, const at::Tensor& example_input,
                    const FitPlan& plan, FitOptions options) {
   check_budget(plan.budget_bytes, "plan.budget_bytes");
-  Session session("memlean::fit::apply_plan", model, example_input, options);
+  Session session("memlean::fit::apply_plan", model, example_input, plan.budget_bytes, options);
   Step& step = session.step;
   const c10::Device device = step.device;
-  const Runner eager = [&model](const at::Tensor& x) { return model->forward(x); };
-  const int64_t margin = device.is_cpu() ? 0 : cuda_margin(plan.budget_bytes);
-  FitPlan result;
-  result.budget_bytes = plan.budget_bytes;
-  result.margin_bytes = margin;
-  result.eager_peak_bytes = step.measure(eager);
-  result.fixed_bytes = step.fixed_bytes();
+  FitPlan result = session.eager;
+  const int64_t margin = result.margin_bytes;
   result.predicted_peak_bytes = plan.predicted_peak_bytes;
   result.actions = plan.actions;
   result.checkpointed = plan.checkpointed;
   result.sliced = plan.sliced;
   const auto n = static_cast<int64_t>(model->size());
-  std::vector<std::string> names;
-  for (const auto& item : model->named_children()) names.push_back(item.key());
-  names.resize(n);
+  const std::vector<std::string>& names = session.names;
   const FitContext ctx{step,   example_input, device, names, result, plan.budget_bytes - margin,
                        options.resolution, session.unversioned};
 
