@@ -2300,16 +2300,17 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         eager, unversioned = _eager_step(model, step, saved, optimizer)
         fixed = eager.resident
         actions: List[FitAction] = []
-        sliced_now: list = []  # the chains recomputed in slices, while they are
-        traced_now = [False]  # whether the plan's checkpoints are traced (compile=)
+        chains: list = []  # the chains recomputed in slices (step 4), once found
 
-        def done(peak, predicted, eager_only_runs=0):
-            """The plan of what was changed so far, with the training state put back."""
+        def done(peak, predicted, eager_only_runs=0, traced=False):
+            """The plan of what was changed so far, with the training state put back (traced:
+            its checkpoints are traced into the compiled graph; its chains are sliced finer
+            where their `fine` is set, as only while step 5b's plans are tried)."""
             saved.restore()
             plan = FitPlan(requested, peak, predicted, fixed, eager.peak, actions, undo_steps,
                            device, time.perf_counter() - started, eager_only_runs,
-                           fine_slices=any(c.fine for c in sliced_now),
-                           compiled=compiled, traced=traced_now[0])
+                           fine_slices=any(c.fine for c in chains),
+                           compiled=compiled, traced=traced)
             plan._applied_to(model)
             return plan
 
@@ -2433,13 +2434,12 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 return None, least
             actions.extend(taken)
             traced = compiled and tuple(chosen) not in untraced
-            traced_now[0] = traced
             undo_steps.extend(_wrap(problem.calls[i].module,
                                     traced=_traced(problem.calls[i], traced)) for i in chosen)
             actions.extend(_checkpoint_actions(problem.calls, problem.candidates, chosen,
                                                paths))
             return done(peak, max(predicted, current.optimizer_peak), eager_only + sum(
-                isinstance(problem.calls[i].module, _Run) for i in chosen)), least
+                isinstance(problem.calls[i].module, _Run) for i in chosen), traced), least
 
         # 4. Below what checkpoints reach: chains of channelwise modules recomputed slice by
         # slice of channels (memlean.sliced; CPU eager steps), then checkpoints again.
@@ -2457,7 +2457,6 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         if chains:
             wraps = [_wrap(c) for c in chains]
             undo_steps.extend(wraps)
-            sliced_now[:] = chains
             try:
                 thin = step.run(record=True)
             except RuntimeError as e:
@@ -2466,7 +2465,6 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 for w in reversed(wraps):
                     w()
                     undo_steps.remove(w)
-                sliced_now.clear()
                 warnings.warn(f"{_NAME}: the step with {len(chains)} chain(s) recomputed in "
                               f"slices failed ({type(e).__name__}: {e}); fit goes on without "
                               f"slicing. Please report this.", RuntimeWarning, stacklevel=2)
@@ -2533,7 +2531,6 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 for w in reversed(wraps):
                     w()
                     undo_steps.remove(w)
-                sliced_now.clear()
                 current = lean_step
                 plan, least = checkpointed(problem, empty_peak)
                 if plan is not None:
@@ -2617,6 +2614,14 @@ def _mismatch(what: str) -> ValueError:
                       f"memlean.fit for this one")
 
 
+def _same_changes(planned: set, made: set) -> None:
+    """Raises _mismatch naming the first (path, action) in one set and not the other."""
+    if made != planned:
+        path, action = sorted(planned - made or made - planned)[0]
+        raise _mismatch(f"fit's {action} of {path} is " + (
+            "not possible here" if (path, action) in planned else "not in the plan"))
+
+
 def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
                loss_fn: Optional[Callable] = None,
                optimizer: Optional[torch.optim.Optimizer] = None,
@@ -2697,10 +2702,7 @@ def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
                 else:
                     undo()
                     undo_steps.remove(undo)
-        if made != swaps:
-            path, action = sorted(swaps - made or made - swaps)[0]
-            raise _mismatch(f"fit's {action} of {path} is " + (
-                "not possible here" if (path, action) in swaps else "not in the plan"))
+        _same_changes(swaps, made)
         # 2. The chains recomputed in slices, found as fit found them (on the step after the
         # swaps: their modules are the swapped ones).
         current = eager
@@ -2713,10 +2715,7 @@ def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
             found = {(c.path(paths), "sliced mlp" if isinstance(c, (_MlpSlice, _GatedSlice))
                       else "sliced recompute"): c
                      for c in _slices(rec, current.recorder, model, unversioned)}
-            if set(found) != slices:
-                path, action = sorted(slices - set(found) or set(found) - slices)[0]
-                raise _mismatch(f"fit's {action} of {path} is " + (
-                    "not possible here" if (path, action) in slices else "not in the plan"))
+            _same_changes(slices, set(found))
             chains = list(found.values())
             for c in chains:
                 c.fine = bool(data.get("fine_slices", False))
@@ -2725,15 +2724,15 @@ def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
         # among them where the plan names one).
         if checkpoints:
             plain = {paths.get(id(c.module)) for c in current.recorder.calls}
+            inside = _inside(chains)
             runs_found = []
             if any(path not in plain for path in checkpoints):
-                inside = _inside(chains)
                 runs_found = [run for run in _runs(rec, current.recorder, model,
                                                    exclude=unversioned)
                               if not any(id(current.recorder.calls[k].module) in inside
                                          for k in run)]
-            problem = _problem(current, model, runs_found,
-                               exclude=_inside(chains) | unversioned, uses=_uses(rec))
+            problem = _problem(current, model, runs_found, exclude=inside | unversioned,
+                               uses=_uses(rec))
             offered = {}
             for i, a in enumerate(_checkpoint_actions(problem.calls, problem.candidates,
                                                       range(len(problem.calls)), paths)):
