@@ -2026,6 +2026,18 @@ class FitTest(unittest.TestCase):
             with mock.patch.object(memlean.sliced, "pointwise", lambda module: False):
                 coarse, _ = self.least_and_eager(model, x, loss_fn, opt)  # no finer slices
             least, _, actions = self.check_budgets(model, (x,), loss_fn, opt, count=3)
+            self.assertEqual(wrapped_forwards(model), [])
+            # The plan at the least says its slices are finer, and memlean.apply_plan slices
+            # a twin's chains as finely: the same peak.
+            twin = copy.deepcopy(model)
+            opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+            plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
+            self.assertTrue(plan.to_dict()["fine_slices"], str(plan))
+            applied = memlean.apply_plan(twin, x, plan.to_json(), loss_fn=loss_fn,
+                                         optimizer=opt_twin)
+            self.assertEqual(applied.peak_bytes, plan.peak_bytes)
+            applied.undo()
+            plan.undo()
         self.assertLess(least, coarse - coarse // 50, (least, coarse))
         self.assertIn("sliced recompute", {a.action for a in actions})
         self.assertEqual(wrapped_forwards(model), [])
