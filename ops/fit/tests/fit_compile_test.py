@@ -412,6 +412,38 @@ class FitForCompileTest(unittest.TestCase):
         applied.undo()
         torch._dynamo.reset()
 
+    def test_a_saved_compile_plan_checkpointing_modules_with_a_graph_break_applies_to_a_twin(self):
+        # Each checkpointed module breaks dynamo's graph inside its forward (_Stage): fit
+        # (compile=True) plans with that, and its plan applied with compile=True to a twin
+        # makes the same changes and peak; the twin's compiled step, measured here, keeps the
+        # budget, and twin and model train alike compiled (BatchNorm updated once per step).
+        torch.manual_seed(0)
+        model = nn.Sequential(*[_Stage(graph_break=True) for _ in range(3)], nn.Flatten(),
+                              nn.Linear(8 * 8 * 8, 4))
+        x = torch.randn(32, 8, 8, 8)
+        loss_fn = lambda out, y=torch.randint(0, 4, (32,)): F.cross_entropy(out, y)  # noqa: E731
+        twin = copy.deepcopy(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+        budget, plan = _fit_at_four_fifths(model, x, loss_fn, opt, contextlib.nullcontext)
+        self.assertTrue(any(a.action == "checkpoint" for a in plan.actions), str(plan))
+        applied = memlean.apply_plan(twin, x, plan.to_json(), loss_fn=loss_fn,
+                                     optimizer=opt_twin, compile=True)
+        self.assertEqual(applied.actions, plan.actions)
+        self.assertEqual(applied.peak_bytes, plan.peak_bytes)
+        self.assertEqual(_traced(twin), _traced(model))
+        compiled, measured = _compiled_step_peak(twin, x, loss_fn, opt_twin, dynamic=False)
+        self.assertGreater(sum(counters["graph_break"].values()), 0)
+        self.assertLessEqual(measured, budget, str(applied))
+        other, _ = _compiled_step_peak(model, x, loss_fn, opt, dynamic=False)
+        for m in (model, twin):
+            self.assertEqual([s.bn.num_batches_tracked.item() for s in m[:3]], [2, 2, 2])
+        _same(self, list(model.parameters()), list(twin.parameters()), "parameters", 0, 0)
+        _same(self, list(model.buffers()), list(twin.buffers()), "buffers", 0, 0)
+        applied.undo()
+        plan.undo()
+        torch._dynamo.reset()
+
     def test_compile_argument_is_checked(self):
         model = MBNet()
         with self.assertRaisesRegex(TypeError, "compile"):

@@ -2380,6 +2380,83 @@ class FitTest(unittest.TestCase):
                          "lean depthwise conv", "inplace swish"} <= kinds, kinds)
         self.assertGreater(run_checkpoints, 0)
 
+    def test_a_saved_plan_applies_on_the_paths_users_take(self):
+        # apply_plan where users train: channels_last weights and batch, a CPU bfloat16
+        # autocast region (fit and apply_plan inside one, each step in one of its own), and
+        # timm's act_layer=memlean.Swish (variant "naive", which fit swaps). fit's least plan
+        # (slices, lean backwards, run checkpoints) saved as JSON applies to a twin made the
+        # same way: the same actions and peak, the twin's step measured here at that peak, and
+        # the two train bitwise alike for three steps.
+        import functools
+
+        import optional_deps
+
+        paths = ["channels_last", "autocast bf16"]
+        if optional_deps.available("timm"):
+            paths.append("timm act_layer")
+        for path in paths:
+            with self.subTest(path=path):
+                if path == "timm act_layer":
+                    import timm
+
+                    torch.manual_seed(0)
+                    model = timm.create_model(
+                        "efficientnet_b0", pretrained=False, num_classes=3,
+                        act_layer=functools.partial(memlean.Swish, variant="naive")).train()
+                    x = torch.randn(2, 3, 64, 64)
+                    loss_fn = cross_entropy_of(torch.tensor([0, 2]))
+                    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+                else:
+                    model, x, loss_fn, opt = classified(FlatMBNet, 32, batch=16)
+                if path == "channels_last":
+                    model = model.to(memory_format=torch.channels_last)
+                    x = x.contiguous(memory_format=torch.channels_last)
+                twin = copy.deepcopy(model)
+                opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+
+                def region():
+                    return (torch.autocast("cpu", dtype=torch.bfloat16)
+                            if path == "autocast bf16" else contextlib.nullcontext())
+
+                least, _ = self.least_and_eager(model, x, loss_fn, opt, fit_region=region,
+                                                runs=True)
+                with region():
+                    plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt,
+                                       runs=True)
+                with region():
+                    applied = memlean.apply_plan(twin, x, plan.to_json(), loss_fn=loss_fn,
+                                                 optimizer=opt_twin)
+                kinds = {a.action for a in plan.actions}
+                want = {"checkpoint", "lean batchnorm"} | (
+                    {"inplace swish"} if path == "timm act_layer" else {"sliced recompute"})
+                self.assertLessEqual(want, kinds, str(plan))
+                self.assertEqual(applied.actions, plan.actions)
+                self.assertEqual(applied.peak_bytes, plan.peak_bytes)
+                for m, o in ((model, opt), (twin, opt_twin)):
+                    with region():
+                        torch.manual_seed(7)
+                        step_peak(m, (x,), loss_fn, o)  # (the optimizer's state, as fit's)
+                    with region():
+                        torch.manual_seed(8)
+                        self.assertEqual(step_peak(m, (x,), loss_fn, o), plan.peak_bytes)
+                for step in range(3):
+                    for m, o in ((model, opt), (twin, opt_twin)):
+                        torch.manual_seed(100 + step)
+                        with region():
+                            loss = loss_fn(m(x))
+                        loss.backward()
+                        if step < 2:
+                            o.step()
+                            o.zero_grad()
+                for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+                    self.assertTrue(torch.equal(p.grad, q.grad), name)
+                    self.assertTrue(torch.equal(p, q), name)
+                for (name, b), c in zip(model.named_buffers(), twin.buffers()):
+                    self.assertTrue(torch.equal(b, c), name)
+                applied.undo()
+                plan.undo()
+                self.assertEqual(wrapped_forwards(twin), [])
+
     def test_plans_made_on_top_of_each_other_apply_in_turn(self):
         # fit called twice (a tighter budget on the fitted model): the two plans applied to a
         # twin in the same order reach the same peaks; undoing the first undoes both, as fit's.
