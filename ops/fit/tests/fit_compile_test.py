@@ -377,6 +377,19 @@ class FitForCompileTest(unittest.TestCase):
         plan.undo()
         torch._dynamo.reset()
 
+    def _fitted_with_a_twin(self, model):
+        """(x, loss_fn, twin, opt, opt_twin, budget, plan): a batch of 32 8x8x8 inputs with
+        random labels, an untouched copy of the model, SGD for each, and model fitted
+        (compile=True) at 4/5 of its compiled step's peak by a plan that checkpoints."""
+        x = torch.randn(32, 8, 8, 8)
+        loss_fn = lambda out, y=torch.randint(0, 4, (32,)): F.cross_entropy(out, y)  # noqa: E731
+        twin = copy.deepcopy(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+        budget, plan = _fit_at_four_fifths(model, x, loss_fn, opt, contextlib.nullcontext)
+        self.assertTrue(any(a.action == "checkpoint" for a in plan.actions), str(plan))
+        return x, loss_fn, twin, opt, opt_twin, budget, plan
+
     def test_a_saved_compile_plan_whose_checkpoints_run_between_graphs_applies_to_a_twin(self):
         # memlean.apply_plan(compile=True) of a plan fit(compile=True) made whose checkpoints
         # run between compiled graphs (on this small net no traced plan fits): on a twin, the
@@ -390,13 +403,7 @@ class FitForCompileTest(unittest.TestCase):
                                  nn.Conv2d(32, 8, 1))
 
         model = nn.Sequential(*[block() for _ in range(4)], nn.Flatten(), nn.Linear(512, 4))
-        x = torch.randn(32, 8, 8, 8)
-        loss_fn = lambda out, y=torch.randint(0, 4, (32,)): F.cross_entropy(out, y)  # noqa: E731
-        twin = copy.deepcopy(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
-        budget, plan = _fit_at_four_fifths(model, x, loss_fn, opt, contextlib.nullcontext)
-        self.assertTrue(any(a.action == "checkpoint" for a in plan.actions), str(plan))
+        x, loss_fn, twin, opt, opt_twin, budget, plan = self._fitted_with_a_twin(model)
         _assert_traced(self, model, plan, False)
         text = plan.to_json()
         plan.undo()
@@ -420,13 +427,7 @@ class FitForCompileTest(unittest.TestCase):
         torch.manual_seed(0)
         model = nn.Sequential(*[_Stage(graph_break=True) for _ in range(3)], nn.Flatten(),
                               nn.Linear(8 * 8 * 8, 4))
-        x = torch.randn(32, 8, 8, 8)
-        loss_fn = lambda out, y=torch.randint(0, 4, (32,)): F.cross_entropy(out, y)  # noqa: E731
-        twin = copy.deepcopy(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
-        budget, plan = _fit_at_four_fifths(model, x, loss_fn, opt, contextlib.nullcontext)
-        self.assertTrue(any(a.action == "checkpoint" for a in plan.actions), str(plan))
+        x, loss_fn, twin, opt, opt_twin, budget, plan = self._fitted_with_a_twin(model)
         applied = memlean.apply_plan(twin, x, plan.to_json(), loss_fn=loss_fn,
                                      optimizer=opt_twin, compile=True)
         self.assertEqual(applied.actions, plan.actions)
