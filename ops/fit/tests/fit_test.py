@@ -565,6 +565,37 @@ class FlatMBNet(nn.Module):
         return self.head(self.blocks(self.stem(x)))
 
 
+class Bottleneck(nn.Module):
+    """A ResNet bottleneck as timm's: 1x1 down, 3x3, 1x1 up (4x), BatchNorms, ReLUs in place,
+    the residual added before the last ReLU."""
+
+    def __init__(self, channels):
+        super().__init__()
+        inner = channels // 4
+        self.conv1, self.bn1 = nn.Conv2d(channels, inner, 1, bias=False), nn.BatchNorm2d(inner)
+        self.act1 = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(inner, inner, 3, padding=1, bias=False)
+        self.bn2, self.act2 = nn.BatchNorm2d(inner), nn.ReLU(inplace=True)
+        self.conv3, self.bn3 = nn.Conv2d(inner, channels, 1, bias=False), nn.BatchNorm2d(channels)
+        self.act3 = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.act2(self.bn2(self.conv2(self.act1(self.bn1(self.conv1(x))))))
+        return self.act3(self.bn3(self.conv3(h)) + x)
+
+
+class BottleneckNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32),
+                                  nn.ReLU(inplace=True))
+        self.blocks = nn.Sequential(*[Bottleneck(32) for _ in range(3)])
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)))
+
+
 # ---- an independent measurement of one step ------------------------------------------------
 
 
@@ -2066,6 +2097,43 @@ class FitTest(unittest.TestCase):
                 leans += any(a.action.startswith("lean") for a in plan.actions)
                 plan.undo()
         self.assertGreater(leans, 0)
+
+    def test_slicing_predicted_no_lower_than_checkpoints_measures_no_plan_of_it(self):
+        # ResNet's shape: each bottleneck's widening conv3..bn3 and its bn..act pairs are
+        # chains fit can slice, but they sit inside the runs checkpoints take, which slicing
+        # takes away: the planner predicts a higher least with them sliced than checkpoints
+        # alone reach. Below both, fit measures the sliced step(s) and then searches
+        # checkpoints alone, measuring no plan over the slices (before 2026-11-29 it searched
+        # those first: ResNet-50 at batch 32, 224x224, 35.6 s for its FitError, now 28.6 s),
+        # and names the least checkpoints alone reach, as without chains.
+        from memlean import fitting
+
+        model, x, loss_fn, opt = classified(BottleneckNet, 16)
+        found = {}
+        for slicing in (True, False):
+            floors = []
+
+            def floor(problem, measured):
+                floors.append(_floor(problem, measured))
+                return floors[-1]
+
+            _floor = fitting._floor
+            with mock.patch.object(fitting, "_SLICE_MIN_BYTES", 0), \
+                    mock.patch.object(fitting, "_floor", floor), \
+                    mock.patch.object(fitting, "_slices",
+                                      fitting._slices if slicing else lambda *a: []), \
+                    mock.patch.object(fitting, "_measure_plan",
+                                      wraps=fitting._measure_plan) as plans:
+                with self.assertRaises(memlean.FitError) as caught:
+                    memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt, runs=True)
+            found[slicing] = caught.exception.least_peak_bytes, plans.call_count, floors
+        (least, measured, floors), (alone, measured_alone, _) = found[True], found[False]
+        self.assertGreater(len(floors), 1)  # (chains were found and sliced)
+        self.assertLessEqual(floors[0], min(floors[1:]))  # (the case: slicing predicted worse)
+        self.assertEqual(least, alone)
+        self.assertEqual(measured, measured_alone)
+        self.assertGreater(measured, 0)
+        self.assertEqual(wrapped_forwards(model), [])
 
     def test_slicing_that_saves_nothing_is_not_kept(self):
         # A budget far below the planner's least for checkpoints alone slices first. Where
