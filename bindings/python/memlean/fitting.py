@@ -1236,9 +1236,23 @@ def _paths(model):
 # ---- fit -----------------------------------------------------------------------------------
 
 
+def _compiled(module) -> bool:
+    """Whether `module` is what torch.compile(module) returns (dynamo's OptimizedModule)."""
+    kind = type(module)
+    return kind.__name__ == "OptimizedModule" and kind.__module__.startswith("torch._dynamo")
+
+
 def _check(model, example_inputs, loss_fn, optimizer):
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{_NAME}: model must be a torch.nn.Module, got {type(model).__name__}")
+    compiled = next((name for name, m in model.named_modules() if _compiled(m)), None)
+    if compiled is not None:
+        what = "model" if not compiled else f"model's submodule '{compiled}'"
+        raise ValueError(
+            f"{_NAME}: {what} is a torch.compile'd module: fit measures and changes the eager "
+            f"modules, which compiled code hides from it. Fit the module before compiling it "
+            f"(the one compiled is its ._orig_mod), with compile=True to measure compiled "
+            f"steps, then torch.compile the fitted model")
     if torch.is_inference_mode_enabled():
         raise RuntimeError(f"{_NAME}: called inside torch.inference_mode(), where no training "
                            f"step can run (autograd records nothing there); call fit outside it")

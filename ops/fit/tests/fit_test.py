@@ -2644,6 +2644,19 @@ class FitTest(unittest.TestCase):
             self.assertTrue(torch.equal(b, p))  # (refused before any step)
         with self.assertRaisesRegex(TypeError, "model must be a torch.nn.Module"):
             memlean.fit(lambda t: t, x, "1GiB")
+        # A compiled model, or one holding a compiled module (torch.compile(block) in its
+        # place): fit cannot see or change the modules behind compiled code, and named a least
+        # of nothing changed (a submodule compiling in its first step) that a second call
+        # then went below; refused before any step, naming it, for fit and apply_plan.
+        compiled = copy.deepcopy(model)
+        compiled.stem = torch.compile(compiled.stem)
+        for m, name in ((torch.compile(model), "model is"), (compiled, "submodule 'stem' is")):
+            with self.assertRaisesRegex(ValueError, f"{name} a torch.compile'd module"):
+                memlean.fit(m, x, "1GiB", loss_fn=loss_fn, optimizer=opt)
+            with self.assertRaisesRegex(ValueError, f"{name} a torch.compile'd module"):
+                memlean.apply_plan(m, x, plan.to_json(), loss_fn=loss_fn, optimizer=opt)
+        for b, p in zip(before, model.parameters()):
+            self.assertTrue(torch.equal(b, p))
 
     def test_fitted_model_compiles(self):
         model, x, loss_fn, opt = self.conv_setup()
