@@ -1742,6 +1742,18 @@ FitPlan apply_plan(torch::nn::Sequential model, const at::Tensor& example_input,
     }
     end = e;
   }
+  // The plan's actions, each sliced MLP's and checkpoint's recompute time measured in this
+  // step (the plan may come from another machine): as fit times them, from the walks.
+  for (FitAction& a : result.actions) {
+    for (const FitAction& m : sliced.actions) {
+      if (a.action == m.action && a.path == m.path) a.recompute_seconds = m.recompute_seconds;
+    }
+    for (const auto& [b, e] : plan.checkpointed) {
+      if (a.action != "checkpoint" || a.path != path_of(b, e, names)) continue;
+      a.recompute_seconds = 0;
+      for (int64_t i = b; i < e; ++i) a.recompute_seconds += walk.seconds[i];
+    }
+  }
   FitPlanAccess::set_runner(result, work);
   result.peak_bytes =
       step.measure([&result](const at::Tensor& x) { return result.forward(x); });

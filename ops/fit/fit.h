@@ -187,7 +187,9 @@ FitPlan fit(torch::nn::Sequential model, const at::Tensor& example_input,
 // measures one step under it. Three steps and a forward (a forward more with sliced MLPs) where
 // fit() measures one per plan it tries. The plan it returns has this step's figures (on the CPU the
 // same bytes as the plan's for the same model, input and optimizer) and the plan's actions and
-// runs; `model` itself is not changed, and everything the steps change is put back. Throws
+// runs, each checkpoint's and sliced MLP's recompute time measured in this step (the plan may
+// come from another machine); `model` itself is not changed, and everything the steps change is
+// put back. Throws
 // std::invalid_argument naming "plan" where the plan does not match this model's step (another
 // model; a run out of its layers), and FitError where the step under it peaks above
 // plan.budget_bytes (less the CUDA margin); the arguments are checked as fit()'s.

@@ -1517,15 +1517,32 @@ std::vector<FitAction> expect_applied_alike(Bench& s, Bench& twin) {
   const int64_t eager = fit(s.model, s.x, int64_t{1} << 40, s.options()).eager_peak_bytes;
   for (const int64_t budget : {least, (least + eager) / 2}) {
     const FitPlan plan = fit(s.model, s.x, budget, s.options());
-    const FitPlan read = FitPlan::from_json(plan.to_json());
+    FitPlan read = FitPlan::from_json(plan.to_json());
     EXPECT_EQ(read.to_json(), plan.to_json());
-    const FitPlan applied = apply_plan(twin.model, twin.x, read, twin.options());
-    EXPECT_EQ(applied.to_json(), plan.to_json()) << plan.str();
+    // Made on a machine 10^6 times slower: the applied plan's recompute times are this one's.
+    for (FitAction& a : read.actions) a.recompute_seconds *= 1e6;
+    const FitPlan applied_here = apply_plan(twin.model, twin.x, read, twin.options());
+    FitPlan applied = applied_here;
+    EXPECT_EQ(applied.actions.size(), plan.actions.size());
+    for (size_t i = 0; i < std::min(plan.actions.size(), applied.actions.size()); ++i) {
+      const FitAction& a = applied.actions[i];
+      EXPECT_EQ(a.path, plan.actions[i].path);
+      EXPECT_EQ(a.action, plan.actions[i].action);
+      EXPECT_EQ(a.bytes_saved, plan.actions[i].bytes_saved);
+      if (a.action == "checkpoint" || a.action == "sliced mlp") {
+        EXPECT_GT(a.recompute_seconds, 0) << a.path;
+        EXPECT_LT(a.recompute_seconds, 1000 * plan.actions[i].recompute_seconds) << a.path;
+      } else {
+        EXPECT_EQ(a.recompute_seconds, 0) << a.path;
+      }
+      applied.actions[i].recompute_seconds = plan.actions[i].recompute_seconds;
+    }
+    EXPECT_EQ(applied.to_json(), plan.to_json()) << plan.str();  // (the times put back)
     EXPECT_LE(applied.peak_bytes, budget);
     actions.insert(actions.end(), plan.actions.begin(), plan.actions.end());
     std::vector<at::Tensor> grads[2];
     int k = 0;
-    for (auto [b, p] : {std::make_pair(&s, &plan), std::make_pair(&twin, &applied)}) {
+    for (auto [b, p] : {std::make_pair(&s, &plan), std::make_pair(&twin, &applied_here)}) {
       b->sgd.zero_grad();
       at::manual_seed(3);
       at::mse_loss(p->forward(b->x), b->y).backward();

@@ -1972,12 +1972,20 @@ def _slice_actions(chains, before: _Measured, after: _Measured, paths) -> List[F
         first, last = id(chain.modules[0]), id(chain.modules[-1])
         saved_b = sum(atoms_b[calls_b[first][0]:calls_b[last][1]])
         saved_a = sum(atoms_a[calls_a[first][0]:calls_a[last][1]])
-        seconds = sum(calls_b[id(m)][2] for m in chain.modules if id(m) in calls_b)
-        action = ("sliced mlp" if isinstance(chain, (_MlpSlice, _GatedSlice))
-                  else "sliced recompute")
-        actions.append(FitAction(chain.path(paths), action, max(0, saved_b - saved_a),
-                                 float(seconds)))
+        actions.append(FitAction(chain.path(paths), _slice_action(chain),
+                                 max(0, saved_b - saved_a), _chain_seconds(chain, before)))
     return actions
+
+
+def _slice_action(chain) -> str:
+    return "sliced mlp" if isinstance(chain, (_MlpSlice, _GatedSlice)) else "sliced recompute"
+
+
+def _chain_seconds(chain, measured: _Measured) -> float:
+    """The forward time of a chain's modules in a recorded step (what its backward
+    recomputes)."""
+    seconds = {id(c.module): c.seconds for c in measured.recorder.calls}
+    return float(sum(seconds.get(id(m), 0.0) for m in chain.modules))
 
 
 @dataclass
@@ -2670,7 +2678,8 @@ def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
 
     Returns:
         FitPlan: as fit's, with this step's measured peaks (on the CPU, bytes equal to the
-        plan's for the same model, batch and optimizer) and the plan's actions.
+        plan's for the same model, batch and optimizer) and the plan's actions, each
+        with its recompute time measured in this step (the plan may come from another machine).
 
     Raises:
         FitError: the step under the plan peaks above the plan's budget (less fit's margin on
@@ -2731,15 +2740,16 @@ def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
         paths = _paths(model)  # (the swapped modules')
         unversioned = unversioned | _stateful_modules(rec, paths)
         chains = []
+        timed = {}  # (path, action) -> its recompute seconds measured here
         if slices:
-            found = {(c.path(paths), "sliced mlp" if isinstance(c, (_MlpSlice, _GatedSlice))
-                      else "sliced recompute"): c
+            found = {(c.path(paths), _slice_action(c)): c
                      for c in _slices(rec, current.recorder, model, unversioned)}
             _same_changes(slices, set(found))
             chains = list(found.values())
             for c in chains:
                 c.fine = bool(data.get("fine_slices", False))
                 undo_steps.append(_wrap(c))
+                timed[c.path(paths), _slice_action(c)] = _chain_seconds(c, current)
         # 3. The checkpoints, among the candidates fit plans with (runs of sibling modules
         # among them where the plan names one).
         if checkpoints:
@@ -2762,6 +2772,8 @@ def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
                     raise _mismatch(f"fit's checkpoint of {path} is not possible here")
             chosen = [offered[path] for path in checkpoints]
             calls = problem.calls
+            timed.update(((a.path, a.action), a.recompute_seconds) for a in
+                         _checkpoint_actions(calls, problem.candidates, chosen, paths))
         else:
             chosen, calls = [], []
         # 4. The step under the plan, measured (compiled: as fit measured it, _measure_plan),
@@ -2784,9 +2796,14 @@ def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
                 f"{_C.fit.describe_bytes(int(data.get('peak_bytes', 0)))}); call memlean.fit "
                 f"for this one", requested, peak)
         saved.restore()
+        # The plan's actions, each with the recompute time measured here (this machine's,
+        # where the plan may come from another).
+        actions = [FitAction(a.path, a.action, a.bytes_saved,
+                             timed.get((a.path, a.action), a.recompute_seconds))
+                   for a in wanted]
         result = FitPlan(requested, peak,
                          int(data.get("predicted_peak_bytes", peak)), eager.resident,
-                         eager.peak, wanted, undo_steps, device,
+                         eager.peak, actions, undo_steps, device,
                          time.perf_counter() - started,
                          int(data.get("eager_only_runs", 0)),
                          fine_slices=bool(data.get("fine_slices", False)),
