@@ -42,10 +42,10 @@ first:
    are recomputed one slice of channels at a time (memlean.sliced_chain), so their wide
    tensors never exist whole; then 2. and 3. again on that step.
 
-Afterwards the parameters, buffers, gradients, optimizer state, RNG state and each module's
-train/eval flag are as they were before the call; the model is changed in place (its modules'
-forwards are wrapped, activations swapped for parameterless ones): state_dict keys do not
-change, and plan.undo() puts everything back.
+Afterwards the parameters, buffers, gradients (the batch's too), optimizer state, RNG state and
+each module's train/eval flag are as they were before the call; the model is changed in place
+(its modules' forwards are wrapped, activations swapped for parameterless ones): state_dict
+keys do not change, and plan.undo() puts everything back.
 
 torch.compile: the wrapped modules of a plan for eager steps run memlean.checkpoint, which
 dynamo runs as in eager mode while it compiles the rest; compiled, memlean's Swish computes
@@ -737,6 +737,11 @@ def _needs_closure(optimizer) -> bool:
                for p in signature.parameters.values())
 
 
+def _input_leaves(inputs) -> list:
+    """The tensors of a batch whose gradient backward makes (leaves that require grad)."""
+    return [t for t in _tensors(inputs) if t.requires_grad and t.is_leaf]
+
+
 class _Step:
     """Runs and measures training steps of one model, and puts its state back."""
 
@@ -748,6 +753,7 @@ class _Step:
         self.keep_grads = keep_grads
         self.cuda = device.type == "cuda"
         self.params = _trained_parameters(model, optimizer)
+        self.input_leaves = _input_leaves(inputs)
         self.all_dense_grads = True  # set by each recorded step
 
     def _resident_tensors(self):
@@ -780,6 +786,8 @@ class _Step:
                 p.grad.zero_()
             elif p.requires_grad:
                 p.grad = torch.zeros_like(p)
+        for t in self.input_leaves:  # (each step's batch is a fresh one: no gradient yet)
+            t.grad = None
         resident = (_cuda_allocated_bytes(self._resident_tensors(), self.device) if self.cuda
                     else sum(self.storages().values()))
         identities = _Identities()
@@ -864,11 +872,14 @@ class _Saved:
     """Parameters, buffers, gradients, optimizer state, RNG and train flags, put back by
     restore() exactly (copies held on the CPU, outside a CUDA device's budget)."""
 
-    def __init__(self, model, optimizer, device):
+    def __init__(self, model, optimizer, device, inputs=()):
         self.model, self.optimizer = model, optimizer
         params = _trained_parameters(model, optimizer)
         self.params = [(p, p.detach().to("cpu", copy=True)) for p in params]
         self.grads = [(p, p.grad) for p in params]
+        # The example batch's gradients too (a batch that requires grad: adversarial training,
+        # input attributions), which fit's steps make.
+        self.grads += [(t, t.grad) for t in _input_leaves(inputs)]
         self.buffers = [(b, b.detach().to("cpu", copy=True)) for b in model.buffers()]
         self.training = {id(m): (m, m.training) for m in model.modules()}
         self.optimizer_state = None
@@ -2306,7 +2317,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
     requested = budget
     if device.type == "cuda":
         budget = requested - _cuda_margin(requested)
-    saved = _Saved(model, optimizer, device)
+    saved = _Saved(model, optimizer, device, inputs)
     undo_steps: List[Callable] = []
 
     def undo_all():
@@ -2708,7 +2719,7 @@ def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
     swaps = {(a.path, a.action) for a in wanted if a.action in _SWAPS}
     slices = {(a.path, a.action) for a in wanted if a.action in _SLICE_ACTIONS}
     checkpoints = [a.path for a in wanted if a.action == "checkpoint"]
-    saved = _Saved(model, optimizer, device)
+    saved = _Saved(model, optimizer, device, inputs)
     undo_steps: List[Callable] = []
     try:
         model.train()

@@ -1483,6 +1483,24 @@ class FitTest(unittest.TestCase):
         # stays valid (and on CUDA, so do their allocator blocks, which the budget counts).
         for p, m in zip(model.parameters(), momenta):
             self.assertIs(opt.state[p]["momentum_buffer"], m)
+        plan.undo()
+        # A batch that requires grad (adversarial training, input attributions): its gradient
+        # is left as it was too, none or the caller's own tensor (before 2026-11-29 fit left
+        # the sum of its steps' input gradients in x.grad). Each measured step begins, as a
+        # fresh batch, without one: the same plan and peak as for a batch without grad.
+        mine = torch.full_like(x, 7.0)
+        for grad in (None, mine):
+            with self.subTest(grad=grad is not None):
+                x_grad = x.detach().clone().requires_grad_()
+                x_grad.grad = grad
+                again = memlean.fit(model, x_grad, (least + eager) // 2, loss_fn=loss_fn,
+                                    optimizer=opt)
+                self.assertIs(x_grad.grad, grad)
+                if grad is not None:
+                    self.assertTrue(torch.equal(grad, torch.full_like(x, 7.0)))
+                again.undo()
+                self.assertEqual((changes(again), again.peak_bytes),
+                                 (changes(plan), plan.peak_bytes))
 
     def test_fit_holds_nothing_beyond_its_steps_and_copies_and_leaves_nothing(self):
         # While fit runs it holds its steps' bytes and its copies of what it puts back
