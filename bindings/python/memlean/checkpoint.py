@@ -541,7 +541,7 @@ def _call(name, function, args, kwargs, listed, buffers, preserve_rng_state, wat
 
 
 # What wrap_forward sets on a module (and its undo puts back as it was).
-_WRAPPED = ("forward", "__deepcopy__")
+_WRAPPED = ("forward", "__deepcopy__", "__getstate__")
 
 
 def wrap_forward(module: torch.nn.Module, forward: Callable, rewrap=None) -> Callable:
@@ -555,7 +555,11 @@ def wrap_forward(module: torch.nn.Module, forward: Callable, rewrap=None) -> Cal
     (with what was there before, itself copied so), then ``rewrap(copy, memo)`` wraps it as
     ``module`` is (None: left so, e.g. the modules of a run, which their parent's rewrap wraps
     again). A function set as a forward is copied as itself: the copy's forward would run the
-    original's modules, in silence."""
+    original's modules, in silence.
+
+    ``pickle`` (``torch.save(model)``) of the module, alone or within its model, raises a
+    TypeError saying what to save instead: the wrapper is a function of this process, which
+    pickle cannot save (before 2026-11-29 the error named only a local function)."""
     before = {k: module.__dict__[k] for k in _WRAPPED if k in module.__dict__}
 
     def put(state):
@@ -574,7 +578,15 @@ def wrap_forward(module: torch.nn.Module, forward: Callable, rewrap=None) -> Cal
             rewrap(twin, memo)
         return twin
 
-    put({"forward": forward, "__deepcopy__": deepcopy})
+    def getstate():
+        raise TypeError(
+            f"memlean: cannot pickle {type(module).__name__} (torch.save of a whole model, a "
+            f"spawned process's argument): memlean.fit (or apply_plan) wrapped its forward, "
+            f"a function of this process. Save model.state_dict() (the same keys as before "
+            f"fit) or the model after plan.undo(), and after loading make the same changes "
+            f"with memlean.apply_plan(model, x, plan.to_json()) (or fit again)")
+
+    put({"forward": forward, "__deepcopy__": deepcopy, "__getstate__": getstate})
     return lambda: put(before)
 
 

@@ -2259,8 +2259,25 @@ class FitTest(unittest.TestCase):
         checkpoints = [a for a in plan.actions if a.action == "checkpoint"]
         self.assertEqual(sum(" checkpoint " in line for line in text.splitlines()),
                          len(checkpoints), text)
+        # torch.save(model) of the fitted model: a TypeError saying what to save instead (the
+        # wrappers are functions of this process); its state_dict saves, and after undo the
+        # model itself, which loads and computes as this one.
+        import io
+
+        with self.assertRaisesRegex(TypeError, r"cannot pickle \w+ .* wrapped its forward"
+                                               r".* Save model.state_dict\(\)"):
+            torch.save(model, io.BytesIO())
+        torch.save(model.state_dict(), io.BytesIO())
         plan.undo()
         plan.undo()
+        saved = io.BytesIO()
+        torch.save(model, saved)
+        saved.seek(0)
+        loaded = torch.load(saved, weights_only=False)
+        model.eval()
+        loaded.eval()
+        self.assertTrue(torch.equal(loaded(x), model(x)))
+        model.train()
         self.assertEqual([type(m) for m in model.modules()], types)
         # No wrapped forward is left: checkpoints, lean BatchNorms and convolutions alike.
         self.assertEqual(wrapped_forwards(model), [])
