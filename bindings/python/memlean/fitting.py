@@ -1267,6 +1267,12 @@ def _check(model, example_inputs, loss_fn, optimizer):
     if torch.is_inference_mode_enabled():
         raise RuntimeError(f"{_NAME}: called inside torch.inference_mode(), where no training "
                            f"step can run (autograd records nothing there); call fit outside it")
+    lazy = next((n for n, p in model.named_parameters()
+                 if isinstance(p, torch.nn.parameter.UninitializedParameter)), None)
+    if lazy is not None:
+        raise ValueError(f"{_NAME}: model has parameters not made yet ({lazy}: a lazy module, "
+                         f"e.g. nn.LazyLinear): run its forward once on a batch before fit, "
+                         f"which measures them (and before making the optimizer)")
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"{_NAME}: model has no parameters that require grad: there is no "

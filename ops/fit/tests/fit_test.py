@@ -2666,6 +2666,11 @@ class FitTest(unittest.TestCase):
                 memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
         with self.assertRaisesRegex(ValueError, "model has no parameters"):
             memlean.fit(nn.Sequential(nn.ReLU()), x, "1GiB")
+        lazy = nn.Sequential(nn.Flatten(), nn.LazyLinear(10))
+        with self.assertRaisesRegex(ValueError, r"model has parameters not made yet \(1.weight"):
+            memlean.fit(lazy, x, "1GiB", loss_fn=loss_fn)
+        lazy(x)  # (made: then it fits)
+        self.assertEqual(memlean.fit(lazy, x, "1GiB", loss_fn=loss_fn).actions, [])
         # Called inside torch.inference_mode() (no training step can run there), or with a
         # batch made there: named. Under torch.no_grad() (inside a validation loop) fit
         # measures the training step all the same.
