@@ -581,10 +581,11 @@ def wrap_forward(module: torch.nn.Module, forward: Callable, rewrap=None) -> Cal
     def getstate():
         raise TypeError(
             f"memlean: cannot pickle {type(module).__name__} (torch.save of a whole model, a "
-            f"spawned process's argument): memlean.fit (or apply_plan) wrapped its forward, "
-            f"a function of this process. Save model.state_dict() (the same keys as before "
-            f"fit) or the model after plan.undo(), and after loading make the same changes "
-            f"with memlean.apply_plan(model, x, plan.to_json()) (or fit again)")
+            f"spawned process's argument, copy.copy): memlean.fit (or apply_plan) wrapped its "
+            f"forward, a function of this process. Save model.state_dict() (the same keys as "
+            f"before fit) or the model after plan.undo(), and after loading make the same "
+            f"changes with memlean.apply_plan(model, x, plan.to_json()) (or fit again); "
+            f"copy.deepcopy(model) makes a fitted copy")
 
     put({"forward": forward, "__deepcopy__": deepcopy, "__getstate__": getstate})
     return lambda: put(before)
