@@ -1979,18 +1979,19 @@ def _slice_actions(chains, before: _Measured, after: _Measured, paths) -> List[F
     def spans(measured):
         rec, out = measured.recorder, {}
         for c in rec.calls:
-            out[id(c.module)] = (c.begin, c.end, c.seconds)
+            out[id(c.module)] = (c.begin, c.end)
         return rec.atom_bytes, out
 
     atoms_b, calls_b = spans(before)
     atoms_a, calls_a = spans(after)
+    seconds = _module_seconds(before)
     actions = []
     for chain in chains:
         first, last = id(chain.modules[0]), id(chain.modules[-1])
         saved_b = sum(atoms_b[calls_b[first][0]:calls_b[last][1]])
         saved_a = sum(atoms_a[calls_a[first][0]:calls_a[last][1]])
         actions.append(FitAction(chain.path(paths), _slice_action(chain),
-                                 max(0, saved_b - saved_a), _chain_seconds(chain, before)))
+                                 max(0, saved_b - saved_a), _chain_seconds(chain, seconds)))
     return actions
 
 
@@ -1998,10 +1999,14 @@ def _slice_action(chain) -> str:
     return "sliced mlp" if isinstance(chain, (_MlpSlice, _GatedSlice)) else "sliced recompute"
 
 
-def _chain_seconds(chain, measured: _Measured) -> float:
-    """The forward time of a chain's modules in a recorded step (what its backward
-    recomputes)."""
-    seconds = {id(c.module): c.seconds for c in measured.recorder.calls}
+def _module_seconds(measured: _Measured) -> dict:
+    """{id(module): its forward time} in a recorded step."""
+    return {id(c.module): c.seconds for c in measured.recorder.calls}
+
+
+def _chain_seconds(chain, seconds: dict) -> float:
+    """The forward time of a chain's modules (what its backward recomputes); seconds:
+    _module_seconds of the recorded step."""
     return float(sum(seconds.get(id(m), 0.0) for m in chain.modules))
 
 
@@ -2763,10 +2768,11 @@ def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
                      for c in _slices(rec, current.recorder, model, unversioned)}
             _same_changes(slices, set(found))
             chains = list(found.values())
-            for c in chains:
+            seconds = _module_seconds(current)
+            for (path, action), c in found.items():
                 c.fine = bool(data.get("fine_slices", False))
                 undo_steps.append(_wrap(c))
-                timed[c.path(paths), _slice_action(c)] = _chain_seconds(c, current)
+                timed[path, action] = _chain_seconds(c, seconds)
         # 3. The checkpoints, among the candidates fit plans with (runs of sibling modules
         # among them where the plan names one).
         if checkpoints:
@@ -2780,17 +2786,18 @@ def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
                                          for k in run)]
             problem = _problem(current, model, runs_found, exclude=inside | unversioned,
                                uses=_uses(rec))
+            offers = _checkpoint_actions(problem.calls, problem.candidates,
+                                         range(len(problem.calls)), paths)
             offered = {}
-            for i, a in enumerate(_checkpoint_actions(problem.calls, problem.candidates,
-                                                      range(len(problem.calls)), paths)):
+            for i, a in enumerate(offers):
                 offered.setdefault(a.path, i)
             for path in checkpoints:
                 if path not in offered:
                     raise _mismatch(f"fit's checkpoint of {path} is not possible here")
             chosen = [offered[path] for path in checkpoints]
             calls = problem.calls
-            timed.update(((a.path, a.action), a.recompute_seconds) for a in
-                         _checkpoint_actions(calls, problem.candidates, chosen, paths))
+            timed.update(((path, "checkpoint"), offers[offered[path]].recompute_seconds)
+                         for path in checkpoints)
         else:
             chosen, calls = [], []
         # 4. The step under the plan, measured (compiled: as fit measured it, _measure_plan),
