@@ -715,22 +715,26 @@ def recorded_problem(model, x, loss_fn, opt, runs=False):
     return saved, step, current, fitting._problem(current, model, found, uses=uses)
 
 
-def train_side_by_side(model, opt, twin, opt_twin, x, loss_fn):
+def train_side_by_side(model, opt, twin, opt_twin, x, loss_fn, region=contextlib.nullcontext):
     """Three training steps of model and twin side by side, each step's forward from the same
-    RNG state (dropout masks), the last without its optimizer step (its gradients kept)."""
+    RNG state (dropout masks), the last without its optimizer step (its gradients kept); each
+    forward and loss inside a region() of its own (an autocast region)."""
     for step in range(3):
         for m, o in ((model, opt), (twin, opt_twin)):
             torch.manual_seed(100 + step)
-            loss_fn(m(x)).backward()
+            with region():
+                loss = loss_fn(m(x))
+            loss.backward()
             if step < 2:
                 o.step()
                 o.zero_grad()
 
 
-def train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol, atol):
+def train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol, atol,
+                region=contextlib.nullcontext):
     """train_side_by_side; then their gradients, parameters and buffers (BatchNorm
     statistics, num_batches_tracked) equal within rtol and atol."""
-    train_side_by_side(model, opt, twin, opt_twin, x, loss_fn)
+    train_side_by_side(model, opt, twin, opt_twin, x, loss_fn, region)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=name)
         torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=name)
@@ -2560,20 +2564,8 @@ class FitTest(unittest.TestCase):
                     with region():
                         torch.manual_seed(8)
                         self.assertEqual(step_peak(m, (x,), loss_fn, o), plan.peak_bytes)
-                for step in range(3):
-                    for m, o in ((model, opt), (twin, opt_twin)):
-                        torch.manual_seed(100 + step)
-                        with region():
-                            loss = loss_fn(m(x))
-                        loss.backward()
-                        if step < 2:
-                            o.step()
-                            o.zero_grad()
-                for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-                    self.assertTrue(torch.equal(p.grad, q.grad), name)
-                    self.assertTrue(torch.equal(p, q), name)
-                for (name, b), c in zip(model.named_buffers(), twin.buffers()):
-                    self.assertTrue(torch.equal(b, c), name)
+                train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol=0, atol=0,
+                            region=region)
                 applied.undo()
                 plan.undo()
                 self.assertEqual(wrapped_forwards(twin), [])
