@@ -71,7 +71,7 @@ import time
 import types
 import warnings
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, List, Optional
 
 import torch
@@ -567,6 +567,9 @@ class _Recorder:
         self.atom_bytes = [0]
         self.atom_seqs = [0]  # per atom: the dataflow's op number before its first op
         self.saved = {}  # storage identity -> atom that saved it first
+        self.saved_bytes = {}  # storage identity -> the bytes its first save counted
+        # storage identity -> the later atoms that saved it again, in order (_as_sliced)
+        self.saved_again = {}
         self.calls: List[_Call] = []
         self.stack: List[tuple] = []
         self.handles = []
@@ -650,10 +653,18 @@ class _Recorder:
 
     def _pack(self, t):
         key, nbytes = self.identities.key(t)
-        if key is not None and key not in self.preexisting and key not in self.saved:
-            self.saved[key] = self.atom
-            if not (self._casts_cached and _autocast_weight_copy(t)):
+        if key is not None and key not in self.preexisting:
+            first = self.saved.get(key)
+            if first is None:
+                self.saved[key] = self.atom
+                if self._casts_cached and _autocast_weight_copy(t):
+                    nbytes = 0
+                self.saved_bytes[key] = nbytes
                 self.atom_bytes[self.atom] += nbytes
+            elif first != self.atom:
+                again = self.saved_again.setdefault(key, [])
+                if again[-1:] != [self.atom]:
+                    again.append(self.atom)
         # (not t: memstats.saved_storages says why; the detached tensor shares t's version
         # counter)
         if self.dataflow is None:
@@ -2493,6 +2504,13 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         # only measure plans that do not fit; it runs after all if slicing goes no lower.
         floor = _floor(problem, current) if chains else None  # (a run of the planner's DP)
         least = None
+        if chains and budget < floor:
+            # Slicing predicted, at its lowest (_as_sliced), to go no lower than checkpoints
+            # alone (ResNet-50 with runs, whose blocks' runs hold its chains): neither sliced
+            # step is measured (each as long as an eager step), only checkpoints alone.
+            bound = _sliced_floor(current, chains, model, runs_found, unversioned, uses)
+            if bound is not None and bound >= floor:
+                chains = []
         if not (chains and budget < floor):
             plan, least = checkpointed(problem, empty_peak)
             if plan is not None:
@@ -2523,17 +2541,23 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             if thin.peak <= budget:
                 actions.extend(slice_actions)
                 return done(thin.peak, thin.peak, len(chains))
-            problem2 = _problem(thin, model, _runs_beside(runs_found, current, thin, chains),
+            problem2_runs = _runs_beside(runs_found, current, thin, chains)
+            problem2 = _problem(thin, model, problem2_runs,
                                 exclude=_inside(chains) | unversioned, uses=uses)
             current = thin  # (the step the search measures against)
             finer_possible = any(c.finer for c in chains)
             floor2 = _floor(problem2, thin)
             # Checkpoints alone, not searched (the budget is below their floor), predicted to
-            # go lower than this slicing (ResNet-50, whose blocks' runs hold its chains:
-            # 1,054,728,764 bytes predicted for checkpoints alone, 1,173,395,004 with the
-            # chains sliced): its search would only measure plans that go no lower; theirs
-            # follows below.
+            # go lower than this slicing (where the bound above did not tell: a small ResNet's
+            # chains' backward held more than it counts): its search would only measure plans
+            # that go no lower; theirs follows below.
             worse = least is None and floor <= floor2
+            if finer_possible:
+                # Finer slices lower only what the backward through the chains holds: where
+                # the planner's least goes no lower with none held there (_as_sliced on this
+                # step), the finer step is not measured.
+                bound = _sliced_floor(thin, chains, model, problem2_runs, unversioned, uses)
+                finer_possible = bound is None or bound < (floor if worse else floor2)
             skipped = (finer_possible and budget < floor2) or worse  # (as for those above)
             least2 = thin.peak
             if not skipped:
@@ -2876,6 +2900,82 @@ def _floor(problem, measured: _Measured) -> int:
         problem.base, problem.atoms, problem.candidates,
         **problem.options)[2])
     return floor - floor // 50
+
+
+def _as_sliced(measured: _Measured, chains) -> Optional[_Measured]:
+    """The recorded step `measured` as it would be recorded with `chains` recomputed in
+    slices, at its lowest, for a lower bound of the planner's least peak (_sliced_floor) before
+    the sliced step is measured or, on a sliced step, for one of finer slices. A sliced chain
+    saves its input alone (memlean.sliced): a tensor first saved by an atom of a chain is saved
+    then by the first of the atoms that saved it again outside the chains (the module after a
+    chain saves its output: ResNet's conv2 the output of bn1..act1), by the first atom of a
+    chain whose input it is, or by none; and the backward through a chain's atoms holds
+    nothing above base and the saved bytes (memlean.sliced holds one slice's temporaries,
+    finer slices less: only the sliced step measures them). All else as measured. None where
+    a chain's first or last module made no call in the step."""
+    rec = measured.recorder
+    first = {}
+    for c in rec.calls:
+        first.setdefault(id(c.module), c)
+    ranges = []  # (first atom, end atom, input's identity) per chain
+    for chain in chains:
+        head, tail = first.get(id(chain.modules[0])), first.get(id(chain.modules[-1]))
+        if head is None or tail is None:
+            return None
+        ranges.append((head.begin, tail.end, head.inputs[0][0] if head.inputs else None))
+
+    def chain_of(atom):
+        return next((r for r in ranges if r[0] <= atom < r[1]), None)
+
+    atoms = list(rec.atom_bytes)
+    for b, e, _ in ranges:
+        atoms[b:e] = [0] * (e - b)
+    saved, dropped = dict(rec.saved), 0
+    for key, atom in rec.saved.items():
+        if chain_of(atom) is None:
+            continue
+        for later in [atom] + rec.saved_again.get(key, []):
+            r = chain_of(later)
+            if r is None or (later == r[0] and key == r[2]):
+                saved[key] = later
+                atoms[later] += rec.saved_bytes[key]
+                break
+        else:
+            del saved[key]
+            dropped += rec.saved_bytes[key]
+    before, after = 0, 0
+    gone, upto = [], []  # per atom: saved bytes no longer alive at its backward; those alive
+    for old, new in zip(rec.atom_bytes, atoms):
+        before, after = before + old, after + new
+        gone.append(before - after)
+        upto.append(after)
+    # base (_problem's) stays: the forward's and backward's start levels lose what is dropped.
+    start = rec.backward_start_level
+    top = (max(measured.forward_peak, start or 0) if rec.backward_levels
+           else measured.forward_backward_peak)
+    base = max(0, top - before)
+    levels = {k: base + upto[k] if chain_of(k) else level - gone[k]
+              for k, level in rec.backward_levels.items()}
+    sliced_rec = copy.copy(rec)
+    sliced_rec.atom_bytes, sliced_rec.saved = atoms, saved
+    sliced_rec.backward_levels = levels
+    sliced_rec.backward_start_level = None if start is None else start - dropped
+    sliced_rec.backward_entries = {k: v - gone[k] for k, v in rec.backward_entries.items()}
+    return replace(measured, forward_peak=measured.forward_peak - dropped,
+                   forward_backward_peak=measured.forward_backward_peak - dropped,
+                   recorder=sliced_rec)
+
+
+def _sliced_floor(measured: _Measured, chains, root, runs, exclude, uses) -> Optional[int]:
+    """At most _floor of the step with `chains` sliced (or sliced finer, where `measured` is
+    sliced), from the recorded step `measured` (_as_sliced), with `runs` (indices into its
+    calls) and `exclude` as _problem takes them; None where _as_sliced cannot tell."""
+    as_sliced = _as_sliced(measured, chains)
+    if as_sliced is None:
+        return None
+    problem = _problem(as_sliced, root, _runs_beside(runs, measured, measured, chains),
+                       exclude=_inside(chains) | exclude, uses=uses)
+    return _floor(problem, as_sliced)
 
 
 # Per model (weakly held), weak references to the plans fit returned for it, oldest first
