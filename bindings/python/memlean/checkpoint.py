@@ -541,7 +541,7 @@ def _call(name, function, args, kwargs, listed, buffers, preserve_rng_state, wat
 
 
 # What wrap_forward sets on a module (and its undo puts back as it was).
-_WRAPPED = ("forward", "__deepcopy__", "__getstate__")
+_WRAPPED = ("forward", "__deepcopy__", "__reduce_ex__")
 
 
 def wrap_forward(module: torch.nn.Module, forward: Callable, rewrap=None) -> Callable:
@@ -550,16 +550,24 @@ def wrap_forward(module: torch.nn.Module, forward: Callable, rewrap=None) -> Cal
     there (an earlier wrapper too). memlean.fit's checkpoint wraps and runs and
     memlean.lean.lean_forward set theirs so.
 
+    ``rewrap``: ``(function, args)``, how a copy of the module is wrapped as it is:
+    ``function(copy, *args)``, with a module-level function (pickle saves it by name) and
+    arguments that pickle and deepcopy can copy (modules, memlean's runs); None: the copy is
+    left unwrapped (e.g. the modules of a run, which their parent's rewrap wraps again).
+
     ``copy.deepcopy`` of the module, alone or within its model (an EMA copy, torch's
     AveragedModel), gives the copy a forward of its own: the copy is made without this wrapper
-    (with what was there before, itself copied so), then ``rewrap(copy, memo)`` wraps it as
-    ``module`` is (None: left so, e.g. the modules of a run, which their parent's rewrap wraps
-    again). A function set as a forward is copied as itself: the copy's forward would run the
-    original's modules, in silence.
+    (with what was there before, itself copied so), then wrapped by ``rewrap`` with its
+    arguments copied alike. A function set as a forward is copied as itself: the copy's
+    forward would run the original's modules, in silence.
 
-    ``pickle`` (``torch.save(model)``) of the module, alone or within its model, raises a
-    TypeError saying what to save instead: the wrapper is a function of this process, which
-    pickle cannot save (before 2026-11-29 the error named only a local function)."""
+    ``pickle`` (``torch.save(model)``, a spawned process's argument) saves the module without
+    its wrappers, and each ``rewrap`` in the order they were set: loading makes the module
+    and wraps it again (since 2026-11-30; before, a TypeError: the wrappers are functions of
+    this process, which pickle cannot save). ``copy.copy`` of the module goes the same way,
+    its parts shared: a wrapper over its own modules (a checkpoint, a lean backward) is made
+    for the copy; one over a run of its submodules raises a TypeError (the run's modules are
+    the original's)."""
     before = {k: module.__dict__[k] for k in _WRAPPED if k in module.__dict__}
 
     def put(state):
@@ -567,28 +575,57 @@ def wrap_forward(module: torch.nn.Module, forward: Callable, rewrap=None) -> Cal
             module.__dict__.pop(k, None)
         module.__dict__.update(state)
 
+    def mine():
+        return {k: module.__dict__[k] for k in _WRAPPED if k in module.__dict__}
+
     def deepcopy(memo):
-        mine = {k: module.__dict__[k] for k in _WRAPPED if k in module.__dict__}
+        current = mine()
         put(before)
         try:
             twin = copy.deepcopy(module, memo)
         finally:
-            put(mine)
+            put(current)
         if rewrap is not None:
-            rewrap(twin, memo)
+            function, args = rewrap
+            function(twin, *copy.deepcopy(args, memo))
         return twin
 
-    def getstate():
-        raise TypeError(
-            f"memlean: cannot pickle {type(module).__name__} (torch.save of a whole model, a "
-            f"spawned process's argument, copy.copy): memlean.fit (or apply_plan) wrapped its "
-            f"forward, a function of this process. Save model.state_dict() (the same keys as "
-            f"before fit) or the model after plan.undo(), and after loading make the same "
-            f"changes with memlean.apply_plan(model, x, plan.to_json()) (or fit again); "
-            f"copy.deepcopy(model) makes a fitted copy")
+    def reduce_ex(protocol):
+        current = mine()
+        put(before)
+        try:
+            if "__reduce_ex__" in before:  # (an earlier wrapper: its state, its rewraps)
+                make, make_args, (state, rewraps) = before["__reduce_ex__"](protocol)[:3]
+            else:
+                make, make_args = _new_wrapped, (type(module),)
+                state, rewraps = dict(module.__dict__), []
+        finally:
+            put(current)
+        rewraps = rewraps + ([rewrap] if rewrap is not None else [])
+        return make, make_args, (state, rewraps)
 
-    put({"forward": forward, "__deepcopy__": deepcopy, "__getstate__": getstate})
+    put({"forward": forward, "__deepcopy__": deepcopy, "__reduce_ex__": reduce_ex})
     return lambda: put(before)
+
+
+def _new_wrapped(cls) -> torch.nn.Module:
+    """A module of class `cls` to be loaded (pickle) or copied (copy.copy) as wrap_forward
+    wrapped one: its __setstate__ (_set_wrapped_state, an instance attribute until it runs)
+    sets the state and makes the wrappers again. (The state comes after the module is made:
+    it may refer to it, as a run refers to its parent.)"""
+    module = cls.__new__(cls)
+    module.__dict__["__setstate__"] = lambda state: _set_wrapped_state(module, state)
+    return module
+
+
+def _set_wrapped_state(module: torch.nn.Module, state) -> None:
+    """The state of a module wrap_forward wrapped, as nn.Module sets it, then its wrappers
+    made again in the order they were set."""
+    del module.__dict__["__setstate__"]
+    base, rewraps = state
+    module.__setstate__(base)
+    for function, args in rewraps:
+        function(module, *args)
 
 
 def checkpoint_module_forward(module: torch.nn.Module, forward: Callable, args, kwargs):

@@ -1064,7 +1064,7 @@ def _wrap(module, traced=False):
     forward.__memlean_fit__ = True
     forward.__memlean_traced__ = traced
     # (A deep copy of the module, e.g. an EMA model, gets a checkpoint of its own.)
-    return wrap_forward(module, forward, lambda twin, memo: _wrap(twin, traced))
+    return wrap_forward(module, forward, (_wrap, (traced,)))
 
 
 def _traced(call: _Call, traced: bool) -> bool:
@@ -1204,8 +1204,7 @@ def _wrap_run(run: _Run):
         f.__memlean_fit__ = True
         undos.append(wrap_forward(m, f))  # (a deep copy: its parent's rewrap wraps them)
     # A deep copy of the parent (with the run's modules) gets the run of its own modules.
-    undos.append(wrap_forward(parent, parent_wrapper,
-                              lambda twin, memo: _wrap_run(copy.deepcopy(run, memo))))
+    undos.append(wrap_forward(parent, parent_wrapper, (_rewrap_run, (run,))))
 
     def undo():
         for u in reversed(undos):
@@ -1480,8 +1479,26 @@ def _wrap_gated(gated: _GatedSlice):
 
     _note_in_graph()
     forward.__memlean_fit__ = True
-    return wrap_forward(module, forward,
-                        lambda twin, memo: _wrap_gated(copy.deepcopy(gated, memo)))
+    return wrap_forward(module, forward, (_rewrap_gated, (gated,)))
+
+
+def _rewrap_run(parent, run: _Run) -> None:
+    """wrap_forward's rewrap of a copy of a run's parent: `run` copied with it (deepcopy,
+    pickle), its modules the copy's."""
+    if run.parent is not parent:
+        raise TypeError(_SHALLOW.format(type(parent).__name__, "a run of its submodules"))
+    _wrap_run(run)
+
+
+def _rewrap_gated(module, gated: _GatedSlice) -> None:
+    """wrap_forward's rewrap of a copy of a gated MLP fit slices (as _rewrap_run)."""
+    if gated.modules[0] is not module:
+        raise TypeError(_SHALLOW.format(type(module).__name__, "its gated MLP's slices"))
+    _wrap_gated(gated)
+
+
+_SHALLOW = ("memlean: cannot copy.copy {} as fitted: memlean.fit recomputes {}, whose modules "
+            "a shallow copy shares with the original; copy.deepcopy(model) makes a fitted copy")
 
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

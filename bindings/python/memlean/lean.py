@@ -64,5 +64,11 @@ def lean_forward(module: torch.nn.Module):
 
     forward.__memlean_lean__ = True  # (memlean.sliced may run the module's chain sliced)
     # (A deep copy of the module gets a lean forward of its own.)
-    undo = wrap_forward(module, forward, lambda twin, memo: lean_forward(twin))
+    undo = wrap_forward(module, forward, (_lean_again, ()))
     return undo, lambda: taken[0]
+
+
+def _lean_again(module: torch.nn.Module) -> None:
+    """wrap_forward's rewrap: a copy of a lean module (deepcopy, pickle) gets a lean forward of
+    its own."""
+    lean_forward(module)

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import gc
 import json
+import pickle
 import unittest
 import warnings
 from unittest import mock
@@ -2061,6 +2062,12 @@ class FitTest(unittest.TestCase):
             self.assertIn("3 MLP(s) recomputed in hidden-feature slices", str(plan))
             self.assertIn("or gated MLPs, checkpointed or sliced in eager steps only",
                           str(plan))
+            # Saved whole and loaded (pickle), the fitted model slices its MLPs as this one
+            # does: the plan's peak.
+            loaded = pickle.loads(pickle.dumps(model))
+            opt_loaded = torch.optim.SGD(loaded.parameters(), lr=0.05, momentum=0.9)
+            step_peak(loaded, (idx,), loss_fn, opt_loaded)  # the optimizer's state
+            self.assertEqual(step_peak(loaded, (idx,), loss_fn, opt_loaded), plan.peak_bytes)
             train_alike(model, opt, twin, opt_twin, idx, loss_fn, rtol=1e-9, atol=1e-11)
         # Compiled (aot_eager), the gated MLPs run their own forward: gradients as the twin's
         # (dropout off: compiled and eager draw their masks differently).
@@ -2096,6 +2103,11 @@ class FitTest(unittest.TestCase):
                                          optimizer=opt_twin)
             self.assertEqual(applied.peak_bytes, plan.peak_bytes)
             applied.undo()
+            # Saved whole and loaded (pickle), the fitted model slices as finely: the same peak.
+            loaded = pickle.loads(pickle.dumps(model))
+            opt_loaded = torch.optim.SGD(loaded.parameters(), lr=0.05, momentum=0.9)
+            step_peak(loaded, (x,), loss_fn, opt_loaded)  # the optimizer's state
+            self.assertEqual(step_peak(loaded, (x,), loss_fn, opt_loaded), plan.peak_bytes)
             plan.undo()
         self.assertLess(least, coarse - coarse // 50, (least, coarse))
         self.assertIn("sliced recompute", {a.action for a in actions})
@@ -2292,14 +2304,10 @@ class FitTest(unittest.TestCase):
         checkpoints = [a for a in plan.actions if a.action == "checkpoint"]
         self.assertEqual(sum(" checkpoint " in line for line in text.splitlines()),
                          len(checkpoints), text)
-        # torch.save(model) of the fitted model: a TypeError saying what to save instead (the
-        # wrappers are functions of this process); its state_dict saves, and after undo the
-        # model itself, which loads and computes as this one.
+        # Its state_dict saves, and after undo the model itself, which loads and computes as
+        # this one (a fitted model saved whole: test_a_copy_of_a_fitted_model_...).
         import io
 
-        with self.assertRaisesRegex(TypeError, r"cannot pickle \w+ .* wrapped its forward"
-                                               r".* Save model.state_dict\(\)"):
-            torch.save(model, io.BytesIO())
         torch.save(model.state_dict(), io.BytesIO())
         plan.undo()
         plan.undo()
@@ -2358,14 +2366,17 @@ class FitTest(unittest.TestCase):
         gc.collect()
         self.assertIsNone(gone())
 
-    def test_a_deep_copy_of_a_fitted_model_is_fitted_on_its_own_modules(self):
-        # copy.deepcopy of a fitted model (an EMA copy; torch's AveragedModel makes one) gets
-        # the plan on its own modules: checkpoints, runs, lean BatchNorms and the in-place
-        # Swish wrap the copy's modules, not the original's (a wrapper function copied as
-        # itself ran the original's). Its outputs are those of an unfitted copy with the same
-        # weights, in eval and train mode; its training step peaks at the plan's bytes
-        # (measured here) and leaves the original's gradients alone; undoing the plan leaves
-        # the copy fitted.
+    def test_a_copy_of_a_fitted_model_is_fitted_on_its_own_modules(self):
+        # copy.deepcopy of a fitted model (an EMA copy; torch's AveragedModel makes one), and
+        # the model torch.save saves and torch.load loads (since 2026-11-30; before, a
+        # TypeError), get the plan on their own modules: checkpoints, runs, lean BatchNorms
+        # and the in-place Swish wrap the copy's modules, not the original's (a wrapper
+        # function copied as itself ran the original's). Each copy's outputs are those of an
+        # unfitted model with the same weights, in eval and train mode; its training step
+        # peaks at the plan's bytes (measured here) and leaves the original's gradients alone;
+        # undoing the plan leaves the copies fitted.
+        import io
+
         from torch.optim.swa_utils import AveragedModel
 
         model, x, loss_fn, opt = self.conv_setup()
@@ -2374,11 +2385,11 @@ class FitTest(unittest.TestCase):
         self.assertTrue({"checkpoint", "lean batchnorm", "inplace swish"}
                         <= {a.action for a in plan.actions}, str(plan))
         self.assertIn("run(s) of sibling modules", str(plan))
-        twin = copy.deepcopy(model)
-        self.assertEqual(wrapped_forwards(twin), wrapped_forwards(model))
-        with torch.no_grad():
-            for p in twin.parameters():
-                p.mul_(0.5)
+        saved = io.BytesIO()
+        torch.save(model, saved)
+        saved.seek(0)
+        twins = {"deepcopy": copy.deepcopy(model),
+                 "torch.save": torch.load(saved, weights_only=False)}
 
         def outputs(a, b, training):
             """a(x) and b(x), both in train or eval mode, each from the same RNG state."""
@@ -2389,30 +2400,47 @@ class FitTest(unittest.TestCase):
                 out.append(m(x))
             return out
 
-        for training in (False, True):
-            self.assertFalse(torch.allclose(*outputs(twin, model, training)))
-        model.train()
-        twin.train()
-        twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
-        step_peak(twin, (x,), loss_fn, twin_opt)  # the optimizer's state
-        for p in model.parameters():
-            p.grad = None
-        self.assertEqual(step_peak(twin, (x,), loss_fn, twin_opt), plan.peak_bytes)
-        self.assertTrue(all(p.grad is None for p in model.parameters()))
-        # The copy computes as an unfitted model with its weights (the same state_dict keys).
-        reference = self.conv_setup()[0]
-        reference.load_state_dict(twin.state_dict())
-        for training in (False, True):
-            torch.testing.assert_close(*outputs(twin, reference, training), rtol=1e-5,
-                                       atol=1e-6)
+        for how, twin in twins.items():
+            with self.subTest(how=how):
+                self.assertEqual(wrapped_forwards(twin), wrapped_forwards(model))
+                with torch.no_grad():
+                    for p in twin.parameters():
+                        p.mul_(0.5)
+                for training in (False, True):
+                    self.assertFalse(torch.allclose(*outputs(twin, model, training)))
+                model.train()
+                twin.train()
+                twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+                step_peak(twin, (x,), loss_fn, twin_opt)  # the optimizer's state
+                for p in model.parameters():
+                    p.grad = None
+                self.assertEqual(step_peak(twin, (x,), loss_fn, twin_opt), plan.peak_bytes)
+                self.assertTrue(all(p.grad is None for p in model.parameters()))
+                # It computes as an unfitted model with its weights (the same state_dict keys).
+                reference = self.conv_setup()[0]
+                reference.load_state_dict(twin.state_dict())
+                for training in (False, True):
+                    torch.testing.assert_close(*outputs(twin, reference, training), rtol=1e-5,
+                                               atol=1e-6)
+        # copy.copy shares a module's submodules: a checkpointed module's copy gets a
+        # checkpoint of its own forward; that of a run's parent raises, saying so.
+        checkpointed = next(a.path for a in plan.actions if a.action == "checkpoint"
+                            and "(" not in a.path)
+        shallow = copy.copy(model.get_submodule(checkpointed))
+        self.assertIsNot(shallow.forward, model.get_submodule(checkpointed).forward)
+        parent = next(a.path for a in plan.actions if a.action == "checkpoint"
+                      and "(" in a.path).rpartition(".(")[0]
+        with self.assertRaisesRegex(TypeError, r"cannot copy.copy \w+ as fitted.* copy.deepcopy"):
+            copy.copy(model.get_submodule(parent))
         plan.undo()
         self.assertEqual(wrapped_forwards(model), [])
-        self.assertTrue(wrapped_forwards(twin))
-        averaged = AveragedModel(twin)
-        self.assertEqual(wrapped_forwards(averaged.module), wrapped_forwards(twin))
-        twin.eval()
-        averaged.eval()
-        torch.testing.assert_close(averaged(x), twin(x))
+        for twin in twins.values():
+            self.assertTrue(wrapped_forwards(twin))
+            averaged = AveragedModel(twin)
+            self.assertEqual(wrapped_forwards(averaged.module), wrapped_forwards(twin))
+            twin.eval()
+            averaged.eval()
+            torch.testing.assert_close(averaged(x), twin(x))
 
     def test_the_least_a_fit_error_names_is_reached_at_that_budget(self):
         # A later call's search may walk to other plans (recompute times are measured afresh,
