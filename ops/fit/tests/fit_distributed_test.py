@@ -10,7 +10,9 @@ channels (memlean.sliced_chain) beside its checkpoints, and with a token net fit
 least peak, where fit slices its MLPs (a plain and a packed gated one) over their hidden
 features. "ddp+mlp_applied" and "ddp+sliced_applied": rank 0 fits, broadcasts the plan's
 JSON, and the other rank applies it with memlean.apply_plan (no search there): the same plan,
-trained as one process does.
+trained as one process does. "ddp+sliced_sent": rank 0 fits and sends the fitted model itself
+(dist.broadcast_object_list pickles it); the other rank trains the model it loads, fitted as
+rank 0's (the same modules wrapped).
 
 fit is called before wrapping (docs/fit.md): it measures and changes the plain module.
 Without SyncBatchNorm each rank normalizes with its own half's statistics, so the reference
@@ -39,7 +41,7 @@ DEADLINE_S = 300
 # fitted at its least peak, which slicing its MLPs over their hidden features reaches
 # (memlean::sliced_mlp, C++, run with the Python activations: a plain and a packed gated one).
 CONFIGS = ["ddp", "fsdp", "ddp+sliced", "fsdp+sliced", "ddp+mlp", "fsdp+mlp",
-           "ddp+sliced_applied", "ddp+mlp_applied"]
+           "ddp+sliced_applied", "ddp+mlp_applied", "ddp+sliced_sent"]
 
 
 class Block(nn.Module):
@@ -184,6 +186,26 @@ def applied(sliced, mlp, rank):
     return model
 
 
+def sent(sliced, mlp, rank):
+    """fitted() on rank 0, sent whole to the others (dist.broadcast_object_list pickles it,
+    fit's wrappers made again where it loads): the same fitted model on every rank."""
+    import torch.distributed as dist
+
+    box = [None]
+    if rank == 0:
+        model = fitted(sliced, mlp)[0]
+        box = [(model, wrapped(model))]
+    dist.broadcast_object_list(box, src=0)
+    model, paths = box[0]
+    assert paths and wrapped(model) == paths, (wrapped(model), paths)
+    return model
+
+
+def wrapped(model):
+    """The paths of the modules whose forward fit wrapped."""
+    return [n for n, m in model.named_modules() if "forward" in m.__dict__]
+
+
 def fitted(sliced=False, mlp=False):
     """The model, fitted on half a batch to the budget halfway between the least peak fit
     reaches and the eager peak: a plan with checkpoints, swapped SiLUs and the lean BatchNorm
@@ -216,7 +238,8 @@ def _train(config, mesh, rank):
     x, y = halves()[rank]
     how, _, what = config.partition("+")
     what, _, apply = what.partition("_")
-    model = (applied(what == "sliced", what == "mlp", rank) if apply
+    make = {"applied": applied, "sent": sent}.get(apply)
+    model = (make(what == "sliced", what == "mlp", rank) if make
              else fitted(what == "sliced", what == "mlp")[0])
     return train_steps(model, wrap(model, how, mesh), x, y, steps=STEPS, lr=LR)
 
