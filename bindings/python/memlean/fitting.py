@@ -121,6 +121,18 @@ class FitAction:
     recompute_seconds: float
 
 
+def _loaded_plan(data: dict) -> "FitPlan":
+    """The FitPlan whose to_dict() is `data`, loaded (pickle) or copied: its undo() raises."""
+    plan = FitPlan(data["budget_bytes"], data["peak_bytes"], data["predicted_peak_bytes"],
+                   data["fixed_bytes"], data["eager_peak_bytes"],
+                   [FitAction(**a) for a in data["actions"]], [], data["device"],
+                   data["fit_seconds"], data["eager_only_runs"], data["fine_slices"],
+                   data["compile"], data["traced"])
+    plan._undo_steps = None
+    plan._loaded = True
+    return plan
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -187,7 +199,14 @@ class FitPlan:
     def undo(self) -> None:
         """Put every module fit changed back as it was (original activations, unwrapped
         forwards). Plans fit made on the same model after this one (on top of it) are undone
-        first. Undoing twice is harmless."""
+        first. Undoing twice is harmless. A plan loaded from a pickle raises a RuntimeError:
+        it changed no model of this process."""
+        if getattr(self, "_loaded", False):
+            raise RuntimeError(
+                "memlean: this FitPlan was loaded from a pickle (or copied): it holds the "
+                "plan's figures and actions, not the changes fit made to a model, so there is "
+                "nothing here for undo() to put back. memlean.apply_plan(model, x, plan) makes "
+                "the changes on a model; undo() of the plan it returns puts them back")
         if self._undo_steps is None:
             return
         for later in reversed(self._later):
@@ -216,6 +235,11 @@ class FitPlan:
             "traced": self._traced,
             "actions": [asdict(a) for a in self.actions],
         }
+
+    def __reduce__(self):
+        # pickle (torch.save of a dict holding the plan) and copy/deepcopy: the plan's
+        # figures and actions (to_dict()), not its undo, which holds this process's modules.
+        return _loaded_plan, (self.to_dict(),)
 
     def to_json(self, path=None) -> str:
         """The plan as JSON (written to `path` too when given)."""

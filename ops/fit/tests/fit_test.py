@@ -2284,6 +2284,15 @@ class FitTest(unittest.TestCase):
         self.assertIn("MiB", text)
         data = __import__("json").loads(plan.to_json())
         self.assertEqual(data["peak_bytes"], plan.peak_bytes)
+        # Pickled (torch.save of a dict holding it) or copied, the plan keeps its figures and
+        # actions, which apply_plan takes; its undo() raises: it changed no model here (before
+        # 2026-11-30 pickle failed on a local function, and a copy's undo() undid this model).
+        for twin_plan in (pickle.loads(pickle.dumps(plan)), copy.deepcopy(plan)):
+            self.assertEqual(twin_plan.to_dict(), plan.to_dict())
+            self.assertEqual(str(twin_plan), str(plan))
+            with self.assertRaisesRegex(RuntimeError, "loaded from a pickle.*apply_plan"):
+                twin_plan.undo()
+        self.assertIn("forward", model.get_submodule(checkpointed[0]).__dict__)
         self.assertEqual(len(data["actions"]), len(plan.actions))
         self.assertEqual(data["eager_only_runs"], 0)
         # Every BatchNorm of the training step got the lean backward (CPU eager steps).
