@@ -598,7 +598,10 @@ def wrap_forward(module: torch.nn.Module, forward: Callable, rewrap=None) -> Cal
                 make, make_args, (state, rewraps) = before["__reduce_ex__"](protocol)[:3]
             else:
                 make, make_args = _new_wrapped, (type(module),)
-                state, rewraps = dict(module.__dict__), []
+                # (the class's own state: an nn.RNN's leaves out its flat weights)
+                state, rewraps = type(module).__getstate__(module), []
+                if state is module.__dict__:
+                    state = dict(state)
         finally:
             put(current)
         rewraps = rewraps + ([rewrap] if rewrap is not None else [])
