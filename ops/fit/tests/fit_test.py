@@ -2177,6 +2177,33 @@ class FitTest(unittest.TestCase):
         self.assertEqual(measured, 3)  # the eager step, the lean one, the least plan's
         self.assertEqual(wrapped_forwards(model), [])
 
+    def test_the_sliced_steps_saved_bytes_are_predicted_to_the_byte(self):
+        # _as_sliced, from a step recorded without slices, predicts the saved bytes of the
+        # step with every chain sliced exactly (each chain keeps its input alone; what its
+        # atoms saved first that a later module saves too moves there): the lower bound that
+        # spares fit the sliced steps rests on it.
+        from memlean import fitting
+
+        for net in (BottleneckNet, StridedMBNet):
+            with self.subTest(net=net.__name__):
+                model, x, loss_fn, opt = classified(net, 16)
+                with mock.patch.object(fitting, "_SLICE_MIN_BYTES", 0):
+                    saved, step, current, _ = recorded_problem(model, x, loss_fn, opt)
+                    chains = fitting._slices(current.recorder, current.recorder, model)
+                    predicted = fitting._as_sliced(current, chains)
+                    wraps = [fitting._wrap(c) for c in chains]
+                    try:
+                        thin = step.run(record=True)
+                    finally:
+                        for w in reversed(wraps):
+                            w()
+                    saved.restore()
+                self.assertTrue(chains)
+                self.assertEqual(sum(predicted.recorder.atom_bytes),
+                                 sum(thin.recorder.atom_bytes))
+                self.assertLess(sum(thin.recorder.atom_bytes), sum(current.recorder.atom_bytes))
+                self.assertEqual(wrapped_forwards(model), [])
+
     def test_finer_slices_predicted_no_lower_are_not_measured(self):
         # Finer slices lower only what the backward through the chains holds. Where the
         # planner's least over the first slicing goes no lower with nothing held there
