@@ -2428,8 +2428,23 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         lean = not step.cuda and not compiled
         swapped = _swap_swish(model, rec, True, undo_steps, saved.training)
         leans = _lean_modules(model, rec, undo_steps) if lean else []
+        # Modules called with an object whose state their forward may change (a key-value
+        # cache): no checkpoint holds them (_opaque_argument says why).
+        paths = _paths(model)
+        unversioned = unversioned | _stateful_modules(eager.recorder, paths)
+        uses = _uses(eager.recorder)
+        # Runs of sibling modules are eager-only (not checkpointed under torch.compile).
+        runs_found = (_runs(eager.recorder, eager.recorder, model, exclude=unversioned)
+                      if runs and not compiled else [])
         current = eager
-        if swapped or leans:
+        # The lean backwards alone (no Swish swapped), predicted rather than measured where the
+        # step with them would only decide to slice (_lean_step_predicted); measure_lean()
+        # measures it where a later decision needs it.
+        deferred = (_lean_step_predicted(eager, model, budget, runs_found, unversioned, uses)
+                    if leans and not swapped else None)
+        if deferred is not None:
+            current = deferred
+        elif swapped or leans:
             try:
                 current = step.run(record=True)
             except RuntimeError as e:
@@ -2449,18 +2464,50 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             _measure_plan(step, [], (), compile_options) if swapped else plain)
         if empty_peak <= budget:
             return done(empty_peak, empty_peak)
-
-        # Modules called with an object whose state their forward may change (a key-value
-        # cache): no checkpoint holds them (_opaque_argument says why).
-        paths = _paths(model)
-        unversioned = unversioned | _stateful_modules(eager.recorder, paths)
+        lean_step = current
 
         # 2. Checkpoints, planned; 3. verified and tightened.
-        # Runs of sibling modules are eager-only (not checkpointed under torch.compile).
-        runs_found = (_runs(eager.recorder, current.recorder, model, exclude=unversioned)
-                      if runs and not compiled else [])
-        uses = _uses(eager.recorder)
+        if current is not eager:
+            runs_found = (_runs(eager.recorder, current.recorder, model, exclude=unversioned)
+                          if runs and not compiled else [])
         problem = _problem(current, model, runs_found, exclude=unversioned, uses=uses)
+        lean_actions = len(actions)  # where the lean modules' actions go, once kept
+
+        def keep_leans(inside=frozenset()):
+            """The deferred lean modules' actions (kept as _keep_taken keeps them after a step
+            that ran them): their saving measured where the lean step was, else 0."""
+            kept = _keep_taken(leans, undo_steps, inside)
+            actions[lean_actions:lean_actions] = [FitAction(path, action, 0, 0.0)
+                                                  for path, action, _ in kept]
+            return kept
+
+        def measure_lean(wrapped=None):
+            """Measure the lean step where it was predicted (deferred): its problem, floor and
+            empty plan's peak replace the predicted ones, and the lean modules' actions get
+            its measured saving. The chains' wrappers (`wrapped`) are off while it runs."""
+            nonlocal deferred, lean_step, problem, floor, empty_peak
+            if deferred is None:
+                return
+            deferred = None
+            for w in reversed(wrapped or []):
+                w()
+                undo_steps.remove(w)
+            lean_step = step.run(record=True)
+            if wrapped:
+                wrapped[:] = [_wrap(c) for c in chains]
+                undo_steps.extend(wrapped)
+            n = sum(1 for a in actions if a.action.startswith("lean "))
+            kept = ([(a.path, a.action) for a in actions[lean_actions:lean_actions + n]]
+                    if n else [(path, action) for path, action, _ in keep_leans()])
+            by_path = {path: nbytes for path, _, nbytes, _ in leans}
+            saving = max(0, eager.peak - lean_step.peak)
+            total = sum(by_path[path] for path, _ in kept) or 1
+            actions[lean_actions:lean_actions + len(kept)] = [
+                FitAction(path, action, saving * by_path[path] // total, 0.0)
+                for path, action in kept]
+            problem = _problem(lean_step, model, runs_found, exclude=unversioned, uses=uses)
+            floor = _floor(problem, lean_step) if chains else None
+            empty_peak = lean_step.peak
 
         def search(problem, empty_peak):
             """The search (ops/fit/search.h, the one loop of both languages): plan, measure
@@ -2572,13 +2619,15 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                               f"slices failed ({type(e).__name__}: {e}); fit goes on without "
                               f"slicing. Please report this.", RuntimeWarning, stacklevel=2)
                 chains = []
+                measure_lean()
                 if least is None:
                     plan, least = checkpointed(problem, empty_peak)
                     if plan is not None:
                         return plan
         if thin is not None:
-            lean_step = current
-            slice_actions = _slice_actions(chains, current, thin, paths)
+            if deferred is not None:
+                keep_leans(_inside(chains))
+            slice_actions = _slice_actions(chains, lean_step, thin, paths)
             if thin.peak <= budget:
                 actions.extend(slice_actions)
                 return done(thin.peak, thin.peak, len(chains))
@@ -2592,6 +2641,8 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             # go lower than this slicing (where the bound above did not tell: a small ResNet's
             # chains' backward held more than it counts): its search would only measure plans
             # that go no lower; theirs follows below.
+            if deferred is not None and floor <= floor2:
+                measure_lean(wraps)  # (its floor, predicted at its lowest, cannot decide)
             worse = least is None and floor <= floor2
             if finer_possible:
                 # Finer slices lower only what the backward through the chains holds: where
@@ -2640,6 +2691,8 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                     if plan is not None:
                         return plan
                     least2 = min(least2, least3)
+            if deferred is not None and least is None and least2 >= floor:
+                measure_lean(wraps)  # (as above)
             if least is None and least2 >= floor:
                 # Slicing went no lower than checkpoints alone are predicted to: their search,
                 # for the least it measures (and a plan, were the prediction high).
@@ -2812,7 +2865,7 @@ def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
             made |= {(path, action) for path, action, _ in
                      _swap_swish(model, rec, in_place, undo_steps, saved.training)}
         if any(not action.endswith("swish") for _, action in swaps):
-            for path, action, _, (undo, _taken) in _lean_modules(model, rec, undo_steps):
+            for path, action, _, (undo, _taken, _) in _lean_modules(model, rec, undo_steps):
                 if (path, action) in swaps:
                     made.add((path, action))
                 else:
@@ -2943,7 +2996,7 @@ def _floor(problem, measured: _Measured) -> int:
     return floor - floor // 50
 
 
-def _as_sliced(measured: _Measured, chains) -> Optional[_Measured]:
+def _as_sliced(measured: _Measured, chains, lowest=()) -> Optional[_Measured]:
     """The recorded step `measured` as it would be recorded with `chains` recomputed in
     slices, at its lowest, for a lower bound of the planner's least peak (_sliced_floor) before
     the sliced step is measured or, on a sliced step, for one of finer slices. A sliced chain
@@ -2953,7 +3006,9 @@ def _as_sliced(measured: _Measured, chains) -> Optional[_Measured]:
     chain whose input it is, or by none; and the backward through a chain's atoms holds
     nothing above base and the saved bytes (memlean.sliced holds one slice's temporaries,
     finer slices less: only the sliced step measures them). All else as measured. None where
-    a chain's first or last module made no call in the step."""
+    a chain's first or last module made no call in the step. lowest: modules whose backward
+    holds nothing above base and the saved bytes either (the lean backwards, which save what
+    torch saves and hold less in backward: _lean_step_predicted)."""
     rec = measured.recorder
     first = {}
     for c in rec.calls:
@@ -2995,7 +3050,9 @@ def _as_sliced(measured: _Measured, chains) -> Optional[_Measured]:
     top = (max(measured.forward_peak, start or 0) if rec.backward_levels
            else measured.forward_backward_peak)
     base = max(0, top - before)
-    levels = {k: base + upto[k] if chain_of(k) else level - gone[k]
+    low = {id(m) for m in lowest}
+    held_least = {k for c in rec.calls if id(c.module) in low for k in range(c.begin, c.end)}
+    levels = {k: base + upto[k] if k in held_least or chain_of(k) else level - gone[k]
               for k, level in rec.backward_levels.items()}
     sliced_rec = copy.copy(rec)
     sliced_rec.atom_bytes, sliced_rec.saved = atoms, saved
@@ -3017,6 +3074,28 @@ def _sliced_floor(measured: _Measured, chains, root, runs, exclude, uses) -> Opt
     problem = _problem(as_sliced, root, _runs_beside(runs, measured, measured, chains),
                        exclude=_inside(chains) | exclude, uses=uses)
     return _floor(problem, as_sliced)
+
+
+def _lean_step_predicted(eager: _Measured, root, budget, runs, exclude,
+                         uses) -> Optional[_Measured]:
+    """The step with the lean backwards alone (no Swish swapped), predicted from the eager
+    step at its lowest (_as_sliced with `lowest`: they save what torch saves, and their
+    backward holds less, at most nothing above base and the saved bytes), where fit need not
+    measure it before the sliced step: the budget is below the planner's least for
+    checkpoints on it (their search is skipped, as it would be on the measured step, whose
+    least is no lower) and slicing's bound (_sliced_floor) is lower still (the sliced step is
+    measured, as it would be). None otherwise: fit measures it first. ResNet-50 without runs,
+    ConvNeXt-T, MobileNetV3: an eager step's time less per fit below those leasts."""
+    chains = _slices(eager.recorder, eager.recorder, root, exclude)
+    if not chains:
+        return None
+    predicted = _as_sliced(eager, [], [c.module for c in eager.recorder.calls
+                                       if _lean_action(c.module) is not None])
+    floor = _floor(_problem(predicted, root, runs, exclude=exclude, uses=uses), predicted)
+    if budget >= floor:
+        return None
+    bound = _sliced_floor(predicted, chains, root, runs, exclude, uses)
+    return predicted if bound is not None and bound < floor else None
 
 
 # Per model (weakly held), weak references to the plans fit returned for it, oldest first
@@ -3147,16 +3226,18 @@ def _lean_modules(model, rec: _Recorder, undo_steps) -> list:
         undo_steps.append(undo)
         out_bytes = sum(n for c in calls for _, n in c.outputs[:1])
         leans.append((paths.get(id(module), "?"), actions[id(module)], out_bytes,
-                      (undo, taken)))
+                      (undo, taken, module)))
     return leans
 
 
-def _keep_taken(leans, undo_steps) -> list:
+def _keep_taken(leans, undo_steps, inside=frozenset()) -> list:
     """The lean modules whose forward ran lean in the step since (path, action, bytes); the
-    others (a forward that made no call a lean backward applies to) are put back."""
+    others (a forward that made no call a lean backward applies to) are put back. inside:
+    id() of modules kept as well (those of sliced chains, which memlean.sliced runs in
+    slices, not through their forward: unsliced, they run lean as the others)."""
     kept = []
-    for path, action, n, (undo, taken) in leans:
-        if taken():
+    for path, action, n, (undo, taken, module) in leans:
+        if taken() or id(module) in inside:
             kept.append((path, action, n))
         else:
             undo()
