@@ -111,7 +111,8 @@ class FitAction:
     memlean.sliced_mlp; CPU eager steps) or "checkpoint". bytes_saved: for a checkpoint, the saved bytes it frees under the planner's
     model; for a sliced run, the saved bytes its calls lost, measured; for a Swish, a
     BatchNorm or a convolution, the measured saving of all these swaps shared in proportion
-    to the modules' output bytes. recompute_seconds: the module's measured forward time (the
+    to the modules' output bytes (0 for the lean backwards where fit did not measure their
+    step apart: below the least of checkpoints, it may go to the sliced step directly). recompute_seconds: the module's measured forward time (the
     mean over the modules that do the same work, e.g. a model's repeated blocks; a sliced
     run's modules' forward time; 0 for a swap)."""
 
@@ -2363,8 +2364,9 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
     fit runs a few real training steps (forward, backward, optimizer step) to measure:
     one eager step (when the optimizer has no state yet, after an optimizer step on zero
     gradients that gives it its state, or a real step where that would differ and on CUDA), one after the
-    Swish swap, and one per plan tried (with compile: two per plan, the first compiling).
-    Everything the steps change is put back.
+    swaps (predicted instead where only lean backwards were swapped and the step would only
+    lead to slicing), one per slicing tried, and one per plan tried (with compile: two per
+    plan, the first compiling). Everything the steps change is put back.
     """
     started = time.perf_counter()
     budget = parse_budget(budget_bytes)
