@@ -1923,6 +1923,43 @@ class FitTest(unittest.TestCase):
                 plan.undo()
         self.assertEqual(wrapped_forwards(model), [])
 
+    def test_a_failed_sliced_step_after_a_predicted_lean_step_measures_that_step(self):
+        # Where fit predicted the step with the lean BatchNorms alone (no Swish: a ResNet's
+        # shape, below the least of checkpoints) and the sliced step then fails, fit measures
+        # the lean step after all and searches checkpoints on it: the least it names is that
+        # of checkpoints alone, as without chains; the model is left unwrapped.
+        from memlean import fitting
+
+        def fails(self, chain, args, kwargs):
+            raise RuntimeError("boom")
+
+        model, x, loss_fn, opt = classified(BottleneckNet, 16)
+        with mock.patch.object(fitting, "_SLICE_MIN_BYTES", 0):
+            with mock.patch.object(fitting, "_slices", lambda *a: []):
+                without, _ = self.least_and_eager(model, x, loss_fn, opt)
+            outcomes = []
+            real = fitting._Step.run
+
+            def run(step, *args, **kwargs):
+                try:
+                    measured = real(step, *args, **kwargs)
+                except RuntimeError:
+                    outcomes.append("failed")
+                    raise
+                outcomes.append("measured")
+                return measured
+
+            with mock.patch.object(fitting._Slice, "run", fails), \
+                    mock.patch.object(fitting._Step, "run", run):
+                with self.assertWarnsRegex(RuntimeWarning, "boom.*without slicing"):
+                    with self.assertRaises(memlean.FitError) as caught:
+                        memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
+        self.assertEqual(caught.exception.least_peak_bytes, without)
+        self.assertEqual(wrapped_forwards(model), [])
+        # The eager step, the sliced one (failed; the lean step predicted), the lean one, the
+        # least plan's.
+        self.assertEqual(outcomes, ["measured", "failed", "measured", "measured"])
+
     def test_a_sliced_mlps_output_written_in_place_by_its_caller(self):
         # A parent that adds the residual in place (`y = mlp(x); y += x`, as torchvision's
         # blocks do): fitted at its least, plain and gated MLPs sliced, it trains as its
