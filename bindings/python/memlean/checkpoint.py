@@ -568,15 +568,15 @@ def wrap_forward(module: torch.nn.Module, forward: Callable, rewrap=None) -> Cal
     its parts shared: a wrapper over its own modules (a checkpoint, a lean backward) is made
     for the copy; one over a run of its submodules raises a TypeError (the run's modules are
     the original's)."""
-    before = {k: module.__dict__[k] for k in _WRAPPED if k in module.__dict__}
+    def mine():
+        return {k: module.__dict__[k] for k in _WRAPPED if k in module.__dict__}
 
     def put(state):
         for k in _WRAPPED:
             module.__dict__.pop(k, None)
         module.__dict__.update(state)
 
-    def mine():
-        return {k: module.__dict__[k] for k in _WRAPPED if k in module.__dict__}
+    before = mine()
 
     def deepcopy(memo):
         current = mine()

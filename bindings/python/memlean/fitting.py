@@ -183,6 +183,7 @@ class FitPlan:
         self._compiled = bool(compiled)  # made with fit(compile=...)
         self._traced = bool(traced)  # (compiled) its checkpoints traced into the graph
         self._later: List[FitPlan] = []  # plans fit made on the model after (on top of) it
+        self._loaded = False  # (_loaded_plan) a copy of a plan: it changed no model here
 
     def _applied_to(self, model):
         """Registers the plan as the model's latest: the one before it (if not undone) undoes
@@ -202,7 +203,7 @@ class FitPlan:
         forwards). Plans fit made on the same model after this one (on top of it) are undone
         first. Undoing twice is harmless. A plan loaded from a pickle raises a RuntimeError:
         it changed no model of this process."""
-        if getattr(self, "_loaded", False):
+        if self._loaded:
             raise RuntimeError(
                 "memlean: this FitPlan was loaded from a pickle (or copied): it holds the "
                 "plan's figures and actions, not the changes fit made to a model, so there is "
@@ -2435,15 +2436,20 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         paths = _paths(model)
         unversioned = unversioned | _stateful_modules(eager.recorder, paths)
         uses = _uses(eager.recorder)
-        # Runs of sibling modules are eager-only (not checkpointed under torch.compile).
-        runs_found = (_runs(eager.recorder, eager.recorder, model, exclude=unversioned)
-                      if runs and not compiled else [])
+
+        def runs_of(measured):
+            # Runs of sibling modules are eager-only (not checkpointed under torch.compile).
+            return (_runs(eager.recorder, measured.recorder, model, exclude=unversioned)
+                    if runs and not compiled else [])
+
         current = eager
         # The lean backwards alone (no Swish swapped), predicted rather than measured where the
         # step with them would only decide to slice (_lean_step_predicted); measure_lean()
         # measures it where a later decision needs it.
-        deferred = (_lean_step_predicted(eager, model, budget, runs_found, unversioned, uses)
-                    if leans and not swapped else None)
+        deferred = None
+        if leans and not swapped:
+            runs_found = runs_of(eager)  # (the prediction's: its recorder is eager's)
+            deferred = _lean_step_predicted(eager, model, budget, runs_found, unversioned, uses)
         if deferred is not None:
             current = deferred
         elif swapped or leans:
@@ -2458,10 +2464,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 leans = _lean_modules(model, rec, undo_steps) if lean else []
                 current = step.run(record=True) if swapped or leans else eager
             swapped += _keep_taken(leans, undo_steps)
-            saving = max(0, eager.peak - current.peak)
-            total = sum(n for _, _, n in swapped) or 1
-            actions += [FitAction(path, action, saving * n // total, 0.0)
-                        for path, action, n in swapped]
+            actions += _swap_actions(swapped, max(0, eager.peak - current.peak))
         empty_peak = current.peak if not compiled else (
             _measure_plan(step, [], (), compile_options) if swapped else plain)
         if empty_peak <= budget:
@@ -2469,19 +2472,18 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         lean_step = current
 
         # 2. Checkpoints, planned; 3. verified and tightened.
-        if current is not eager:
-            runs_found = (_runs(eager.recorder, current.recorder, model, exclude=unversioned)
-                          if runs and not compiled else [])
+        if deferred is None:
+            runs_found = runs_of(current)
         problem = _problem(current, model, runs_found, exclude=unversioned, uses=uses)
-        lean_actions = len(actions)  # where the lean modules' actions go, once kept
+        lean_actions = len(actions)  # where the deferred lean modules' actions go, once kept
+        lean_kept = None  # those modules, (path, action, bytes), once kept
 
         def keep_leans(inside=frozenset()):
-            """The deferred lean modules' actions (kept as _keep_taken keeps them after a step
-            that ran them): their saving measured where the lean step was, else 0."""
-            kept = _keep_taken(leans, undo_steps, inside)
-            actions[lean_actions:lean_actions] = [FitAction(path, action, 0, 0.0)
-                                                  for path, action, _ in kept]
-            return kept
+            """Keep the deferred lean modules as _keep_taken keeps them after a step that ran
+            them; their actions' saving 0 until measure_lean() measures it."""
+            nonlocal lean_kept
+            lean_kept = _keep_taken(leans, undo_steps, inside)
+            actions[lean_actions:lean_actions] = _swap_actions(lean_kept, 0)
 
         def measure_lean(wrapped=None):
             """Measure the lean step where it was predicted (deferred): its problem, floor and
@@ -2498,15 +2500,10 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             if wrapped:
                 wrapped[:] = [_wrap(c) for c in chains]
                 undo_steps.extend(wrapped)
-            n = sum(1 for a in actions if a.action.startswith("lean "))
-            kept = ([(a.path, a.action) for a in actions[lean_actions:lean_actions + n]]
-                    if n else [(path, action) for path, action, _ in keep_leans()])
-            by_path = {path: nbytes for path, _, nbytes, _ in leans}
-            saving = max(0, eager.peak - lean_step.peak)
-            total = sum(by_path[path] for path, _ in kept) or 1
-            actions[lean_actions:lean_actions + len(kept)] = [
-                FitAction(path, action, saving * by_path[path] // total, 0.0)
-                for path, action in kept]
+            if lean_kept is None:
+                keep_leans()
+            actions[lean_actions:lean_actions + len(lean_kept)] = _swap_actions(
+                lean_kept, max(0, eager.peak - lean_step.peak))
             problem = _problem(lean_step, model, runs_found, exclude=unversioned, uses=uses)
             floor = _floor(problem, lean_step) if chains else None
             empty_peak = lean_step.peak
@@ -3230,6 +3227,13 @@ def _lean_modules(model, rec: _Recorder, undo_steps) -> list:
         leans.append((paths.get(id(module), "?"), actions[id(module)], out_bytes,
                       (undo, taken, module)))
     return leans
+
+
+def _swap_actions(swapped, saving: int) -> List[FitAction]:
+    """The FitActions of swapped modules, (path, action, output bytes) each: `saving`, the
+    measured saving of them all, shared in proportion to their output bytes."""
+    total = sum(n for _, _, n in swapped) or 1
+    return [FitAction(path, action, saving * n // total, 0.0) for path, action, n in swapped]
 
 
 def _keep_taken(leans, undo_steps, inside=frozenset()) -> list:
