@@ -2508,7 +2508,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             floor = _floor(problem, lean_step) if chains else None
             empty_peak = lean_step.peak
 
-        def search(problem, empty_peak):
+        def search(problem, empty_peak, seen=None):
             """The search (ops/fit/search.h, the one loop of both languages): plan, measure
             each plan, lower the target by any excess, bisect back up; the fastest plan
             measured to fit, never one over the budget. Returns (chosen or None, peak,
@@ -2518,7 +2518,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             keep more: EfficientNet-B0's least compiled peak was 12 % lower so,
             docs/fit.md); plans of that pass go to `untraced`."""
             if not trace:
-                return search_as(problem, empty_peak, False, {})
+                return search_as(problem, empty_peak, False, {}, seen)
             # The planner's least-peak plan first, traced: over the budget, the traced search
             # would only compile plans that do not fit (EfficientNet-B0: 298 s), so the second
             # search runs at once.
@@ -2531,20 +2531,33 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 found = search_as(problem, empty_peak, True, {least_plan: probe})
                 if found[0] is not None:
                     return found
-            again = search_as(problem, empty_peak, False, {})
+            again = search_as(problem, empty_peak, False, {}, seen)
             return again[:3] + (min(found[3], again[3]),)
 
-        def search_as(problem, empty_peak, traced, known):
+        def search_as(problem, empty_peak, traced, known, seen=None):
             """search() with the checkpoints traced or not; known: chosen -> peak measured
-            already (so)."""
+            already (so); seen (where given): _PlansSeen, across searches of one step."""
             measured = {}  # chosen -> measured peak, every plan the search measured
 
             def measure(chosen):
                 key = tuple(chosen)
                 if not traced:
                     untraced.add(key)
-                measured[key] = known[key] if key in known else _measure_plan(
-                    step, problem.calls, chosen, compile_options, untraced)
+                wraps = _checkpointed_modules(problem.calls, chosen)
+                if key in known:
+                    measured[key] = known[key]
+                elif seen is not None and wraps in seen:
+                    measured[key] = seen[wraps]
+                else:
+                    measured[key] = _measure_plan(step, problem.calls, chosen, compile_options,
+                                                  untraced)
+                if seen is not None:
+                    seen[wraps] = measured[key]
+                    if seen.strict and measured[key] > max(
+                            current.optimizer_peak, _C.fit.predicted_peak(
+                                problem.base, problem.atoms, problem.candidates, chosen,
+                                **problem.options)):
+                        raise _Mispredicted
                 return measured[key]
 
             found, chosen, peak, predicted, _, least, _ = _C.fit.search(
@@ -2568,10 +2581,10 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 _LEAST_PLANS.setdefault(model, {})[signature] = (reached[0], least)
             return None, peak, predicted, least
 
-        def checkpointed(problem, empty_peak, taken=(), eager_only=0):
+        def checkpointed(problem, empty_peak, taken=(), eager_only=0, seen=None):
             """search(problem): (the plan, with the actions `taken` to reach this step, its
             checkpoints wrapped; or None, the least peak the search measured)."""
-            chosen, peak, predicted, least = search(problem, empty_peak)
+            chosen, peak, predicted, least = search(problem, empty_peak, seen)
             if chosen is None:
                 return None, least
             actions.extend(taken)
@@ -2661,24 +2674,39 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 # the head's whole input): only below what the first slicing reaches.
                 for c in chains:
                     c.fine = True
-                finer = step.run(record=True)
-                fine_actions = _slice_actions(chains, lean_step, finer, paths)
-                if finer.peak <= budget:
-                    actions.extend(fine_actions)
-                    return done(finer.peak, finer.peak, len(chains))
-                problem3 = _problem(finer, model,
-                                    _runs_beside(runs_found, lean_step, finer, chains),
-                                    exclude=_inside(chains) | unversioned, uses=uses)
-                current = finer
-                least2 = min(least2, finer.peak)
-                if _floor(problem3, finer) < (floor if worse else floor2) or not skipped:
-                    # (the planner predicts a lower least than the first slicing's, or that
-                    # one was searched already)
-                    plan, least3 = checkpointed(problem3, finer.peak, fine_actions,
-                                                len(chains))
+                # The finer step predicted, not measured, where it can be (_finer_predicted);
+                # measured after all where a plan measures above its prediction, or no plan
+                # fits and the least plan measured above the predicted least. Every plan
+                # returned or named is measured either way.
+                finer, problem3 = _finer_predicted(thin, chains, model, budget, runs_found,
+                                                   lean_step, unversioned, uses)
+                seen = _PlansSeen()  # (plans measured with the prediction: not again)
+                for predicted in (True, False) if finer is not None else (False,):
+                    if not predicted:
+                        finer = step.run(record=True)
+                        if finer.peak <= budget:
+                            actions.extend(_slice_actions(chains, lean_step, finer, paths))
+                            return done(finer.peak, finer.peak, len(chains))
+                        problem3 = _problem(finer, model,
+                                            _runs_beside(runs_found, lean_step, finer, chains),
+                                            exclude=_inside(chains) | unversioned, uses=uses)
+                        least2 = min(least2, finer.peak)
+                    current = finer
+                    floor3 = _floor(problem3, finer)
+                    if floor3 >= (floor if worse else floor2) and skipped:
+                        break  # (the planner predicts no lower least than the first slicing's,
+                        # which was not searched: at its lowest if predicted)
+                    seen.strict = predicted
+                    try:
+                        plan, least3 = checkpointed(problem3, finer.peak, _slice_actions(
+                            chains, lean_step, finer, paths), len(chains), seen)
+                    except _Mispredicted:
+                        continue  # (a plan measured above the prediction: the finer step)
                     if plan is not None:
                         return plan
                     least2 = min(least2, least3)
+                    if least3 <= _least_predicted(problem3, finer):
+                        break  # (the prediction held for the least plan: no lower least)
                 for c in chains:
                     c.fine = False
                 current = thin
@@ -2989,10 +3017,42 @@ def _cuda_margin(budget: int) -> int:
 def _floor(problem, measured: _Measured) -> int:
     """2 % below the least step peak the planner predicts for checkpoints on this step: a
     budget under it skips their search (it would only measure plans that do not fit)."""
-    floor = max(measured.optimizer_peak, _C.fit.least_peak_plan(
-        problem.base, problem.atoms, problem.candidates,
-        **problem.options)[2])
+    floor = _least_predicted(problem, measured)
     return floor - floor // 50
+
+
+class _PlansSeen(dict):
+    """What a plan checkpoints (_checkpointed_modules) -> its measured peak, filled and read
+    across the searches of one step (each of its recordings indexes its calls anew). strict: a
+    plan measured above its predicted peak ends the search (_Mispredicted): the problem was
+    predicted, and it did not hold."""
+
+    strict = False
+
+
+class _Mispredicted(Exception):
+    """A plan measured above its predicted peak in a search on a predicted problem."""
+
+
+def _checkpointed_modules(calls, chosen) -> frozenset:
+    """What the plan `chosen` (indices into `calls`) checkpoints, by the modules' identities:
+    the same plan in the problems of two recordings of one step."""
+    return frozenset(tuple(id(m) for m in (c.modules if isinstance(c, _Run) else (c,)))
+                     for c in (calls[i].module for i in chosen))
+
+
+def _finer(chains) -> list:
+    """Of `chains`, those that slicing finer changes (finer, as the last step ran them: the
+    others' fine slices are their slices, and a step sliced finer holds for them what the
+    sliced step measured); all of them before the sliced step ran (finer not yet known)."""
+    return [c for c in chains if c.finer] or chains
+
+
+def _least_predicted(problem, measured: _Measured) -> int:
+    """The least step peak the planner predicts for checkpoints on this step (_floor without
+    its margin)."""
+    return max(measured.optimizer_peak, _C.fit.least_peak_plan(
+        problem.base, problem.atoms, problem.candidates, **problem.options)[2])
 
 
 def _as_sliced(measured: _Measured, chains, lowest=()) -> Optional[_Measured]:
@@ -3065,9 +3125,9 @@ def _as_sliced(measured: _Measured, chains, lowest=()) -> Optional[_Measured]:
 
 def _sliced_floor(measured: _Measured, chains, root, runs, exclude, uses) -> Optional[int]:
     """At most _floor of the step with `chains` sliced (or sliced finer, where `measured` is
-    sliced), from the recorded step `measured` (_as_sliced), with `runs` (indices into its
-    calls) and `exclude` as _problem takes them; None where _as_sliced cannot tell."""
-    as_sliced = _as_sliced(measured, chains)
+    sliced: _finer), from the recorded step `measured` (_as_sliced), with `runs` (indices into
+    its calls) and `exclude` as _problem takes them; None where _as_sliced cannot tell."""
+    as_sliced = _as_sliced(measured, _finer(chains))
     if as_sliced is None:
         return None
     problem = _problem(as_sliced, root, _runs_beside(runs, measured, measured, chains),
@@ -3095,6 +3155,28 @@ def _lean_step_predicted(eager: _Measured, root, budget, runs, exclude,
         return None
     bound = _sliced_floor(predicted, chains, root, runs, exclude, uses)
     return predicted if bound is not None and bound < floor else None
+
+
+def _finer_predicted(thin: _Measured, chains, root, budget, runs, lean_step, exclude, uses):
+    """The step with `chains` sliced finer (step 5b), predicted from the measured sliced step
+    `thin` rather than measured (one step less, as long as an eager step), and its planner
+    problem: finer slices save what the first slicing saves and change only what the
+    backward through the chains holds, predicted at its lowest (_as_sliced: nothing above
+    base and the saved bytes; MobileNetV3's measured finer step gave the same problem, its
+    least to the byte). Its peak stays `thin`'s, a step measured (the search takes it for the
+    empty plan's, never returned above the budget). (None, None) where _as_sliced cannot
+    tell or the empty plan is predicted to fit the budget (that finer step is measured: fit
+    may return it without checkpoints)."""
+    finer = _as_sliced(thin, _finer(chains))
+    if finer is None:
+        return None, None
+    problem = _problem(finer, root, _runs_beside(runs, lean_step, finer, chains),
+                       exclude=_inside(chains) | exclude, uses=uses)
+    empty = _C.fit.predicted_peak(problem.base, problem.atoms, problem.candidates, [],
+                                  **problem.options)
+    if empty <= budget:
+        return None, None
+    return replace(finer, forward_backward_peak=thin.forward_backward_peak), problem
 
 
 # Per model (weakly held), weak references to the plans fit returned for it, oldest first
