@@ -21,6 +21,8 @@ averages the losses of the two halves: exactly the gradient DDP and FSDP average
 The test ends in bounded time even if a rank fails or hangs (ranks.py).
 """
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn as nn
@@ -246,9 +248,15 @@ def _train(config, mesh, rank):
 
 def reference(sliced, mlp=False):
     """One process, the same fitted model: each step's gradients of the average of the
-    halves' losses, and rank 0's BatchNorm statistics (half 0's forward only)."""
-    model, tracker = fitted(sliced, mlp)[0], fitted(sliced, mlp)[0]
-    return train_one_process(model, tracker, halves(), steps=STEPS, lr=LR)
+    halves' losses, and rank 0's BatchNorm statistics (half 0's forward only). fit's sizes
+    (_setup lowers them) are put back after: this process runs other tests too (the zoo's
+    fits, in one pytest process, then sliced chains they should not)."""
+    from memlean import fitting, sliced as slicing
+
+    with mock.patch.object(fitting, "_SLICE_MIN_BYTES", fitting._SLICE_MIN_BYTES), \
+            mock.patch.object(slicing, "SLICE_BYTES", slicing.SLICE_BYTES):
+        model, tracker = fitted(sliced, mlp)[0], fitted(sliced, mlp)[0]
+        return train_one_process(model, tracker, halves(), steps=STEPS, lr=LR)
 
 
 @pytest.fixture(scope="module")
