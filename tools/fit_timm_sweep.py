@@ -1,0 +1,90 @@
+"""memlean.fit across timm architectures: for each model, the least peak (a FitError of a
+1-byte budget), then fit at that least and halfway to the eager peak, each fitted step
+measured again apart from fit (fit_test.step_peak: memstats, exact on the CPU). A row per
+model: the least against eager's peak, and per budget whether it was kept, whether the
+measured peak equals the plan's, and the prediction's error ((predicted - measured) /
+measured). Not a test (minutes, and the models are timm's to change): a probe for models no
+test covers.
+
+    PYTHONPATH=<built package>:testing:ops/fit/tests \\
+        python3 tools/fit_timm_sweep.py --models resnet18,hrnet_w18_small --size 128 --batch 8
+
+A model that cannot train at the size itself (its own forward or backward fails) is listed as
+skipped; a fit that fails or breaks its budget as FAIL. Exit status 1 if any FAIL."""
+import argparse
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn as nn
+
+
+def sweep_one(name, size, batch):
+    import timm
+
+    import memlean
+    from fit_test import step_peak
+
+    torch.manual_seed(0)
+    try:
+        try:
+            model = timm.create_model(name, num_classes=10, img_size=size)
+        except TypeError:  # (no img_size: a CNN)
+            model = timm.create_model(name, num_classes=10)
+        model.train()
+        x = torch.randn(batch, 3, size, size)
+        y = torch.randint(0, 10, (batch,))
+        nn.functional.cross_entropy(model(x), y).backward()
+        model.zero_grad(set_to_none=True)
+    except Exception as e:  # the model itself at this size
+        return f"{name}: skipped ({type(e).__name__}: {str(e)[:100]})", True
+
+    def loss_fn(out):
+        return nn.functional.cross_entropy(out, y)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    started = time.perf_counter()
+    try:
+        memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
+        return f"{name}: FAIL (no FitError for a 1-byte budget)", False
+    except memlean.FitError as e:
+        least = e.least_peak_bytes
+    eager = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt).eager_peak_bytes
+    cells, ok = [], True
+    for budget in (least, (least + eager) // 2):
+        plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
+        if not opt.state:
+            step_peak(model, (x,), loss_fn, opt)  # the optimizer's state, as fit had it
+        measured = step_peak(model, (x,), loss_fn, opt)
+        plan.undo()
+        kept = measured <= budget and measured == plan.peak_bytes
+        ok &= kept
+        error = (plan.predicted_peak_bytes - measured) / measured
+        cells.append(f"{'kept' if kept else 'FAIL'} {error:+.4f}")
+    return (f"{name}: least {least:,} ({least / eager:.3f} of eager {eager:,}); at the least "
+            f"{cells[0]}, halfway {cells[1]}; {time.perf_counter() - started:.1f} s"), ok
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", required=True, help="comma-separated timm model names")
+    parser.add_argument("--size", type=int, default=64, help="image side (default 64)")
+    parser.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore")
+    failed = 0
+    for name in args.models.split(","):
+        try:
+            line, ok = sweep_one(name.strip(), args.size, args.batch)
+        except Exception as e:
+            line, ok = f"{name}: FAIL ({type(e).__name__}: {str(e)[:300]})", False
+        failed += not ok
+        print(line, flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
