@@ -9,9 +9,13 @@ test covers.
     PYTHONPATH=<built package>:testing:ops/fit/tests \\
         python3 tools/fit_timm_sweep.py --models resnet18,hrnet_w18_small --size 128 --batch 8
 
+--runs fits with runs=True; --channels-last puts the model and batch in channels_last;
+--autocast bf16 runs every step (fit's and the measured ones) in a CPU bfloat16 autocast region.
+
 A model that cannot train at the size itself (its own forward or backward fails) is listed as
 skipped; a fit that fails or breaks its budget as FAIL. Exit status 1 if any FAIL."""
 import argparse
+import contextlib
 import sys
 import time
 import warnings
@@ -20,11 +24,15 @@ import torch
 import torch.nn as nn
 
 
-def sweep_one(name, size, batch):
+def sweep_one(name, size, batch, runs=False, channels_last=False, autocast=None):
     import timm
 
     import memlean
     from fit_test import step_peak
+
+    def region():
+        return (torch.autocast("cpu", dtype=autocast) if autocast is not None
+                else contextlib.nullcontext())
 
     torch.manual_seed(0)
     try:
@@ -35,30 +43,42 @@ def sweep_one(name, size, batch):
         model.train()
         x = torch.randn(batch, 3, size, size)
         y = torch.randint(0, 10, (batch,))
-        nn.functional.cross_entropy(model(x), y).backward()
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
+            x = x.contiguous(memory_format=torch.channels_last)
+        with region():
+            nn.functional.cross_entropy(model(x), y).backward()
         model.zero_grad(set_to_none=True)
     except Exception as e:  # the model itself at this size
         return f"{name}: skipped ({type(e).__name__}: {str(e)[:100]})", True
 
     def loss_fn(out):
-        return nn.functional.cross_entropy(out, y)
+        return nn.functional.cross_entropy(out.float(), y)
 
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     started = time.perf_counter()
+    def fit(budget):
+        with region():
+            return memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt, runs=runs)
+
     try:
-        memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
+        fit(1)
         return f"{name}: FAIL (no FitError for a 1-byte budget)", False
     except memlean.FitError as e:
         least = e.least_peak_bytes
-    eager = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt).eager_peak_bytes
+    eager = fit(2**50).eager_peak_bytes
     cells, ok = [], True
     for budget in (least, (least + eager) // 2):
-        plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
+        plan = fit(budget)
         if not opt.state:
-            step_peak(model, (x,), loss_fn, opt)  # the optimizer's state, as fit had it
-        measured = step_peak(model, (x,), loss_fn, opt)
+            with region():  # (each step in a region of its own: autocast's cast cache)
+                step_peak(model, (x,), loss_fn, opt)  # the optimizer's state, as fit had it
+        with region():
+            measured = step_peak(model, (x,), loss_fn, opt)
         plan.undo()
         kept = measured <= budget and measured == plan.peak_bytes
+        if not kept:
+            print(f"  {name} budget {budget:,}: measured {measured:,}, fit's {plan.peak_bytes:,}")
         ok &= kept
         error = (plan.predicted_peak_bytes - measured) / measured
         cells.append(f"{'kept' if kept else 'FAIL'} {error:+.4f}")
@@ -72,13 +92,18 @@ def main(argv=None):
     parser.add_argument("--size", type=int, default=64, help="image side (default 64)")
     parser.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", action="store_true", help="fit with runs=True")
+    parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument("--autocast", choices=["bf16"], help="a CPU bfloat16 autocast region")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
     failed = 0
     for name in args.models.split(","):
         try:
-            line, ok = sweep_one(name.strip(), args.size, args.batch)
+            line, ok = sweep_one(name.strip(), args.size, args.batch, args.runs,
+                                 args.channels_last,
+                                 torch.bfloat16 if args.autocast == "bf16" else None)
         except Exception as e:
             line, ok = f"{name}: FAIL ({type(e).__name__}: {str(e)[:300]})", False
         failed += not ok
