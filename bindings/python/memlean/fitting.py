@@ -2366,8 +2366,9 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
     one eager step (when the optimizer has no state yet, after an optimizer step on zero
     gradients that gives it its state, or a real step where that would differ and on CUDA), one after the
     swaps (predicted instead where only lean backwards were swapped and the step would only
-    lead to slicing), one per slicing tried, and one per plan tried (with compile: two per
-    plan, the first compiling). Everything the steps change is put back.
+    lead to slicing), one per slicing tried (the finer slicing predicted instead where its
+    prediction holds), and one per plan tried (with compile: two per plan, the first
+    compiling). Everything the steps change is put back.
     """
     started = time.perf_counter()
     budget = parse_budget(budget_bytes)
