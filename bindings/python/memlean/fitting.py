@@ -112,9 +112,10 @@ class FitAction:
     model; for a sliced run, the saved bytes its calls lost, measured; for a Swish, a
     BatchNorm or a convolution, the measured saving of all these swaps shared in proportion
     to the modules' output bytes (0 for the lean backwards where fit did not measure their
-    step apart: below the least of checkpoints, it may go to the sliced step directly). recompute_seconds: the module's measured forward time (the
-    mean over the modules that do the same work, e.g. a model's repeated blocks; a sliced
-    run's modules' forward time; 0 for a swap)."""
+    step apart: below the least of checkpoints, it may go to the sliced step directly).
+    recompute_seconds: the module's measured forward time (the mean over the modules that do
+    the same work, e.g. a model's repeated blocks; a sliced run's modules' forward time; 0
+    for a swap)."""
 
     path: str
     action: str
@@ -2544,10 +2545,10 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 key = tuple(chosen)
                 if not traced:
                     untraced.add(key)
-                wraps = _checkpointed_modules(problem.calls, chosen)
+                wraps = _checkpointed_modules(problem.calls, chosen) if seen is not None else None
                 if key in known:
                     measured[key] = known[key]
-                elif seen is not None and wraps in seen:
+                elif wraps in (seen or {}):
                     measured[key] = seen[wraps]
                 else:
                     measured[key] = _measure_plan(step, problem.calls, chosen, compile_options,
@@ -2609,7 +2610,8 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             # Slicing predicted, at its lowest (_as_sliced), to go no lower than checkpoints
             # alone (ResNet-50 with runs, whose blocks' runs hold its chains): neither sliced
             # step is measured (each as long as an eager step), only checkpoints alone.
-            bound = _sliced_floor(current, chains, model, runs_found, unversioned, uses)
+            bound = _sliced_floor(_sliced_problem(current, chains, model, runs_found,
+                                                  unversioned, uses))
             if bound is not None and bound >= floor:
                 chains = []
         if not (chains and budget < floor):
@@ -2661,7 +2663,9 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 # Finer slices lower only what the backward through the chains holds: where
                 # the planner's least goes no lower with none held there (_as_sliced on this
                 # step), the finer step is not measured.
-                bound = _sliced_floor(thin, chains, model, problem2_runs, unversioned, uses)
+                finer_sliced = _sliced_problem(thin, chains, model, problem2_runs, unversioned,
+                                               uses)
+                bound = _sliced_floor(finer_sliced)
                 finer_possible = bound is None or bound < (floor if worse else floor2)
             skipped = (finer_possible and budget < floor2) or worse  # (as for those above)
             least2 = thin.peak
@@ -2679,8 +2683,7 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
                 # measured after all where a plan measures above its prediction, or no plan
                 # fits and the least plan measured above the predicted least. Every plan
                 # returned or named is measured either way.
-                finer, problem3 = _finer_predicted(thin, chains, model, budget, runs_found,
-                                                   lean_step, unversioned, uses)
+                finer, problem3 = _finer_predicted(thin, finer_sliced, budget)
                 seen = _PlansSeen()  # (plans measured with the prediction: not again)
                 for predicted in (True, False) if finer is not None else (False,):
                     if not predicted:
@@ -3124,16 +3127,22 @@ def _as_sliced(measured: _Measured, chains, lowest=()) -> Optional[_Measured]:
                    recorder=sliced_rec)
 
 
-def _sliced_floor(measured: _Measured, chains, root, runs, exclude, uses) -> Optional[int]:
-    """At most _floor of the step with `chains` sliced (or sliced finer, where `measured` is
-    sliced: _finer), from the recorded step `measured` (_as_sliced), with `runs` (indices into
-    its calls) and `exclude` as _problem takes them; None where _as_sliced cannot tell."""
+def _sliced_problem(measured: _Measured, chains, root, runs, exclude, uses):
+    """(the step with `chains` sliced, or sliced finer where `measured` is sliced: _finer,
+    predicted at its lowest from the recorded step `measured` by _as_sliced; its planner
+    problem), with `runs` (indices into its calls) and `exclude` as _problem takes them; None
+    where _as_sliced cannot tell."""
     as_sliced = _as_sliced(measured, _finer(chains))
     if as_sliced is None:
         return None
-    problem = _problem(as_sliced, root, _runs_beside(runs, measured, measured, chains),
-                       exclude=_inside(chains) | exclude, uses=uses)
-    return _floor(problem, as_sliced)
+    return as_sliced, _problem(as_sliced, root, _runs_beside(runs, measured, measured, chains),
+                               exclude=_inside(chains) | exclude, uses=uses)
+
+
+def _sliced_floor(sliced) -> Optional[int]:
+    """At most _floor of the step that _sliced_problem predicted (`sliced`, its result); None
+    where it could not tell."""
+    return None if sliced is None else _floor(sliced[1], sliced[0])
 
 
 def _lean_step_predicted(eager: _Measured, root, budget, runs, exclude,
@@ -3154,25 +3163,23 @@ def _lean_step_predicted(eager: _Measured, root, budget, runs, exclude,
     floor = _floor(_problem(predicted, root, runs, exclude=exclude, uses=uses), predicted)
     if budget >= floor:
         return None
-    bound = _sliced_floor(predicted, chains, root, runs, exclude, uses)
+    bound = _sliced_floor(_sliced_problem(predicted, chains, root, runs, exclude, uses))
     return predicted if bound is not None and bound < floor else None
 
 
-def _finer_predicted(thin: _Measured, chains, root, budget, runs, lean_step, exclude, uses):
-    """The step with `chains` sliced finer (step 5b), predicted from the measured sliced step
-    `thin` rather than measured (one step less, as long as an eager step), and its planner
-    problem: finer slices save what the first slicing saves and change only what the
-    backward through the chains holds, predicted at its lowest (_as_sliced: nothing above
-    base and the saved bytes; MobileNetV3's measured finer step gave the same problem, its
-    least to the byte). Its peak stays `thin`'s, a step measured (the search takes it for the
-    empty plan's, never returned above the budget). (None, None) where _as_sliced cannot
-    tell or the empty plan is predicted to fit the budget (that finer step is measured: fit
-    may return it without checkpoints)."""
-    finer = _as_sliced(thin, _finer(chains))
-    if finer is None:
+def _finer_predicted(thin: _Measured, sliced, budget):
+    """The step with the chains sliced finer (step 5b), predicted from the measured sliced
+    step `thin` rather than measured (one step less, as long as an eager step), and its
+    planner problem: `sliced`, _sliced_problem on `thin` (finer slices save what the first
+    slicing saves and change only what the backward through the chains holds, predicted at
+    its lowest: nothing above base and the saved bytes; MobileNetV3's measured finer step gave
+    the same problem, its least to the byte). Its peak stays `thin`'s, a step measured (the
+    search takes it for the empty plan's, never returned above the budget). (None, None)
+    where _sliced_problem could not tell or the empty plan is predicted to fit the budget
+    (that finer step is measured: fit may return it without checkpoints)."""
+    if sliced is None:
         return None, None
-    problem = _problem(finer, root, _runs_beside(runs, lean_step, finer, chains),
-                       exclude=_inside(chains) | exclude, uses=uses)
+    finer, problem = sliced
     empty = _C.fit.predicted_peak(problem.base, problem.atoms, problem.candidates, [],
                                   **problem.options)
     if empty <= budget:
