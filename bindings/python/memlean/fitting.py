@@ -2379,382 +2379,18 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
         raise TypeError(f"{_NAME}: runs must be a bool, got {type(runs).__name__}")
     if not isinstance(keep_grads, bool):
         raise TypeError(f"{_NAME}: keep_grads must be a bool, got {type(keep_grads).__name__}")
-    # On CUDA every decision is made against the budget less a margin (_cuda_margin), and the
-    # least a FitError names includes twice that margin: fit's measured step is one history
-    # of the caching allocator, the caller's steps are others.
-    requested = budget
-    if device.type == "cuda":
-        budget = requested - _cuda_margin(requested)
     saved = _Saved(model, optimizer, device, inputs)
-    undo_steps: List[Callable] = []
-
-    def undo_all():
-        for step in reversed(undo_steps):
-            step()
-        undo_steps.clear()
-
+    fitting = None  # (the call, once its step is made)
     try:
         model.train()
         step = _Step(model, inputs, loss_fn, optimizer, device, keep_grads)
         for p in step.params:
             p.grad = None  # the caller's stay in `saved`, untouched (keep_grads zeroes in place)
-        eager, unversioned = _eager_step(model, step, saved, optimizer)
-        fixed = eager.resident
-        actions: List[FitAction] = []
-        chains: list = []  # the chains recomputed in slices (step 4), once found
-
-        def done(peak, predicted, eager_only_runs=0, traced=False):
-            """The plan of what was changed so far, with the training state put back (traced:
-            its checkpoints are traced into the compiled graph; its chains are sliced finer
-            where their `fine` is set, as only while step 5b's plans are tried)."""
-            saved.restore()
-            plan = FitPlan(requested, peak, predicted, fixed, eager.peak, actions, undo_steps,
-                           device, time.perf_counter() - started, eager_only_runs,
-                           fine_slices=any(c.fine for c in chains),
-                           compiled=compiled, traced=traced)
-            plan._applied_to(model)
-            return plan
-
-        # With compile=: every decision on the compiled step (compiled afresh each time).
-        compiled = compile_options is not None
-        # Plans whose checkpoints run eagerly between compiled graphs (search(); the compiler
-        # failed on them traced: _measure_plan). Not traced at all for dynamo's "eager"
-        # backend: it runs the traced region as torch's eager checkpoint, whose recompute
-        # repeats the region's buffer updates (a BatchNorm's: its backward then fails).
-        untraced = set()
-        trace = compiled and compile_options.get("backend", "inductor") != "eager"
-        plain = _measure_plan(step, [], (), compile_options) if compiled else eager.peak
-        if plain <= budget:
-            return done(plain, plain)
-
-        # 1. Swish and BatchNorm, no recompute. (The lean BatchNorm backward: CPU eager steps
-        # only; compiled, torch's runs.)
-        rec = eager.recorder
-        lean = not step.cuda and not compiled
-        swapped = _swap_swish(model, rec, True, undo_steps, saved.training)
-        leans = _lean_modules(model, rec, undo_steps) if lean else []
-        # Modules called with an object whose state their forward may change (a key-value
-        # cache): no checkpoint holds them (_opaque_argument says why).
-        paths = _paths(model)
-        unversioned = unversioned | _stateful_modules(eager.recorder, paths)
-        uses = _uses(eager.recorder)
-
-        def runs_of(measured):
-            # Runs of sibling modules are eager-only (not checkpointed under torch.compile).
-            return (_runs(eager.recorder, measured.recorder, model, exclude=unversioned)
-                    if runs and not compiled else [])
-
-        current = eager
-        # The lean backwards alone (no Swish swapped), predicted rather than measured where the
-        # step with them would only decide to slice (_lean_step_predicted); measure_lean()
-        # measures it where a later decision needs it.
-        deferred = None
-        if leans and not swapped:
-            runs_found = runs_of(eager)  # (the prediction's: its recorder is eager's)
-            deferred = _lean_step_predicted(eager, model, budget, runs_found, unversioned, uses)
-        if deferred is not None:
-            current = deferred
-        elif swapped or leans:
-            try:
-                current = step.run(record=True)
-            except RuntimeError as e:
-                if "inplace operation" not in str(e):
-                    raise
-                # The dataflow check missed something (an op it cannot see): no in-place swap.
-                undo_all()
-                swapped = _swap_swish(model, rec, False, undo_steps, saved.training)
-                leans = _lean_modules(model, rec, undo_steps) if lean else []
-                current = step.run(record=True) if swapped or leans else eager
-            swapped += _keep_taken(leans, undo_steps)
-            actions += _swap_actions(swapped, max(0, eager.peak - current.peak))
-        empty_peak = current.peak if not compiled else (
-            _measure_plan(step, [], (), compile_options) if swapped else plain)
-        if empty_peak <= budget:
-            return done(empty_peak, empty_peak)
-        lean_step = current
-
-        # 2. Checkpoints, planned; 3. verified and tightened.
-        if deferred is None:
-            runs_found = runs_of(current)
-        problem = _problem(current, model, runs_found, exclude=unversioned, uses=uses)
-        lean_actions = len(actions)  # where the deferred lean modules' actions go, once kept
-        lean_kept = None  # those modules, (path, action, bytes), once kept
-
-        def keep_leans(inside=frozenset()):
-            """Keep the deferred lean modules as _keep_taken keeps them after a step that ran
-            them; their actions' saving 0 until measure_lean() measures it."""
-            nonlocal lean_kept
-            lean_kept = _keep_taken(leans, undo_steps, inside)
-            actions[lean_actions:lean_actions] = _swap_actions(lean_kept, 0)
-
-        def measure_lean(wrapped=None):
-            """Measure the lean step where it was predicted (deferred): its problem, floor and
-            empty plan's peak replace the predicted ones, and the lean modules' actions get
-            its measured saving. The chains' wrappers (`wrapped`) are off while it runs."""
-            nonlocal deferred, lean_step, problem, floor, empty_peak
-            if deferred is None:
-                return
-            deferred = None
-            for w in reversed(wrapped or []):
-                w()
-                undo_steps.remove(w)
-            lean_step = step.run(record=True)
-            if wrapped:
-                wrapped[:] = [_wrap(c) for c in chains]
-                undo_steps.extend(wrapped)
-            if lean_kept is None:
-                keep_leans()
-            actions[lean_actions:lean_actions + len(lean_kept)] = _swap_actions(
-                lean_kept, max(0, eager.peak - lean_step.peak))
-            problem = _problem(lean_step, model, runs_found, exclude=unversioned, uses=uses)
-            floor = _floor(problem, lean_step) if chains else None
-            empty_peak = lean_step.peak
-
-        def search(problem, empty_peak, seen=None):
-            """The search (ops/fit/search.h, the one loop of both languages): plan, measure
-            each plan, lower the target by any excess, bisect back up; the fastest plan
-            measured to fit, never one over the budget. Returns (chosen or None, peak,
-            predicted, least). With compile=: first with the checkpoints traced into the
-            compiled graph (faster), if the planner's least-peak plan fits so; if no plan
-            fits so, again with them run eagerly between graphs (the compiler's regions may
-            keep more: EfficientNet-B0's least compiled peak was 12 % lower so,
-            docs/fit.md); plans of that pass go to `untraced`."""
-            if not trace:
-                return search_as(problem, empty_peak, False, {}, seen)
-            # The planner's least-peak plan first, traced: over the budget, the traced search
-            # would only compile plans that do not fit (EfficientNet-B0: 298 s), so the second
-            # search runs at once.
-            least_plan = tuple(_C.fit.least_peak_plan(
-                problem.base, problem.atoms, problem.candidates,
-                **problem.options)[1])
-            probe = _measure_plan(step, problem.calls, least_plan, compile_options, untraced)
-            found = (None, probe, 0, probe)
-            if probe <= budget:
-                found = search_as(problem, empty_peak, True, {least_plan: probe})
-                if found[0] is not None:
-                    return found
-            again = search_as(problem, empty_peak, False, {}, seen)
-            return again[:3] + (min(found[3], again[3]),)
-
-        def search_as(problem, empty_peak, traced, known, seen=None):
-            """search() with the checkpoints traced or not; known: chosen -> peak measured
-            already (so); seen (where given): _PlansSeen, across searches of one step."""
-            measured = {}  # chosen -> measured peak, every plan the search measured
-
-            def measure(chosen):
-                key = tuple(chosen)
-                if not traced:
-                    untraced.add(key)
-                wraps = _checkpointed_modules(problem.calls, chosen) if seen is not None else None
-                if key in known:
-                    measured[key] = known[key]
-                elif wraps in (seen or {}):
-                    measured[key] = seen[wraps]
-                else:
-                    measured[key] = _measure_plan(step, problem.calls, chosen, compile_options,
-                                                  untraced)
-                if seen is not None:
-                    seen[wraps] = measured[key]
-                    if seen.strict and measured[key] > max(
-                            current.optimizer_peak, _C.fit.predicted_peak(
-                                problem.base, problem.atoms, problem.candidates, chosen,
-                                **problem.options)):
-                        raise _Mispredicted
-                return measured[key]
-
-            found, chosen, peak, predicted, _, least, _ = _C.fit.search(
-                problem.base, problem.atoms, problem.candidates, budget,
-                current.optimizer_peak, empty_peak, measure,
-                **problem.options)
-            signature = _signature(problem, compile_options) + (traced,)
-            remembered = _LEAST_PLANS.get(model, {}).get(signature)
-            if not found and remembered is not None and remembered[1] <= budget:
-                # The plan that reached the least an earlier FitError named for this step.
-                chosen = list(remembered[0])
-                peak = measure(chosen)
-                found = peak <= budget
-                predicted = _C.fit.predicted_peak(
-                    problem.base, problem.atoms, problem.candidates, chosen,
-                    **problem.options)
-            if found:
-                return chosen, peak, predicted, least
-            reached = [c for c, p in measured.items() if p == least]
-            if reached:
-                _LEAST_PLANS.setdefault(model, {})[signature] = (reached[0], least)
-            return None, peak, predicted, least
-
-        def checkpointed(problem, empty_peak, taken=(), eager_only=0, seen=None):
-            """search(problem): (the plan, with the actions `taken` to reach this step, its
-            checkpoints wrapped; or None, the least peak the search measured)."""
-            chosen, peak, predicted, least = search(problem, empty_peak, seen)
-            if chosen is None:
-                return None, least
-            actions.extend(taken)
-            traced = compiled and tuple(chosen) not in untraced
-            undo_steps.extend(_wrap(problem.calls[i].module,
-                                    traced=_traced(problem.calls[i], traced)) for i in chosen)
-            actions.extend(_checkpoint_actions(problem.calls, problem.candidates, chosen,
-                                               paths))
-            return done(peak, max(predicted, current.optimizer_peak), eager_only + sum(
-                isinstance(problem.calls[i].module, _Run) for i in chosen), traced), least
-
-        # 4. Below what checkpoints reach: chains of channelwise modules recomputed slice by
-        # slice of channels (memlean.sliced; CPU eager steps), then checkpoints again.
-        chains = _slices(eager.recorder, current.recorder, model, unversioned) if lean else []
-        # A budget well below the least peak the planner predicts for checkpoints alone (its
-        # predictions are exact in most steps: docs/fit.md) skips their search, which would
-        # only measure plans that do not fit; it runs after all if slicing goes no lower.
-        floor = _floor(problem, current) if chains else None  # (a run of the planner's DP)
-        least = None
-        if chains and budget < floor:
-            # Slicing predicted, at its lowest (_as_sliced), to go no lower than checkpoints
-            # alone (ResNet-50 with runs, whose blocks' runs hold its chains): neither sliced
-            # step is measured (each as long as an eager step), only checkpoints alone.
-            bound = _sliced_floor(_sliced_problem(current, chains, model, runs_found,
-                                                  unversioned, uses))
-            if bound is not None and bound >= floor:
-                chains = []
-        if not (chains and budget < floor):
-            plan, least = checkpointed(problem, empty_peak)
-            if plan is not None:
-                return plan
-        thin = None
-        if chains:
-            wraps = [_wrap(c) for c in chains]
-            undo_steps.extend(wraps)
-            try:
-                thin = step.run(record=True)
-            except RuntimeError as e:
-                # A sliced chain failed where its modules in turn ran (something its checks
-                # did not foresee): fit goes on without slicing, and says so.
-                for w in reversed(wraps):
-                    w()
-                    undo_steps.remove(w)
-                warnings.warn(f"{_NAME}: the step with {len(chains)} chain(s) recomputed in "
-                              f"slices failed ({type(e).__name__}: {e}); fit goes on without "
-                              f"slicing. Please report this.", RuntimeWarning, stacklevel=2)
-                chains = []
-                measure_lean()
-                if least is None:
-                    plan, least = checkpointed(problem, empty_peak)
-                    if plan is not None:
-                        return plan
-        if thin is not None:
-            if deferred is not None:
-                keep_leans(_inside(chains))
-            slice_actions = _slice_actions(chains, lean_step, thin, paths)
-            if thin.peak <= budget:
-                actions.extend(slice_actions)
-                return done(thin.peak, thin.peak, len(chains))
-            problem2_runs = _runs_beside(runs_found, current, thin, chains)
-            problem2 = _problem(thin, model, problem2_runs,
-                                exclude=_inside(chains) | unversioned, uses=uses)
-            current = thin  # (the step the search measures against)
-            finer_possible = any(c.finer for c in chains)
-            floor2 = _floor(problem2, thin)
-            # Checkpoints alone, not searched (the budget is below their floor), predicted to
-            # go lower than this slicing (where the bound above did not tell: a small ResNet's
-            # chains' backward held more than it counts): its search would only measure plans
-            # that go no lower; theirs follows below.
-            if deferred is not None and floor <= floor2:
-                measure_lean(wraps)  # (its floor, predicted at its lowest, cannot decide)
-            worse = least is None and floor <= floor2
-            if finer_possible:
-                # Finer slices lower only what the backward through the chains holds: where
-                # the planner's least goes no lower with none held there (_as_sliced on this
-                # step), the finer step is not measured.
-                finer_sliced = _sliced_problem(thin, chains, model, problem2_runs, unversioned,
-                                               uses)
-                bound = _sliced_floor(finer_sliced)
-                finer_possible = bound is None or bound < (floor if worse else floor2)
-            skipped = (finer_possible and budget < floor2) or worse  # (as for those above)
-            least2 = thin.peak
-            if not skipped:
-                plan, least2 = checkpointed(problem2, thin.peak, slice_actions, len(chains))
-                if plan is not None:
-                    return plan
-                least2 = min(least2, thin.peak)
-            if finer_possible:
-                # 5b. Finer slices behind 1x1 heads: fewer bytes, more time (each slice reads
-                # the head's whole input): only below what the first slicing reaches.
-                for c in chains:
-                    c.fine = True
-                # The finer step predicted, not measured, where it can be (_finer_predicted);
-                # measured after all where a plan measures above its prediction, or no plan
-                # fits and the least plan measured above the predicted least. Every plan
-                # returned or named is measured either way.
-                finer, problem3 = _finer_predicted(thin, finer_sliced, budget)
-                seen = _PlansSeen()  # (plans measured with the prediction: not again)
-                for predicted in (True, False) if finer is not None else (False,):
-                    if not predicted:
-                        finer = step.run(record=True)
-                        if finer.peak <= budget:
-                            actions.extend(_slice_actions(chains, lean_step, finer, paths))
-                            return done(finer.peak, finer.peak, len(chains))
-                        problem3 = _problem(finer, model,
-                                            _runs_beside(runs_found, lean_step, finer, chains),
-                                            exclude=_inside(chains) | unversioned, uses=uses)
-                        least2 = min(least2, finer.peak)
-                    current = finer
-                    floor3 = _floor(problem3, finer)
-                    if floor3 >= (floor if worse else floor2) and skipped:
-                        break  # (the planner predicts no lower least than the first slicing's,
-                        # which was not searched: at its lowest if predicted)
-                    seen.strict = predicted
-                    try:
-                        plan, least3 = checkpointed(problem3, finer.peak, _slice_actions(
-                            chains, lean_step, finer, paths), len(chains), seen)
-                    except _Mispredicted:
-                        continue  # (a plan measured above the prediction: the finer step)
-                    if plan is not None:
-                        return plan
-                    least2 = min(least2, least3)
-                    if least3 <= _least_predicted(problem3, finer):
-                        break  # (the prediction held for the least plan: no lower least)
-                for c in chains:
-                    c.fine = False
-                current = thin
-                if skipped and least2 >= floor2 and not worse:
-                    # Finer slices went no lower than the first slicing is predicted to: its
-                    # search after all.
-                    plan, least3 = checkpointed(problem2, thin.peak, slice_actions,
-                                                len(chains))
-                    if plan is not None:
-                        return plan
-                    least2 = min(least2, least3)
-            if deferred is not None and least is None and least2 >= floor:
-                measure_lean(wraps)  # (as above)
-            if least is None and least2 >= floor:
-                # Slicing went no lower than checkpoints alone are predicted to: their search,
-                # for the least it measures (and a plan, were the prediction high).
-                for w in reversed(wraps):
-                    w()
-                    undo_steps.remove(w)
-                current = lean_step
-                plan, least = checkpointed(problem, empty_peak)
-                if plan is not None:
-                    return plan
-            least = least2 if least is None else min(least, least2)
-        # The step as it was is one fit can return (the empty plan) where it fits: the least
-        # named is never above it, even if what fit changed went no lower.
-        least = min(least, plain)
-        margin = ""
-        if device.type == "cuda":
-            margin = (f" (the least measured, {_C.fit.describe_bytes(least)}, plus twice the "
-                      f"margin fit keeps on CUDA)")
-            least += 2 * _cuda_margin(least)
-        raise FitError(
-            f"{_NAME}: budget_bytes={requested} ({_gib(requested)}) is below the least step "
-            f"peak memlean.fit reaches for this model and batch: "
-            f"{_C.fit.describe_bytes(least)}{margin} "
-            f"(in-place Swish where safe, lean BatchNorm and depthwise-convolution "
-            f"backwards, {'sliced recompute, ' if chains else ''}and checkpoints"
-            f"{', compiled with torch.compile' if compiled else ''}), measured; the eager step "
-            f"peaks at {_C.fit.describe_bytes(eager.peak)}, of which "
-            f"{_C.fit.describe_bytes(fixed)} are parameters, buffers, optimizer state and the "
-            f"batch. Use a larger budget or a smaller batch.", requested, least)
+        fitting = _Fitting(step, saved, budget, compile_options, runs, started)
+        return fitting.run()
     except BaseException:
-        undo_all()
+        if fitting is not None:
+            fitting.undo_all()
         saved.restore()
         raise
     finally:
@@ -2762,6 +2398,434 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
             import torch._dynamo
 
             torch._dynamo.reset()  # fit's compiled code: the caller compiles the fitted model
+
+
+class _Fitting:
+    """One call of memlean.fit: its steps (docs/fit.md numbers them) and the state they share.
+
+    run() takes them in turn: the eager step measured (1); the swaps, no recompute (_swap:
+    2); checkpoints alone, planned (3) and verified and tightened (4) by checkpointed(); the
+    chains and MLPs recomputed in slices, then checkpoints again (_slice and _sliced: 5, 5c);
+    the chains' finer slices (_finer: 5b); checkpoints alone after all where slicing went no
+    lower (_sliced). Each returns a FitPlan where the step fits, else the least peak it
+    measured; run() raises the FitError. undo_all() undoes what they changed (fit calls it on
+    any exception).
+
+    State: `current` is the step the search measures plans against (its optimizer peak);
+    `lean_step` the step after the swaps (`deferred`: predicted, not measured, until
+    measure_lean()); `problem`, `floor` and `empty_peak` are checkpoints alone's on the lean
+    step; `chains` the chains recomputed in slices, once found (empty where slicing is given
+    up); `actions` and `undo_steps` what was changed so far."""
+
+    def __init__(self, step: _Step, saved: _Saved, budget: int, compile_options, runs: bool,
+                 started: float):
+        self.step, self.model, self.saved = step, step.model, saved
+        self.started = started
+        # On CUDA every decision is made against the budget less a margin (_cuda_margin), and
+        # the least a FitError names includes twice that margin: fit's measured step is one
+        # history of the caching allocator, the caller's steps are others.
+        self.requested = budget
+        self.budget = budget - _cuda_margin(budget) if step.cuda else budget
+        self.compile_options = compile_options
+        # With compile=: every decision on the compiled step (compiled afresh each time).
+        self.compiled = compile_options is not None
+        # Plans whose checkpoints run eagerly between compiled graphs (search(); the compiler
+        # failed on them traced: _measure_plan). Not traced at all for dynamo's "eager"
+        # backend: it runs the traced region as torch's eager checkpoint, whose recompute
+        # repeats the region's buffer updates (a BatchNorm's: its backward then fails).
+        self.untraced = set()
+        self.trace = self.compiled and compile_options.get("backend", "inductor") != "eager"
+        self.runs = runs
+        self.undo_steps: List[Callable] = []
+        self.actions: List[FitAction] = []
+        self.chains: list = []
+        self.deferred = None
+        self.lean_kept = None  # the deferred lean modules, (path, action, bytes), once kept
+
+    def undo_all(self) -> None:
+        for undo in reversed(self.undo_steps):
+            undo()
+        self.undo_steps.clear()
+
+    def unwrap(self, wraps) -> None:
+        """Undo the chains' wrappers `wraps` (of undo_steps)."""
+        for w in reversed(wraps):
+            w()
+            self.undo_steps.remove(w)
+
+    def done(self, peak, predicted, eager_only_runs=0, traced=False) -> FitPlan:
+        """The plan of what was changed so far, with the training state put back (traced:
+        its checkpoints are traced into the compiled graph; its chains are sliced finer where
+        their `fine` is set, as only while step 5b's plans are tried)."""
+        self.saved.restore()
+        plan = FitPlan(self.requested, peak, predicted, self.fixed, self.eager.peak,
+                       self.actions, self.undo_steps, self.step.device,
+                       time.perf_counter() - self.started, eager_only_runs,
+                       fine_slices=any(c.fine for c in self.chains), compiled=self.compiled,
+                       traced=traced)
+        plan._applied_to(self.model)
+        return plan
+
+    def run(self) -> FitPlan:
+        step = self.step
+        self.eager, self.unversioned = _eager_step(self.model, step, self.saved,
+                                                   step.optimizer)
+        self.fixed = self.eager.resident
+        self.plain = (_measure_plan(step, [], (), self.compile_options) if self.compiled
+                      else self.eager.peak)
+        if self.plain <= self.budget:
+            return self.done(self.plain, self.plain)
+        plan = self._swap()
+        if plan is not None:
+            return plan
+        plan, least = self._slice()
+        if plan is not None:
+            return plan
+        raise self._error(least)
+
+    def runs_of(self, measured) -> list:
+        # Runs of sibling modules are eager-only (not checkpointed under torch.compile).
+        return (_runs(self.eager.recorder, measured.recorder, self.model,
+                      exclude=self.unversioned) if self.runs and not self.compiled else [])
+
+    def _swap(self) -> Optional[FitPlan]:
+        """2. Swish and BatchNorm, no recompute (the lean BatchNorm backward: CPU eager steps
+        only; compiled, torch's runs): the plan where the step so fits, else None with
+        checkpoints alone's problem made (3)."""
+        model, step, eager = self.model, self.step, self.eager
+        rec = eager.recorder
+        self.lean = not step.cuda and not self.compiled
+        swapped = _swap_swish(model, rec, True, self.undo_steps, self.saved.training)
+        self.leans = _lean_modules(model, rec, self.undo_steps) if self.lean else []
+        # Modules called with an object whose state their forward may change (a key-value
+        # cache): no checkpoint holds them (_opaque_argument says why).
+        self.paths = _paths(model)
+        self.unversioned = self.unversioned | _stateful_modules(eager.recorder, self.paths)
+        self.uses = _uses(eager.recorder)
+        self.current = eager
+        # The lean backwards alone (no Swish swapped), predicted rather than measured where
+        # the step with them would only decide to slice (_lean_step_predicted); measure_lean()
+        # measures it where a later decision needs it.
+        if self.leans and not swapped:
+            self.runs_found = self.runs_of(eager)  # (the prediction's: its recorder is eager's)
+            self.deferred = _lean_step_predicted(eager, model, self.budget, self.runs_found,
+                                                 self.unversioned, self.uses)
+        if self.deferred is not None:
+            self.current = self.deferred
+        elif swapped or self.leans:
+            try:
+                self.current = step.run(record=True)
+            except RuntimeError as e:
+                if "inplace operation" not in str(e):
+                    raise
+                # The dataflow check missed something (an op it cannot see): no in-place swap.
+                self.undo_all()
+                swapped = _swap_swish(model, rec, False, self.undo_steps, self.saved.training)
+                self.leans = _lean_modules(model, rec, self.undo_steps) if self.lean else []
+                self.current = step.run(record=True) if swapped or self.leans else eager
+            swapped += _keep_taken(self.leans, self.undo_steps)
+            self.actions += _swap_actions(swapped, max(0, eager.peak - self.current.peak))
+        self.empty_peak = self.current.peak if not self.compiled else (
+            _measure_plan(step, [], (), self.compile_options) if swapped else self.plain)
+        if self.empty_peak <= self.budget:
+            return self.done(self.empty_peak, self.empty_peak)
+        self.lean_step = self.current
+        if self.deferred is None:
+            self.runs_found = self.runs_of(self.current)
+        self.problem = _problem(self.current, model, self.runs_found, exclude=self.unversioned,
+                                uses=self.uses)
+        self.lean_actions = len(self.actions)  # where the deferred lean modules' actions go
+        return None
+
+    def keep_leans(self, inside=frozenset()) -> None:
+        """Keep the deferred lean modules as _keep_taken keeps them after a step that ran
+        them; their actions' saving 0 until measure_lean() measures it."""
+        self.lean_kept = _keep_taken(self.leans, self.undo_steps, inside)
+        self.actions[self.lean_actions:self.lean_actions] = _swap_actions(self.lean_kept, 0)
+
+    def measure_lean(self, wrapped=None) -> None:
+        """Measure the lean step where it was predicted (deferred): its problem, floor and
+        empty plan's peak replace the predicted ones, and the lean modules' actions get its
+        measured saving. The chains' wrappers (`wrapped`) are off while it runs."""
+        if self.deferred is None:
+            return
+        self.deferred = None
+        self.unwrap(wrapped or [])
+        self.lean_step = self.step.run(record=True)
+        if wrapped:
+            wrapped[:] = [_wrap(c) for c in self.chains]
+            self.undo_steps.extend(wrapped)
+        if self.lean_kept is None:
+            self.keep_leans()
+        at = self.lean_actions
+        self.actions[at:at + len(self.lean_kept)] = _swap_actions(
+            self.lean_kept, max(0, self.eager.peak - self.lean_step.peak))
+        self.problem = _problem(self.lean_step, self.model, self.runs_found,
+                                exclude=self.unversioned, uses=self.uses)
+        self.floor = _floor(self.problem, self.lean_step) if self.chains else None
+        self.empty_peak = self.lean_step.peak
+
+    def search(self, problem, empty_peak, seen=None):
+        """The search (ops/fit/search.h, the one loop of both languages): plan, measure each
+        plan, lower the target by any excess, bisect back up; the fastest plan measured to
+        fit, never one over the budget. Returns (chosen or None, peak, predicted, least).
+        With compile=: first with the checkpoints traced into the compiled graph (faster), if
+        the planner's least-peak plan fits so; if no plan fits so, again with them run
+        eagerly between graphs (the compiler's regions may keep more: EfficientNet-B0's least
+        compiled peak was 12 % lower so, docs/fit.md); plans of that pass go to `untraced`."""
+        if not self.trace:
+            return self.search_as(problem, empty_peak, False, {}, seen)
+        # The planner's least-peak plan first, traced: over the budget, the traced search
+        # would only compile plans that do not fit (EfficientNet-B0: 298 s), so the second
+        # search runs at once.
+        least_plan = tuple(_C.fit.least_peak_plan(
+            problem.base, problem.atoms, problem.candidates, **problem.options)[1])
+        probe = _measure_plan(self.step, problem.calls, least_plan, self.compile_options,
+                              self.untraced)
+        found = (None, probe, 0, probe)
+        if probe <= self.budget:
+            found = self.search_as(problem, empty_peak, True, {least_plan: probe})
+            if found[0] is not None:
+                return found
+        again = self.search_as(problem, empty_peak, False, {}, seen)
+        return again[:3] + (min(found[3], again[3]),)
+
+    def search_as(self, problem, empty_peak, traced, known, seen=None):
+        """search() with the checkpoints traced or not; known: chosen -> peak measured
+        already (so); seen (where given): _PlansSeen, across searches of one step."""
+        measured = {}  # chosen -> measured peak, every plan the search measured
+
+        def measure(chosen):
+            key = tuple(chosen)
+            if not traced:
+                self.untraced.add(key)
+            wraps = _checkpointed_modules(problem.calls, chosen) if seen is not None else None
+            if key in known:
+                measured[key] = known[key]
+            elif wraps in (seen or {}):
+                measured[key] = seen[wraps]
+            else:
+                measured[key] = _measure_plan(self.step, problem.calls, chosen,
+                                              self.compile_options, self.untraced)
+            if seen is not None:
+                seen[wraps] = measured[key]
+                if seen.strict and measured[key] > max(
+                        self.current.optimizer_peak, _C.fit.predicted_peak(
+                            problem.base, problem.atoms, problem.candidates, chosen,
+                            **problem.options)):
+                    raise _Mispredicted
+            return measured[key]
+
+        found, chosen, peak, predicted, _, least, _ = _C.fit.search(
+            problem.base, problem.atoms, problem.candidates, self.budget,
+            self.current.optimizer_peak, empty_peak, measure, **problem.options)
+        signature = _signature(problem, self.compile_options) + (traced,)
+        remembered = _LEAST_PLANS.get(self.model, {}).get(signature)
+        if not found and remembered is not None and remembered[1] <= self.budget:
+            # The plan that reached the least an earlier FitError named for this step.
+            chosen = list(remembered[0])
+            peak = measure(chosen)
+            found = peak <= self.budget
+            predicted = _C.fit.predicted_peak(
+                problem.base, problem.atoms, problem.candidates, chosen, **problem.options)
+        if found:
+            return chosen, peak, predicted, least
+        reached = [c for c, p in measured.items() if p == least]
+        if reached:
+            _LEAST_PLANS.setdefault(self.model, {})[signature] = (reached[0], least)
+        return None, peak, predicted, least
+
+    def checkpointed(self, problem, empty_peak, taken=(), eager_only=0, seen=None):
+        """search(problem): (the plan, with the actions `taken` to reach this step, its
+        checkpoints wrapped; or None, the least peak the search measured)."""
+        chosen, peak, predicted, least = self.search(problem, empty_peak, seen)
+        if chosen is None:
+            return None, least
+        self.actions.extend(taken)
+        traced = self.compiled and tuple(chosen) not in self.untraced
+        calls = problem.calls
+        self.undo_steps.extend(_wrap(calls[i].module, traced=_traced(calls[i], traced))
+                               for i in chosen)
+        self.actions.extend(_checkpoint_actions(calls, problem.candidates, chosen, self.paths))
+        return self.done(peak, max(predicted, self.current.optimizer_peak), eager_only + sum(
+            isinstance(calls[i].module, _Run) for i in chosen), traced), least
+
+    def _slice(self):
+        """3 and 4: checkpoints alone; 5: below what they reach, chains of channelwise modules
+        (and MLPs) recomputed slice by slice (memlean.sliced; CPU eager steps), then
+        checkpoints again (_sliced). (plan, least) or (None, least)."""
+        budget = self.budget
+        self.chains = (_slices(self.eager.recorder, self.current.recorder, self.model,
+                               self.unversioned) if self.lean else [])
+        # A budget well below the least peak the planner predicts for checkpoints alone (its
+        # predictions are exact in most steps: docs/fit.md) skips their search, which would
+        # only measure plans that do not fit; it runs after all if slicing goes no lower.
+        self.floor = _floor(self.problem, self.current) if self.chains else None
+        least = None
+        if self.chains and budget < self.floor:
+            # Slicing predicted, at its lowest (_as_sliced), to go no lower than checkpoints
+            # alone (ResNet-50 with runs, whose blocks' runs hold its chains): neither sliced
+            # step is measured (each as long as an eager step), only checkpoints alone.
+            bound = _sliced_floor(_sliced_problem(self.current, self.chains, self.model,
+                                                  self.runs_found, self.unversioned,
+                                                  self.uses))
+            if bound is not None and bound >= self.floor:
+                self.chains = []
+        if not (self.chains and budget < self.floor):
+            plan, least = self.checkpointed(self.problem, self.empty_peak)
+            if plan is not None:
+                return plan, least
+        if not self.chains:
+            return None, least
+        wraps = [_wrap(c) for c in self.chains]
+        self.undo_steps.extend(wraps)
+        try:
+            thin = self.step.run(record=True)
+        except RuntimeError as e:
+            # A sliced chain failed where its modules in turn ran (something its checks did
+            # not foresee): fit goes on without slicing, and says so.
+            self.unwrap(wraps)
+            warnings.warn(f"{_NAME}: the step with {len(self.chains)} chain(s) recomputed in "
+                          f"slices failed ({type(e).__name__}: {e}); fit goes on without "
+                          f"slicing. Please report this.", RuntimeWarning, stacklevel=4)
+            self.chains = []
+            self.measure_lean()
+            if least is None:
+                return self.checkpointed(self.problem, self.empty_peak)
+            return None, least
+        return self._sliced(thin, wraps, least)
+
+    def _sliced(self, thin, wraps, least):
+        """5. Checkpoints on the step with the chains sliced (`thin`, their wrappers `wraps`;
+        `least`: checkpoints alone's, None where not searched), then 5b (_finer), then
+        checkpoints alone where slicing went no lower than they are predicted to."""
+        model, budget, chains = self.model, self.budget, self.chains
+        if self.deferred is not None:
+            self.keep_leans(_inside(chains))
+        slice_actions = _slice_actions(chains, self.lean_step, thin, self.paths)
+        if thin.peak <= budget:
+            self.actions.extend(slice_actions)
+            return self.done(thin.peak, thin.peak, len(chains)), least
+        runs2 = _runs_beside(self.runs_found, self.current, thin, chains)
+        problem2 = _problem(thin, model, runs2, exclude=_inside(chains) | self.unversioned,
+                            uses=self.uses)
+        self.current = thin  # (the step the search measures against)
+        finer_possible = any(c.finer for c in chains)
+        floor2 = _floor(problem2, thin)
+        # Checkpoints alone, not searched (the budget is below their floor), predicted to go
+        # lower than this slicing (where the bound above did not tell: a small ResNet's
+        # chains' backward held more than it counts): its search would only measure plans
+        # that go no lower; theirs follows below.
+        if self.deferred is not None and self.floor <= floor2:
+            self.measure_lean(wraps)  # (its floor, predicted at its lowest, cannot decide)
+        worse = least is None and self.floor <= floor2
+        bar = self.floor if worse else floor2  # the least the planner predicts so far
+        if finer_possible:
+            # Finer slices lower only what the backward through the chains holds: where the
+            # planner's least goes no lower with none held there (_as_sliced on this step),
+            # the finer step is not measured.
+            finer_sliced = _sliced_problem(thin, chains, model, runs2, self.unversioned,
+                                           self.uses)
+            bound = _sliced_floor(finer_sliced)
+            finer_possible = bound is None or bound < bar
+        skipped = (finer_possible and budget < floor2) or worse  # (as for those above)
+        least2 = thin.peak
+        if not skipped:
+            plan, least2 = self.checkpointed(problem2, thin.peak, slice_actions, len(chains))
+            if plan is not None:
+                return plan, least2
+            least2 = min(least2, thin.peak)
+        if finer_possible:
+            plan, least2 = self._finer(thin, finer_sliced, least2, bar, skipped)
+            if plan is not None:
+                return plan, least2
+            if skipped and least2 >= floor2 and not worse:
+                # Finer slices went no lower than the first slicing is predicted to: its
+                # search after all.
+                plan, least3 = self.checkpointed(problem2, thin.peak, slice_actions,
+                                                 len(chains))
+                if plan is not None:
+                    return plan, least3
+                least2 = min(least2, least3)
+        if self.deferred is not None and least is None and least2 >= self.floor:
+            self.measure_lean(wraps)  # (as above)
+        if least is None and least2 >= self.floor:
+            # Slicing went no lower than checkpoints alone are predicted to: their search,
+            # for the least it measures (and a plan, were the prediction high).
+            self.unwrap(wraps)
+            self.current = self.lean_step
+            plan, least = self.checkpointed(self.problem, self.empty_peak)
+            if plan is not None:
+                return plan, least
+        return None, least2 if least is None else min(least, least2)
+
+    def _finer(self, thin, sliced, least2, bar, skipped):
+        """5b. Finer slices behind 1x1 heads: fewer bytes, more time (each slice reads the
+        head's whole input): only below what the first slicing (`thin`, as `sliced` predicts
+        it at its lowest) reaches. `least2`: the least measured so far on it; `bar`: the least
+        the planner predicts so far; `skipped`: the first slicing's search was skipped.
+        (plan, least2) or (None, least2), the chains sliced as in `thin` again."""
+        budget, chains = self.budget, self.chains
+        for c in chains:
+            c.fine = True
+        # The finer step predicted, not measured, where it can be (_finer_predicted); measured
+        # after all where a plan measures above its prediction, or no plan fits and the least
+        # plan measured above the predicted least. Every plan returned or named is measured
+        # either way.
+        finer, problem3 = _finer_predicted(thin, sliced, budget)
+        seen = _PlansSeen()  # (plans measured with the prediction: not again)
+        for predicted in (True, False) if finer is not None else (False,):
+            if not predicted:
+                finer = self.step.run(record=True)
+                if finer.peak <= budget:
+                    self.actions.extend(_slice_actions(chains, self.lean_step, finer,
+                                                       self.paths))
+                    return self.done(finer.peak, finer.peak, len(chains)), least2
+                problem3 = _problem(finer, self.model,
+                                    _runs_beside(self.runs_found, self.lean_step, finer, chains),
+                                    exclude=_inside(chains) | self.unversioned, uses=self.uses)
+                least2 = min(least2, finer.peak)
+            self.current = finer
+            if _floor(problem3, finer) >= bar and skipped:
+                break  # (the planner predicts no lower least than the first slicing's, which
+                # was not searched: at its lowest if predicted)
+            seen.strict = predicted
+            try:
+                plan, least3 = self.checkpointed(problem3, finer.peak, _slice_actions(
+                    chains, self.lean_step, finer, self.paths), len(chains), seen)
+            except _Mispredicted:
+                continue  # (a plan measured above the prediction: the finer step)
+            if plan is not None:
+                return plan, least2
+            least2 = min(least2, least3)
+            if least3 <= _least_predicted(problem3, finer):
+                break  # (the prediction held for the least plan: no lower least)
+        for c in chains:
+            c.fine = False
+        self.current = thin
+        return None, least2
+
+    def _error(self, least) -> FitError:
+        """The FitError naming `least`, the least step peak measured."""
+        # The step as it was is one fit can return (the empty plan) where it fits: the least
+        # named is never above it, even if what fit changed went no lower.
+        least = min(least, self.plain)
+        margin = ""
+        if self.step.cuda:
+            margin = (f" (the least measured, {_C.fit.describe_bytes(least)}, plus twice the "
+                      f"margin fit keeps on CUDA)")
+            least += 2 * _cuda_margin(least)
+        requested = self.requested
+        return FitError(
+            f"{_NAME}: budget_bytes={requested} ({_gib(requested)}) is below the least step "
+            f"peak memlean.fit reaches for this model and batch: "
+            f"{_C.fit.describe_bytes(least)}{margin} "
+            f"(in-place Swish where safe, lean BatchNorm and depthwise-convolution "
+            f"backwards, {'sliced recompute, ' if self.chains else ''}and checkpoints"
+            f"{', compiled with torch.compile' if self.compiled else ''}), measured; the eager "
+            f"step peaks at {_C.fit.describe_bytes(self.eager.peak)}, of which "
+            f"{_C.fit.describe_bytes(self.fixed)} are parameters, buffers, optimizer state "
+            f"and the batch. Use a larger budget or a smaller batch.", requested, least)
 
 
 _APPLY = "memlean.apply_plan"

@@ -1911,9 +1911,10 @@ class FitTest(unittest.TestCase):
                 # Just below (checkpoints searched first) and far below (their search skipped
                 # for slicing, then run after all).
                 for budget in (without - 1, without // 2):
-                    with self.assertWarnsRegex(RuntimeWarning, "boom.*without slicing"):
+                    with self.assertWarnsRegex(RuntimeWarning, "boom.*without slicing") as w:
                         with self.assertRaises(memlean.FitError) as caught:
                             memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
+                    self.assertEqual(w.filename, __file__)  # (the warning names fit's caller)
                     self.assertEqual(caught.exception.least_peak_bytes, without)
                     self.assertNotIn("sliced recompute", str(caught.exception))
                     self.assertEqual(wrapped_forwards(model), [])
