@@ -39,8 +39,8 @@ from memlean.conv import conv2d  # noqa: E402
 from memlean.sliced import sliced_chain, sliced_gated_mlp, sliced_mlp  # noqa: E402
 from memlean import memstats  # noqa: E402,F401  (memlean.memstats.track(), ...)
 from memlean.fitting import (  # noqa: E402
-    FitAction, FitError, FitPlan, apply_plan, fit, parse_budget)
+    FitAction, FitError, FitPlan, apply_plan, fit, parse_budget, unfit)
 
 __all__ = ["Swish", "VARIANTS", "swish", "swish_", "__version__",
-           "BatchNorm2d", "batch_norm", "conv2d", "sliced_chain", "sliced_mlp", "sliced_gated_mlp", "FitAction", "FitError", "FitPlan", "apply_plan", "fit", "parse_budget", "CheckpointFunction", "LayerCost", "SegmentPlan", "checkpoint",
+           "BatchNorm2d", "batch_norm", "conv2d", "sliced_chain", "sliced_mlp", "sliced_gated_mlp", "FitAction", "FitError", "FitPlan", "apply_plan", "fit", "parse_budget", "unfit", "CheckpointFunction", "LayerCost", "SegmentPlan", "checkpoint",
            "checkpoint_sequential", "is_recomputing", "measure_layer_costs", "plan_segments"]

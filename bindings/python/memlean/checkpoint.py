@@ -607,8 +607,26 @@ def wrap_forward(module: torch.nn.Module, forward: Callable, rewrap=None) -> Cal
         rewraps = rewraps + ([rewrap] if rewrap is not None else [])
         return make, make_args, (state, rewraps)
 
+    def undo():
+        put(before)
+
+    reduce_ex.__memlean_undo__ = undo  # (unwrap_forwards: a module loaded or copied so)
     put({"forward": forward, "__deepcopy__": deepcopy, "__reduce_ex__": reduce_ex})
-    return lambda: put(before)
+    return undo
+
+
+def unwrap_forwards(module: torch.nn.Module) -> int:
+    """Undo every wrapper wrap_forward set on ``module`` (the last first), those made again
+    by loading or copying it included; returns how many. A forward set otherwise (as an
+    instance attribute, by the caller) stays."""
+    count = 0
+    while True:
+        reduce_ex = module.__dict__.get("__reduce_ex__")
+        undo = getattr(reduce_ex, "__memlean_undo__", None)
+        if undo is None:
+            return count
+        undo()
+        count += 1
 
 
 def _new_wrapped(cls) -> torch.nn.Module:

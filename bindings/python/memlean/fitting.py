@@ -83,7 +83,8 @@ from memlean import _C, memstats, sliced
 from memlean.lean import lean_forward
 from memlean.checkpoint import (_module_buffers, buffer_copies, changed_since,
                                 checkpoint_module_forward, checkpoint_run_forward,
-                                module_parameters, put_back, rewound_buffers, wrap_forward)
+                                module_parameters, put_back, rewound_buffers, unwrap_forwards,
+                                wrap_forward)
 from memlean.swish import Swish
 
 __all__ = ["FitAction", "FitError", "FitPlan", "fit", "parse_budget"]
@@ -1044,17 +1045,60 @@ def _safe_in_place(call: _Call, recorder: _Recorder) -> bool:
 
 
 def _replace(model, old, new):
-    """Put `new` wherever `old` is a child in `model`; returns the undo."""
+    """Put `new` wherever `old` is a child in `model`; returns the undo (which gives `old`
+    the train/eval mode `new` has by then)."""
     places = [(parent, name) for parent in model.modules()
               for name, child in parent._modules.items() if child is old]
     for parent, name in places:
         parent._modules[name] = new
 
     def undo():
+        old.train(new.training)
         for parent, name in places:
             parent._modules[name] = old
 
     return undo
+
+
+# The attribute of a module fit swapped in (a Swish variant) that holds the module it replaced.
+_REPLACED = "_memlean_fit_replaced"
+
+
+def unfit(model: torch.nn.Module) -> bool:
+    """Put back every change memlean.fit and memlean.apply_plan made to ``model``: the
+    plans' undo() where they were made in this process, and otherwise (a fitted model that
+    ``torch.load`` loaded or ``copy.deepcopy`` copied, whose plan undoes the original only)
+    the changes themselves: every checkpoint, lean backward, run and sliced chain's forward
+    unwrapped, every Swish fit swapped in replaced by the module it replaced (in the model's
+    train/eval mode). Parameters, buffers and state_dict keys are untouched. Returns whether
+    there was anything to put back (False for a model fit did not change; unfit twice is
+    harmless).
+
+    Example::
+
+        model = torch.load("fitted.pt", weights_only=False)
+        memlean.unfit(model)  # the model as it was before fit"""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"memlean.unfit: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
+    changed = False
+    for ref in list(_APPLIED.get(model, [])):
+        plan = ref()
+        if plan is not None and not plan.undone:
+            plan.undo()
+            changed = True
+    for module in list(model.modules()):
+        changed |= unwrap_forwards(module) > 0
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):
+            original = child.__dict__.get(_REPLACED) if child is not None else None
+            if original is not None:
+                while _REPLACED in original.__dict__:  # (fit twice: what the first replaced)
+                    original = original.__dict__[_REPLACED]
+                original.train(child.training)
+                parent._modules[name] = original
+                changed = True
+    return changed
 
 
 # ---- checkpoint wrapping -------------------------------------------------------------------
@@ -3354,6 +3398,10 @@ def _swap_swish(model, rec: _Recorder, in_place: bool, undo_steps, training) -> 
         replacement = Swish(beta=beta, variant=variant)
         replacement.train(training[id(module)][1] if id(module) in training  # the caller's
                           else module.training)
+        # What memlean.unfit puts back where no plan's undo can (a model loaded or copied):
+        # an attribute, not a child (the model's modules and state_dict keys stay as fit made
+        # them); it is pickled and copied with the replacement.
+        replacement.__dict__[_REPLACED] = module
         undo_steps.append(_replace(model, module, replacement))
         out_bytes = sum(n for c in calls for _, n in c.outputs[:1])
         swapped.append((paths.get(id(module), "?"), f"{variant} swish", out_bytes))

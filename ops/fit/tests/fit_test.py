@@ -2580,6 +2580,62 @@ class FitTest(unittest.TestCase):
         gc.collect()
         self.assertIsNone(gone())
 
+    def test_unfit_puts_back_a_loaded_or_copied_fitted_model(self):
+        # A fitted model that torch.load loaded or copy.deepcopy copied has no plan of this
+        # process to undo: memlean.unfit puts its changes back itself (before 2026-11-29 it
+        # could only be rebuilt and given its state_dict). The tests' ConvNet at its least with
+        # runs (module and run checkpoints, lean BatchNorms, in-place Swish) and MobileNet-
+        # shaped net at its least (sliced chains, lean depthwise convolutions): for each twin,
+        # and the original, unfit gives the unfitted model again: its modules' types (in the
+        # model's train/eval mode), no wrapped forward, the same state_dict keys, the outputs
+        # of an unfitted model with its weights, its training step at the eager peak, in bytes.
+        import io
+
+        from memlean import fitting
+
+        settings = {"ConvNet, runs": (lambda: self.conv_setup(), True,
+                                      {"checkpoint", "lean batchnorm", "inplace swish"}),
+                    "StridedMBNet": (lambda: classified(StridedMBNet, 48), False,
+                                     {"sliced recompute", "lean depthwise conv"})}
+        for name, (setup, runs, actions) in settings.items():
+            with mock.patch.object(fitting, "_SLICE_MIN_BYTES", 0):
+                model, x, loss_fn, opt = setup()
+                least, eager = self.least_and_eager(model, x, loss_fn, opt, runs=runs)
+                plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt, runs=runs)
+            self.assertTrue(actions <= {a.action for a in plan.actions}, str(plan))
+            unfitted = setup()[0]
+            kinds = [(n, type(m)) for n, m in unfitted.named_modules()]
+            self.assertNotEqual([(n, type(m)) for n, m in model.named_modules()], kinds)
+            saved = io.BytesIO()
+            torch.save(model, saved)
+            saved.seek(0)
+            twins = {"deepcopy": copy.deepcopy(model),
+                     "torch.save": torch.load(saved, weights_only=False), "original": model}
+            for how, twin in twins.items():
+                with self.subTest(model=name, how=how):
+                    twin.eval()  # (the Swish modules put back take the model's mode)
+                    self.assertTrue(wrapped_forwards(twin))
+                    self.assertTrue(memlean.unfit(twin))
+                    self.assertEqual(wrapped_forwards(twin), [])
+                    self.assertEqual([(n, type(m)) for n, m in twin.named_modules()], kinds)
+                    self.assertTrue(all(not m.training for m in twin.modules()))
+                    self.assertEqual(list(twin.state_dict()), list(unfitted.state_dict()))
+                    self.assertFalse(memlean.unfit(twin))  # (nothing left: harmless)
+                    twin.train()
+                    reference = setup()[0]
+                    reference.load_state_dict(twin.state_dict())
+                    outputs = []
+                    for m in (twin, reference):
+                        torch.manual_seed(3)
+                        outputs.append(m(x))
+                    torch.testing.assert_close(*outputs, rtol=0, atol=0)
+                    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+                    step_peak(twin, (x,), loss_fn, twin_opt)  # the optimizer's state
+                    self.assertEqual(step_peak(twin, (x,), loss_fn, twin_opt), eager)
+            self.assertTrue(plan.undone)  # (unfit of the original undid its plan)
+        with self.assertRaisesRegex(TypeError, "memlean.unfit: model must be a torch.nn.Module"):
+            memlean.unfit(plan)
+
     def test_a_copy_of_a_fitted_model_is_fitted_on_its_own_modules(self):
         # copy.deepcopy of a fitted model (an EMA copy; torch's AveragedModel makes one), and
         # the model torch.save saves and torch.load loads (since 2026-11-30; before, a
