@@ -2496,9 +2496,29 @@ class _Fitting:
         self.runs = runs
         self.undo_steps: List[Callable] = []
         self.actions: List[FitAction] = []
-        self.chains: list = []
-        self.deferred = None
+        # Set by run(): the eager step, the modules no checkpoint may hold, the fixed bytes,
+        # the unchanged step's peak (compiled where compile= is given).
+        self.eager: Optional[_Measured] = None
+        self.unversioned: set = set()
+        self.fixed = self.plain = 0
+        # Set by _swap(): whether lean backwards apply (CPU eager steps), the lean modules,
+        # the model's paths, eager's uses (_uses), the runs found; the lean step (`deferred`:
+        # its prediction, until measure_lean()); `current`; checkpoints alone's problem,
+        # floor (set by _slice()) and empty plan's peak; where the lean actions go.
+        self.lean = False
+        self.leans: list = []
+        self.paths: dict = {}
+        self.uses: dict = {}
+        self.runs_found: list = []
+        self.lean_step: Optional[_Measured] = None
+        self.deferred: Optional[_Measured] = None
+        self.current: Optional[_Measured] = None
+        self.problem = None
+        self.floor: Optional[int] = None
+        self.empty_peak = 0
+        self.lean_actions = 0
         self.lean_kept = None  # the deferred lean modules, (path, action, bytes), once kept
+        self.chains: list = []  # the chains recomputed in slices (_slice), once found
 
     def undo_all(self) -> None:
         for undo in reversed(self.undo_steps):
