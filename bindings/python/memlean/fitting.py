@@ -161,7 +161,8 @@ class FitPlan:
     predicted_peak_bytes: the planner's prediction for it. fixed_bytes: what no plan changes
     (parameters, buffers, optimizer state and the batch at the step's start). eager_peak_bytes:
     the step's peak measured before any change. actions: the FitActions, in forward order.
-    undo() puts the model back as it was; to_json() and str() report the plan (str() also
+    undo() puts the model back as it was (memlean.unfit: a fitted model loaded with torch.load
+    or copied, which this plan does not undo); to_json() and str() report the plan (str() also
     says when runs of sibling modules are checkpointed or sliced: in eager steps only);
     memlean.apply_plan applies the plan, or its to_json(), to a twin of the model.
     fit may be called again on a fitted model (another budget): the new plan is made on top
@@ -209,8 +210,10 @@ class FitPlan:
             raise RuntimeError(
                 "memlean: this FitPlan was loaded from a pickle (or copied): it holds the "
                 "plan's figures and actions, not the changes fit made to a model, so there is "
-                "nothing here for undo() to put back. memlean.apply_plan(model, x, plan) makes "
-                "the changes on a model; undo() of the plan it returns puts them back")
+                "nothing here for undo() to put back. memlean.unfit(model) puts back what fit "
+                "changed in a model (one loaded or copied fitted too); memlean.apply_plan(model, "
+                "x, plan) makes the changes on a model, and undo() of the plan it returns puts "
+                "them back")
         if self._undo_steps is None:
             return
         for later in reversed(self._later):
