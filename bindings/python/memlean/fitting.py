@@ -464,9 +464,6 @@ class _Call:
     # The type of an object among its arguments whose state its forward may change
     # (_opaque_argument; e.g. a key-value cache), or None: fit checkpoints no such call.
     opaque: Optional[type] = None
-    # The step's bytes when backward reached its output (its gradient made), where its last
-    # atom ran ops that save nothing (_Recorder._post); else None.
-    backward_reach: Optional[int] = None
 
     @property
     def input_key(self):
@@ -613,6 +610,9 @@ class _Recorder:
         self.backward_start_level = None
         # atom -> the step's bytes when backward first reaches it (the gradients it brings)
         self.backward_entries = {}
+        # storage identity of a call's output -> the step's bytes when backward reached it
+        # (its gradient made), where the call's last atom ran ops that save nothing (_post)
+        self.reached = {}
         self._tracker = None  # a nested memstats tracker during backward
         self._offset = 0  # step bytes = resident + tracker figure - the step's start
         self._backward_atom = None
@@ -682,16 +682,16 @@ class _Recorder:
         call.outputs = tuple(map(self.identities.key, _tensors(output)))
         call.output_id = id(output) if isinstance(output, torch.Tensor) else 0
         call.output_view = _view(output) if isinstance(output, torch.Tensor) else ()
-        if (isinstance(output, torch.Tensor) and output.grad_fn is not None
-                and self.dataflow is not None and self.atom_bytes[self.atom] == 0
-                and self._seq() > self.atom_seqs[self.atom]):
+        key = call.outputs[0][0] if isinstance(output, torch.Tensor) else None
+        if (key is not None and output.grad_fn is not None and self.dataflow is not None
+                and self.atom_bytes[self.atom] == 0 and self._seq() > self.atom_seqs[self.atom]):
             # Its own code after its last submodule ran ops that save nothing (NF-ResNet's
             # `out * alpha + shortcut`): backward runs them before it reaches an atom that
             # saves, so the level where backward reaches the call is taken here. Only so, and
             # only in the eager step (recorded with its dataflow): the hook's reference to the
             # gradient keeps a lean backward it flows into from writing over it
             # (grad_owned_alone), and the step would hold more than the steps it predicts.
-            output.register_hook(lambda grad: self._reached(call))
+            output.register_hook(lambda grad: self._reached(key))
         self.calls.append(call)
         self._next_atom()
 
@@ -730,9 +730,9 @@ class _Recorder:
             self._backward_atom = atom
         return t
 
-    def _reached(self, call):
-        if self._tracker is not None and call.backward_reach is None:
-            call.backward_reach = self._offset + self._tracker.current
+    def _reached(self, key):
+        if self._tracker is not None and key not in self.reached:
+            self.reached[key] = self._offset + self._tracker.current
 
     def _close_level(self):
         level = self._offset + self._tracker.peak
@@ -2215,10 +2215,6 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), uses=None)
     backward_extras = [max(0, rec.backward_levels.get(k, 0) - base - prefix[k + 1])
                        for k in range(len(atoms))]
     outlives = _outlives(rec)
-    # Per output (one tensor), the level where backward reached it (_Recorder._post): a
-    # Sequential or run ending in the call that took it has the same output.
-    reach = {c.outputs[0][0]: c.backward_reach for c in rec.calls
-             if c.backward_reach is not None and len(c.outputs) == 1}
     candidates, calls = [], []
     readers = {}  # key of an input no atom saves -> (its bytes, the candidates keeping it)
     backward_apart = []  # per candidate: the planner's backward_extra_bytes and _end
@@ -2322,10 +2318,11 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), uses=None)
         reached = [a for a in range(c.begin, c.end) if a in rec.backward_entries]
         if reached:
             # (Where its last atoms save nothing, backward ran them before it reached atom a:
-            # the level where it reached the call, if lower.)
+            # the level where it reached the call's output, if lower; a Sequential or run
+            # ending in the call that made it has the same output.)
             a = max(reached)
             level = rec.backward_entries[a]
-            reached_at = reach.get(c.outputs[0][0]) if len(c.outputs) == 1 else None
+            reached_at = rec.reached.get(c.outputs[0][0]) if len(c.outputs) == 1 else None
             if a < c.end - 1 and reached_at is not None:
                 level = min(level, reached_at)
             extra = max(0, extra + level - base - prefix[a + 1])
