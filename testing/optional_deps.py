@@ -1,8 +1,8 @@
 """Test dependencies that an environment may lack on purpose.
 
 A test environment made without some package names it in MEMLEAN_WITHOUT (comma-separated,
-e.g. ``MEMLEAN_WITHOUT=timm`` for torch 2.13's CPU wheel, which has no matching torchvision
-on this machine). A test that needs such a package skips and says why; in every other
+e.g. ``MEMLEAN_WITHOUT=timm,torchvision`` for torch 2.13's CPU wheel, which has no matching
+torchvision on this machine). A test that needs such a package skips and says why; in every other
 environment a missing package fails the test, so a machine cannot pass by skipping.
 """
 import importlib

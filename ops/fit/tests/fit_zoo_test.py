@@ -38,12 +38,7 @@ from fit_test import cross_entropy_of, step_peak, train_side_by_side
 
 def make(name):
     """A torchvision model, small where the architecture allows, float64, training mode."""
-    # torchvision comes with timm (a dependency of it), and is left out with it
-    # (MEMLEAN_WITHOUT=timm: torch 2.13's CPU wheel has no matching torchvision here).
-    if not optional_deps.available("timm"):
-        raise unittest.SkipTest("torchvision: this environment is made without timm, which "
-                                "brings it (MEMLEAN_WITHOUT)")
-    import torchvision
+    torchvision = optional_deps.require("torchvision")
 
     models = torchvision.models
     if name == "densenet_small":  # DenseNet-BC's layers at a test's size
