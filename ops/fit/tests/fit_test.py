@@ -1799,6 +1799,52 @@ class FitTest(unittest.TestCase):
         plan.undo()
         self.assertEqual(wrapped_forwards(model), [])
 
+    def test_fit_slices_the_chains_its_budget_needs(self):
+        # Between slicing's least and what checkpoints alone reach, fit slices the chains that
+        # save the most first, as few as its planner predicts to be fastest (_chains_needed),
+        # not all of them: each sliced chain costs its forward again. The plan keeps its
+        # budget, is predicted to the byte, and apply_plan makes it again (the same subset).
+        from memlean import fitting
+
+        model, x, loss_fn, opt, without = self.flat_setup()
+        least, _ = self.least_and_eager(model, x, loss_fn, opt)
+        budget = least + (without - least) * 4 // 5
+        model, x, loss_fn, opt = classified(FlatMBNet, 32)
+        twin = copy.deepcopy(model)
+        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+        plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
+        sliced = sorted(a.path for a in plan.actions if a.action == "sliced recompute")
+        # (At the least, blocks.0..2's chains are sliced: test_sliced_recompute_below_...)
+        self.assertTrue(sliced, str(plan))
+        self.assertLess(len(sliced), 3, str(plan))
+        self.assertIn("blocks.0.(conv_pw..act2)", sliced)  # (the chain saving the most)
+        self.assertLessEqual(plan.peak_bytes, budget)
+        self.assertEqual(plan.predicted_peak_bytes, plan.peak_bytes)
+        step_peak(model, (x,), loss_fn, opt)  # (a warm step: the optimizer's state)
+        self.assertEqual(step_peak(model, (x,), loss_fn, opt), plan.peak_bytes)
+        applied = memlean.apply_plan(twin, x, plan.to_json(), loss_fn=loss_fn,
+                                     optimizer=opt_twin)
+        self.assertEqual([(a.path, a.action) for a in applied.actions],
+                         [(a.path, a.action) for a in plan.actions])
+        self.assertEqual(applied.peak_bytes, plan.peak_bytes)
+        # Where the fewer chains, measured, do not fit (the planner predicts them at their
+        # lowest), fit slices all of them after all, from the lean step again: here made so
+        # by offering it the smallest chain alone, at slicing's least.
+        model, x, loss_fn, opt = classified(FlatMBNet, 32)
+        slicing = fitting._Fitting._slicing
+        with mock.patch.object(fitting, "_chains_needed", lambda m, chains, *a: chains[-1:]), \
+                mock.patch.object(fitting._Fitting, "_slicing", autospec=True,
+                                  side_effect=slicing) as tries:
+            plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
+        self.assertEqual(tries.call_count, 2)
+        self.assertEqual(sorted(a.path for a in plan.actions if a.action == "sliced recompute"),
+                         [f"blocks.{i}.(conv_pw..act2)" for i in range(3)])
+        self.assertEqual(plan.peak_bytes, least)
+        step_peak(model, (x,), loss_fn, opt)
+        self.assertEqual(step_peak(model, (x,), loss_fn, opt), least)
+        plan.undo()
+        self.assertEqual(wrapped_forwards(model), [])
+
     def test_sliced_chains_in_a_bf16_autocast_step(self):
         # FlatMBNet trained in a CPU bfloat16 autocast region (fit inside one, each step
         # measured in one of its own): its channel chains are sliced there too (since
