@@ -2,8 +2,9 @@
 in one process for: eager as shipped; timm's set_grad_checkpointing() (or every block under
 torch.utils.checkpoint for the GPT stack, which timm does not build); torch.compile (inductor)
 with torch._functorch.config.activation_memory_budget in {1.0, 0.5, 0.2, 0.0}; and memlean.fit
-at budgets from its least peak to the eager peak (and, at its least budget, the fitted model
-compiled); and memlean.fit(compile=True), every plan measured compiled, at the peak
+at budgets from its least peak to the eager peak and at half of per-block checkpointing's
+peak where it reaches that (the issue's reach target is read there; and, at its least budget,
+the fitted model compiled); and memlean.fit(compile=True), every plan measured compiled, at the peak
 torch.compile reaches with activation_memory_budget 0.5, then compiled. With --runs, also
 memlean.fit(runs=True) (runs of sibling module calls as candidates, eager only) from its own
 least peak to the eager peak. A table and a Pareto figure (peak vs step time, one line per
@@ -202,9 +203,18 @@ def run_model(name, batch, size, device, repeats, budgets, compile_, progress, r
     row("per-block checkpoint", "timm set_grad_checkpointing()" if name != "gpt"
         else "torch.utils.checkpoint per block", peak, s)
 
-    least, probe_s = fit_rows(name, batch, size, device, repeats, budgets, eager_peak, row)
+    # The issue's reach target is read at half of per-block checkpointing's peak: a budget there
+    # too, where fit reaches it (else a progress step skipped).
+    def skipped(runs):
+        progress.step(f"{name} memlean.fit{'(runs=True)' if runs else ''} at half of "
+                      f"per-block checkpointing's peak: below its least, skipped")
+
+    half = (peak // 2, skipped)
+    least, probe_s = fit_rows(name, batch, size, device, repeats, budgets, eager_peak, row,
+                              half=half)
     if runs:
-        fit_rows(name, batch, size, device, repeats, budgets, eager_peak, row, runs=True)
+        fit_rows(name, batch, size, device, repeats, budgets, eager_peak, row, runs=True,
+                 half=half)
     if compile_:
         compile_peaks = {}
         for b in COMPILE_BUDGETS:
@@ -227,9 +237,11 @@ def run_model(name, batch, size, device, repeats, budgets, compile_, progress, r
     return rows, least, probe_s
 
 
-def fit_rows(name, batch, size, device, repeats, budgets, eager_peak, row, runs=False):
+def fit_rows(name, batch, size, device, repeats, budgets, eager_peak, row, runs=False,
+             half=None):
     """memlean.fit (runs=True: with runs of sibling calls) at `budgets` budgets from its least
-    peak to the eager peak, a row each; returns (least peak, seconds the probe took)."""
+    peak to the eager peak, and at half = (a budget, called with runs where it is below the
+    least) where given, a row each; returns (least peak, seconds the probe took)."""
     model, inputs, loss_fn, opt = setup(name, batch, size, device)
     t0 = time.perf_counter()
     try:
@@ -239,16 +251,22 @@ def fit_rows(name, batch, size, device, repeats, budgets, eager_peak, row, runs=
     except memlean.FitError as e:
         least = e.least_peak_bytes
     probe_s = time.perf_counter() - t0
-    for i in range(budgets):
-        budget = eager_peak - (eager_peak - least) * i // (budgets - 1)
+    spread = [eager_peak - (eager_peak - least) * i // (budgets - 1) for i in range(budgets)]
+    if half is not None:
+        if least <= half[0] <= eager_peak:
+            spread.append(half[0])
+        else:
+            half[1](runs)
+    for budget in sorted(spread, reverse=True):
         model, inputs, loss_fn, opt = setup(name, batch, size, device)
         t0 = time.perf_counter()
         with region(device):
             plan = memlean.fit(model, inputs, budget, loss_fn=loss_fn, optimizer=opt, runs=runs)
         fit_s = time.perf_counter() - t0
         peak, s = measure(model, inputs, loss_fn, opt, device, repeats)
+        at_half = " (half of per-block's peak)" if half is not None and budget == half[0] else ""
         row("memlean.fit(runs=True)" if runs else "memlean.fit",
-            f"budget {common.mib(budget):.1f} MiB", peak, s, budget_bytes=budget,
+            f"budget {common.mib(budget):.1f} MiB{at_half}", peak, s, budget_bytes=budget,
             predicted_bytes=plan.predicted_peak_bytes, fit_s=round(fit_s, 2),
             actions=len(plan.actions))
     return least, probe_s
@@ -292,7 +310,8 @@ def run(args):
     repeats = 1 if quick else 3
     runs = getattr(args, "runs", False)
     paired = getattr(args, "paired", False)
-    per_model = 2 + budgets * (2 if runs else 1) + (len(COMPILE_BUDGETS) + 2 if compile_ else 0)
+    per_model = 2 + (budgets + 1) * (2 if runs else 1) + (len(COMPILE_BUDGETS) + 2
+                                                           if compile_ else 0)
     progress = common.Progress("fit_frontier",
                                [sizes[n][0] * sizes[n][1] for n in names for _ in range(per_model)])
     rows, notes = [], []
@@ -312,7 +331,8 @@ def run(args):
     note = ("Exact CPU bytes (parameters, buffers, optimizer state and batch, plus the most a "
             "step allocates above them); time the median of "
             f"{repeats} step(s) after a warm-up step, all methods in one process. Budgets for "
-            "memlean.fit are spread evenly from its least peak to the eager peak. "
+            "memlean.fit are spread evenly from its least peak to the eager peak, and one at "
+            "half of per-block checkpointing's peak where fit reaches it. "
             + "; ".join(notes) + "." + in_region + common.device_note(device, timed=True))
     plot = figure(rows, os.path.join(args.out, "fit_frontier.png"), device)
     return [common.Table("fit_frontier", "memlean.fit: peak and step time beside eager, "
