@@ -2185,7 +2185,7 @@ def _outlives(rec: _Recorder) -> dict:
     return last
 
 
-def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), uses=None):
+def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), uses=None, memo=None):
     """The planner's problem from a recorded step: base bytes, atoms, the candidates
     (modules called once, not the root, not writing their inputs in place, returning a
     tensor, keeping some bytes), their calls, and each atom's backward extra (what backward
@@ -2193,7 +2193,8 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), uses=None)
     temporaries, largest in the early, wide layers, where checkpointed steps peak). exclude:
     id() of modules that are no candidates (those of sliced chains). uses: _uses of the
     step's eager forward (outputs that a checkpoint keeps not, though saved inside it; inputs
-    whose gradients it holds apart)."""
+    whose gradients it holds apart). memo: a dict kept across the problems of one step's
+    recordings (_chains_needed makes several), for what depends on the modules alone."""
     rec = measured.recorder
     atoms = list(rec.atom_bytes)
     prefix = [0]
@@ -2326,7 +2327,8 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), uses=None)
             if a < c.end - 1 and reached_at is not None:
                 level = min(level, reached_at)
             extra = max(0, extra + level - base - prefix[a + 1])
-        extra += sum(b.numel() * b.element_size() for b in _buffers_of(c.module))
+        extra += _memoized(memo, ("buffers", c.module), lambda m=c.module: sum(
+            b.numel() * b.element_size() for b in _buffers_of(m)))
         # The copies of the buffers its forward changed (a spectral norm's vectors, an
         # observer's statistics), kept from its forward to the end of its backward so that
         # the recompute begins where the forward did: kept, and held as its unsaved inputs
@@ -2338,7 +2340,8 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), uses=None)
         backward_apart.append((apart, until))
         calls.append(c)
     candidates = [(b, e, freed, s, extra, held)
-                  for (b, e, freed, extra, held), s in zip(candidates, _twin_seconds(calls))]
+                  for (b, e, freed, extra, held), s in zip(candidates,
+                                                           _twin_seconds(calls, memo))]
     # Inputs that several candidates keep (a DenseNet layer's input is the list of its block's
     # earlier feature maps, which no op saves): each counts them, but they live once, and the
     # planner's predictions count them once (ops/fit/planner.h, "Shared inputs"; DenseNet-121's
@@ -2367,7 +2370,20 @@ class _Problem:
                     candidate_backward_extras=list(self.apart))
 
 
-def _twin_seconds(calls) -> List[float]:
+def _memoized(memo, what, make):
+    """make(), kept in `memo` (a dict, or None: not kept) under `what`, (a name, a module or
+    run): by the identities of its modules."""
+    if memo is None:
+        return make()
+    name, module = what
+    key = (name, type(module), tuple(map(id, module.modules)) if isinstance(module, _Run)
+           else id(module))
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
+def _twin_seconds(calls, memo=None) -> List[float]:
     """Each call's recompute time, the same for calls that do the same work (same module
     class, parameter shapes, input and output sizes): their mean. The repeated blocks of a
     model cost the same, and timing noise must not decide which of them is recomputed; the
@@ -2376,7 +2392,8 @@ def _twin_seconds(calls) -> List[float]:
     from that)."""
     signatures = [(tuple(map(type, c.module.modules)) if isinstance(c.module, _Run)
                    else type(c.module),
-                   tuple((tuple(p.shape), p.dtype) for p in c.module.parameters()),
+                   _memoized(memo, ("parameters", c.module), lambda m=c.module: tuple(
+                       (tuple(p.shape), p.dtype) for p in m.parameters())),
                    tuple(n for _, n in c.inputs), tuple(n for _, n in c.outputs)) for c in calls]
     groups = {}
     for signature, c in zip(signatures, calls):
@@ -3315,16 +3332,16 @@ def _as_sliced(measured: _Measured, chains, lowest=()) -> Optional[_Measured]:
                    recorder=sliced_rec)
 
 
-def _sliced_problem(measured: _Measured, chains, root, runs, exclude, uses):
+def _sliced_problem(measured: _Measured, chains, root, runs, exclude, uses, memo=None):
     """(the step with `chains` sliced, or sliced finer where `measured` is sliced: _finer,
     predicted at its lowest from the recorded step `measured` by _as_sliced; its planner
     problem), with `runs` (indices into its calls) and `exclude` as _problem takes them; None
-    where _as_sliced cannot tell."""
+    where _as_sliced cannot tell. memo: as _problem takes it."""
     as_sliced = _as_sliced(measured, _finer(chains))
     if as_sliced is None:
         return None
     return as_sliced, _problem(as_sliced, root, _runs_beside(runs, measured, measured, chains),
-                               exclude=_inside(chains) | exclude, uses=uses)
+                               exclude=_inside(chains) | exclude, uses=uses, memo=memo)
 
 
 def _chains_needed(measured: _Measured, chains, root, runs, exclude, uses, budget) -> list:
@@ -3352,12 +3369,12 @@ def _chains_needed(measured: _Measured, chains, root, runs, exclude, uses, budge
         gain.append(saved - sum(alone.recorder.atom_bytes))
     order = sorted(range(len(chains)), key=lambda i: -gain[i])
     target = budget - budget // 50
-    costs = {}
+    costs, memo = {}, {}
 
     def cost(k):  # the predicted time with the first k chains sliced; None: not predicted to fit
         if k not in costs:
             subset = [chains[i] for i in sorted(order[:k])]
-            sliced = _sliced_problem(measured, subset, root, runs, exclude, uses)
+            sliced = _sliced_problem(measured, subset, root, runs, exclude, uses, memo)
             costs[k] = None
             if sliced is not None and sliced[0].optimizer_peak <= target:
                 problem = sliced[1]
