@@ -2316,7 +2316,7 @@ class FitTest(unittest.TestCase):
         # measured times, a plan chosen under CI's load was predicted 238,268 bytes high.)
         from memlean import fitting
 
-        def fixed_times(calls):
+        def fixed_times(calls, memo=None):
             return [float(c.end - c.begin) for c in calls]
 
         model, x, loss_fn, opt = classified(FlatMBNet, 32)
