@@ -2461,16 +2461,18 @@ def fit(model: torch.nn.Module, example_inputs, budget_bytes, *,
     BatchNorm, activation and depthwise convolution) one slice of channels at a time
     (memlean.sliced_chain; action "sliced recompute") and its MLPs one slice of hidden
     features at a time (memlean.sliced_mlp, sliced_gated_mlp; plain, gated, and split between
-    two modules as in transformers' encoders; action "sliced mlp"), then plans checkpoints
+    two modules as in transformers' encoders; action "sliced mlp"), those the budget needs
+    (the ones saving the most first: each costs its forward again), then plans checkpoints
     again, and below that slices the chains behind 1x1 heads finer (fewer bytes, more time):
-    docs/fit.md, steps 5, 5b and 5c.
+    docs/fit.md, steps 5, 5a, 5b and 5c.
 
     fit runs a few real training steps (forward, backward, optimizer step) to measure:
     one eager step (when the optimizer has no state yet, after an optimizer step on zero
     gradients that gives it its state, or a real step where that would differ and on CUDA), one after the
     swaps (predicted instead where only lean backwards were swapped and the step would only
     lead to slicing), one per slicing tried (the finer slicing predicted instead where its
-    prediction holds), and one per plan tried (with compile: two per plan, the first
+    prediction holds; all the chains after fewer, where the fewer do not fit), and one per
+    plan tried (with compile: two per plan, the first
     compiling). Everything the steps change is put back.
     """
     started = time.perf_counter()
