@@ -3352,13 +3352,15 @@ def _chains_needed(measured: _Measured, chains, root, runs, exclude, uses, budge
     again, and at a budget between what checkpoints alone reach and slicing's least some
     chains cost more recompute than the checkpoints that would do without them (MobileNetV3,
     batch 32, 224², runs, at half of per-block checkpointing's peak: 24 chains sliced ran at
-    1.25-1.30x eager's step time, 12 at 1.03x, same peak). The chains in order of the bytes
-    they save (their atoms' saved bytes) per second of forward; of the first k of them, for
-    k from the fewest the planner predicts to fit (sliced at their lowest, _sliced_problem, 2 %
-    below the budget) up to all, the k with the least time predicted: the chains' forward
-    time and the checkpoints' recompute time of the planner's plan. All of them where fewer
-    are predicted no faster, or nothing fits (the least is then slicing all's); fit slices
-    them all after all where the fewer chains, measured, do not fit (_Fitting._slice)."""
+    1.25-1.55x eager's step time, 9 at 1.01-1.08x, the same peak within 0.1 %). The chains in
+    order of the saved bytes slicing each drops (_as_sliced of it alone); of the first k of
+    them, for k from the fewest the planner predicts to fit (sliced at their lowest,
+    _sliced_problem; planned 2 % below the budget) up to all, the most whose predicted time
+    (the chains' forward time and the recompute of the planner's plan) is within 5 % of the
+    least (as good as equal: the lower peak, so that noise in the times does not make the peak
+    rise as the budget falls). All of them where none but all is predicted to fit, or nothing
+    is (the least is then slicing all's); fit slices them all after all where the fewer,
+    measured, do not fit (_Fitting._slice)."""
     if len(chains) < 2:
         return chains
     seconds = _module_seconds(measured)
