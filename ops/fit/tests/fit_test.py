@@ -1844,6 +1844,30 @@ class FitTest(unittest.TestCase):
         self.assertEqual(step_peak(model, (x,), loss_fn, opt), least)
         plan.undo()
         self.assertEqual(wrapped_forwards(model), [])
+        # The same where the lean step was predicted, not measured (ReLU: lean backwards
+        # alone, _lean_step_predicted): the first try keeps the lean modules and measures
+        # that step (its one chain goes no lower than checkpoints alone); the plan makes what
+        # an unforced fit makes, each action once.
+        def relu_net():
+            return FlatMBNet(act=nn.ReLU)
+
+        model, x, loss_fn, opt = classified(relu_net, 32)
+        least, _ = self.least_and_eager(model, x, loss_fn, opt)
+        unforced = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
+        unforced.undo()
+        with mock.patch.object(fitting, "_chains_needed", lambda m, chains, *a: chains[-1:]), \
+                mock.patch.object(fitting._Fitting, "_slicing", autospec=True,
+                                  side_effect=slicing) as tries:
+            plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
+        self.assertEqual(tries.call_count, 2)
+        made = [(a.path, a.action) for a in plan.actions]
+        self.assertEqual(len(made), len(set(made)), str(plan))
+        self.assertEqual(sorted(made), sorted((a.path, a.action) for a in unforced.actions))
+        self.assertEqual(plan.peak_bytes, least)
+        step_peak(model, (x,), loss_fn, opt)
+        self.assertEqual(step_peak(model, (x,), loss_fn, opt), least)
+        plan.undo()
+        self.assertEqual(wrapped_forwards(model), [])
 
     def test_sliced_chains_in_a_bf16_autocast_step(self):
         # FlatMBNet trained in a CPU bfloat16 autocast region (fit inside one, each step
