@@ -204,17 +204,15 @@ def run_model(name, batch, size, device, repeats, budgets, compile_, progress, r
         else "torch.utils.checkpoint per block", peak, s)
 
     # The issue's reach target is read at half of per-block checkpointing's peak: a budget there
-    # too, where fit reaches it (else a progress step skipped).
-    def skipped(runs):
-        progress.step(f"{name} memlean.fit{'(runs=True)' if runs else ''} at half of "
-                      f"per-block checkpointing's peak: below its least, skipped")
-
-    half = (peak // 2, skipped)
-    least, probe_s = fit_rows(name, batch, size, device, repeats, budgets, eager_peak, row,
-                              half=half)
-    if runs:
-        fit_rows(name, batch, size, device, repeats, budgets, eager_peak, row, runs=True,
-                 half=half)
+    # too, where fit reaches it (else its progress step is skipped).
+    for with_runs in (False, True) if runs else (False,):
+        got = fit_rows(name, batch, size, device, repeats, budgets, eager_peak, row,
+                       runs=with_runs, half=peak // 2)
+        if not with_runs:
+            least, probe_s = got[:2]
+        if not got[2]:
+            progress.step(f"{name} memlean.fit{'(runs=True)' if with_runs else ''} at half of "
+                          f"per-block checkpointing's peak: below its least, skipped")
     if compile_:
         compile_peaks = {}
         for b in COMPILE_BUDGETS:
@@ -240,8 +238,8 @@ def run_model(name, batch, size, device, repeats, budgets, compile_, progress, r
 def fit_rows(name, batch, size, device, repeats, budgets, eager_peak, row, runs=False,
              half=None):
     """memlean.fit (runs=True: with runs of sibling calls) at `budgets` budgets from its least
-    peak to the eager peak, and at half = (a budget, called with runs where it is below the
-    least) where given, a row each; returns (least peak, seconds the probe took)."""
+    peak to the eager peak, and at `half` where given and not below the least, a row each;
+    returns (least peak, seconds the probe took, whether `half` was fitted)."""
     model, inputs, loss_fn, opt = setup(name, batch, size, device)
     t0 = time.perf_counter()
     try:
@@ -252,24 +250,20 @@ def fit_rows(name, batch, size, device, repeats, budgets, eager_peak, row, runs=
         least = e.least_peak_bytes
     probe_s = time.perf_counter() - t0
     spread = [eager_peak - (eager_peak - least) * i // (budgets - 1) for i in range(budgets)]
-    if half is not None:
-        if least <= half[0] <= eager_peak:
-            spread.append(half[0])
-        else:
-            half[1](runs)
-    for budget in sorted(spread, reverse=True):
+    at_half = half is not None and least <= half <= eager_peak
+    for budget in sorted(spread + [half] * at_half, reverse=True):
         model, inputs, loss_fn, opt = setup(name, batch, size, device)
         t0 = time.perf_counter()
         with region(device):
             plan = memlean.fit(model, inputs, budget, loss_fn=loss_fn, optimizer=opt, runs=runs)
         fit_s = time.perf_counter() - t0
         peak, s = measure(model, inputs, loss_fn, opt, device, repeats)
-        at_half = " (half of per-block's peak)" if half is not None and budget == half[0] else ""
+        marked = " (half of per-block's peak)" if at_half and budget == half else ""
         row("memlean.fit(runs=True)" if runs else "memlean.fit",
-            f"budget {common.mib(budget):.1f} MiB{at_half}", peak, s, budget_bytes=budget,
+            f"budget {common.mib(budget):.1f} MiB{marked}", peak, s, budget_bytes=budget,
             predicted_bytes=plan.predicted_peak_bytes, fit_s=round(fit_s, 2),
             actions=len(plan.actions))
-    return least, probe_s
+    return least, probe_s, at_half
 
 
 def fit_for_compile(name, batch, size, device, repeats, budget, row):
