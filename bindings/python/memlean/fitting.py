@@ -2785,14 +2785,14 @@ class _Fitting:
         # predictions are exact in most steps: docs/fit.md) skips their search, which would
         # only measure plans that do not fit; it runs after all if slicing goes no lower.
         self.floor = _floor(self.problem, self.current) if self.chains else None
-        least = None
+        least = every_sliced = None
         if self.chains and budget < self.floor:
             # Slicing predicted, at its lowest (_as_sliced), to go no lower than checkpoints
             # alone (ResNet-50 with runs, whose blocks' runs hold its chains): neither sliced
             # step is measured (each as long as an eager step), only checkpoints alone.
-            bound = _sliced_floor(_sliced_problem(self.current, self.chains, self.model,
-                                                  self.runs_found, self.unversioned,
-                                                  self.uses))
+            every_sliced = _sliced_problem(self.current, self.chains, self.model,
+                                           self.runs_found, self.unversioned, self.uses)
+            bound = _sliced_floor(every_sliced)
             if bound is not None and bound >= self.floor:
                 self.chains = []
         if not (self.chains and budget < self.floor):
@@ -2803,7 +2803,7 @@ class _Fitting:
             return None, least
         every = self.chains
         self.chains = _chains_needed(self.current, every, self.model, self.runs_found,
-                                     self.unversioned, self.uses, budget)
+                                     self.unversioned, self.uses, budget, every_sliced)
         wraps = []
         plan, least2 = self._slicing(least, wraps)
         if plan is None and self.chains and len(self.chains) < len(every):
@@ -3346,7 +3346,8 @@ def _sliced_problem(measured: _Measured, chains, root, runs, exclude, uses, memo
                                exclude=_inside(chains) | exclude, uses=uses, memo=memo)
 
 
-def _chains_needed(measured: _Measured, chains, root, runs, exclude, uses, budget) -> list:
+def _chains_needed(measured: _Measured, chains, root, runs, exclude, uses, budget,
+                   every_sliced=None) -> list:
     """5a. Of `chains`, those to slice for `budget`, on the recorded step `measured` (the lean
     step, or its prediction): slicing every chain is the lowest, but each costs its forward
     again, and at a budget between what checkpoints alone reach and slicing's least some
@@ -3360,7 +3361,8 @@ def _chains_needed(measured: _Measured, chains, root, runs, exclude, uses, budge
     least (as good as equal: the lower peak, so that noise in the times does not make the peak
     rise as the budget falls). All of them where none but all is predicted to fit, or nothing
     is (the least is then slicing all's); fit slices them all after all where the fewer,
-    measured, do not fit (_Fitting._slice)."""
+    measured, do not fit (_Fitting._slice). every_sliced: _sliced_problem of all of them, where
+    the caller made it already."""
     if len(chains) < 2:
         return chains
     seconds = _module_seconds(measured)
@@ -3378,7 +3380,8 @@ def _chains_needed(measured: _Measured, chains, root, runs, exclude, uses, budge
     def cost(k):  # the predicted time with the first k chains sliced; None: not predicted to fit
         if k not in costs:
             subset = [chains[i] for i in sorted(order[:k])]
-            sliced = _sliced_problem(measured, subset, root, runs, exclude, uses, memo)
+            sliced = (every_sliced if k == len(chains) and every_sliced is not None
+                      else _sliced_problem(measured, subset, root, runs, exclude, uses, memo))
             costs[k] = None
             if sliced is not None and sliced[0].optimizer_peak <= target:
                 problem = sliced[1]
