@@ -1830,18 +1830,24 @@ class FitTest(unittest.TestCase):
         # Where the fewer chains, measured, do not fit (the planner predicts them at their
         # lowest), fit slices all of them after all, from the lean step again: here made so
         # by offering it the smallest chain alone, at slicing's least.
-        model, x, loss_fn, opt = classified(FlatMBNet, 32)
         slicing = fitting._Fitting._slicing
-        with mock.patch.object(fitting, "_chains_needed", lambda m, chains, *a: chains[-1:]), \
-                mock.patch.object(fitting._Fitting, "_slicing", autospec=True,
-                                  side_effect=slicing) as tries:
-            plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
-        self.assertEqual(tries.call_count, 2)
+
+        def fit_offered_one_chain(model, x, loss_fn, opt, least):
+            smallest = mock.patch.object(fitting, "_chains_needed",
+                                         lambda m, chains, *a: chains[-1:])
+            with smallest, mock.patch.object(fitting._Fitting, "_slicing", autospec=True,
+                                             side_effect=slicing) as tries:
+                plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
+            self.assertEqual(tries.call_count, 2)
+            self.assertEqual(plan.peak_bytes, least)
+            step_peak(model, (x,), loss_fn, opt)
+            self.assertEqual(step_peak(model, (x,), loss_fn, opt), least)
+            return plan
+
+        model, x, loss_fn, opt = classified(FlatMBNet, 32)
+        plan = fit_offered_one_chain(model, x, loss_fn, opt, least)
         self.assertEqual(sorted(a.path for a in plan.actions if a.action == "sliced recompute"),
                          [f"blocks.{i}.(conv_pw..act2)" for i in range(3)])
-        self.assertEqual(plan.peak_bytes, least)
-        step_peak(model, (x,), loss_fn, opt)
-        self.assertEqual(step_peak(model, (x,), loss_fn, opt), least)
         plan.undo()
         self.assertEqual(wrapped_forwards(model), [])
         # The same where the lean step was predicted, not measured (ReLU: lean backwards
@@ -1855,17 +1861,10 @@ class FitTest(unittest.TestCase):
         least, _ = self.least_and_eager(model, x, loss_fn, opt)
         unforced = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
         unforced.undo()
-        with mock.patch.object(fitting, "_chains_needed", lambda m, chains, *a: chains[-1:]), \
-                mock.patch.object(fitting._Fitting, "_slicing", autospec=True,
-                                  side_effect=slicing) as tries:
-            plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
-        self.assertEqual(tries.call_count, 2)
+        plan = fit_offered_one_chain(model, x, loss_fn, opt, least)
         made = [(a.path, a.action) for a in plan.actions]
         self.assertEqual(len(made), len(set(made)), str(plan))
         self.assertEqual(sorted(made), sorted((a.path, a.action) for a in unforced.actions))
-        self.assertEqual(plan.peak_bytes, least)
-        step_peak(model, (x,), loss_fn, opt)
-        self.assertEqual(step_peak(model, (x,), loss_fn, opt), least)
         plan.undo()
         self.assertEqual(wrapped_forwards(model), [])
 
