@@ -2663,7 +2663,10 @@ class _Fitting:
 
     def keep_leans(self, inside=frozenset()) -> None:
         """Keep the deferred lean modules as _keep_taken keeps them after a step that ran
-        them; their actions' saving 0 until measure_lean() measures it."""
+        them; their actions' saving 0 until measure_lean() measures it. Once: a later call
+        (measure_lean's, a second slicing's) keeps nothing more."""
+        if self.lean_kept is not None:
+            return
         self.lean_kept = _keep_taken(self.leans, self.undo_steps, inside)
         self.actions[self.lean_actions:self.lean_actions] = _swap_actions(self.lean_kept, 0)
 
@@ -2679,8 +2682,7 @@ class _Fitting:
         if wrapped:
             wrapped[:] = [_wrap(c) for c in self.chains]
             self.undo_steps.extend(wrapped)
-        if self.lean_kept is None:
-            self.keep_leans()
+        self.keep_leans()
         at = self.lean_actions
         self.actions[at:at + len(self.lean_kept)] = _swap_actions(
             self.lean_kept, max(0, self.eager.peak - self.lean_step.peak))
@@ -2841,7 +2843,7 @@ class _Fitting:
         `least`: checkpoints alone's, None where not searched), then 5b (_finer), then
         checkpoints alone where slicing went no lower than they are predicted to."""
         model, budget, chains = self.model, self.budget, self.chains
-        if self.deferred is not None and self.lean_kept is None:
+        if self.deferred is not None:
             self.keep_leans(_inside(chains))
         slice_actions = _slice_actions(chains, self.lean_step, thin, self.paths)
         if thin.peak <= budget:
