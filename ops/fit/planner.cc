@@ -149,9 +149,18 @@ Prepared prepare(const Problem& problem) {
     if (!std::isfinite(c.seconds) || c.seconds < 0) {
       throw std::invalid_argument(candidate_field(i, "seconds") + " must be finite and >= 0");
     }
+    if (c.nested_peak_bytes < -1 || c.nested_peak_bytes > headroom - c.input_bytes) {
+      throw std::invalid_argument(candidate_field(i, "nested_peak_bytes") +
+                                  " must be -1 (derived) or >= 0 and keep the peak within int64");
+    }
     prep.freed[i] = std::min(c.freed_bytes, prep.range_sum(static_cast<int>(i)));
-    prep.recompute_bytes[i] =
-        prep.range_sum(static_cast<int>(i)) + c.input_bytes + held;
+    // (At least what it keeps, which a given nested peak may be below: the programs take a
+    // path's peak from its moves' terms, and the forward's end, base + all kept bytes, is at
+    // least base + the kept bytes before it + its own: the predicted peak is unchanged.)
+    prep.recompute_bytes[i] = std::max(
+        prep.kept(static_cast<int>(i)),
+        c.input_bytes + (c.nested_peak_bytes >= 0 ? c.nested_peak_bytes
+                                                  : prep.range_sum(static_cast<int>(i)) + held));
     prep.ending_at[c.end].push_back(static_cast<int>(i));
   }
   prep.shared_of.resize(problem.candidates.size());

@@ -82,6 +82,14 @@ struct Candidate {
   // gradient in place, from the backward of the last atom reading them; >= 0.
   int64_t backward_extra_bytes = 0;
   int backward_extra_end = 0;  // in (begin, end]; 0: end
+  // A compound candidate (checkpoints nested inside it, which its recompute runs: only their
+  // inputs and the bytes of the atoms outside them are back while it is recomputed, and each
+  // is recomputed again in the backward through it): the most its recompute and the backward
+  // through it hold besides base, the kept bytes before it and input_bytes, given (the caller
+  // predicts it: the sub-problem of its atoms with the nested checkpoints chosen) instead of
+  // derived from its atoms' bytes and extras. -1: derived (a plain checkpoint). Its seconds
+  // are then its forward's and the nested candidates' together.
+  int64_t nested_peak_bytes = -1;
 };
 
 // A tensor kept by several candidates (see "Shared inputs" above): each of them counts its
@@ -123,7 +131,8 @@ struct Plan {
 };
 
 // Throws std::invalid_argument, naming the field, for: negative base_bytes, atom_saved_bytes,
-// freed_bytes, recompute_extra_bytes, input_bytes, backward_extra_bytes or
+// freed_bytes, recompute_extra_bytes, input_bytes, backward_extra_bytes, nested_peak_bytes
+// (but -1) or
 // atom_backward_extra_bytes, or the latter
 // not empty and not one per atom; a candidate with begin >= end or outside [0, n]; negative or
 // non-finite seconds; base_bytes + sum(atom_saved_bytes) overflowing int64; a shared input

@@ -75,9 +75,11 @@ int64_t reference_peak(const Problem& p, const std::vector<int>& chosen) {
                           extra(k) - after + (k < until ? c.backward_extra_bytes : 0));
       covered[k] = true;
     }
-    // Its recompute, then backward through it: the larger of the two.
-    peak = std::max(peak, p.base_bytes + before + range(c) + c.input_bytes - again[i] +
-                              std::max(c.recompute_extra_bytes, backward));
+    // Its recompute, then backward through it: the larger of the two (given, for a compound).
+    const int64_t held = c.nested_peak_bytes >= 0
+                             ? c.nested_peak_bytes
+                             : range(c) + std::max(c.recompute_extra_bytes, backward);
+    peak = std::max(peak, p.base_bytes + before + c.input_bytes - again[i] + held);
   }
   // Backward through an atom no candidate covers: the kept bytes up to it and its extra.
   int64_t through = 0;
@@ -190,9 +192,13 @@ Problem random_laminar(std::mt19937_64& rng, int n, int64_t max_bytes) {
     const int64_t apart = std::uniform_int_distribution<int64_t>(-2 * max_bytes, max_bytes)(rng);
     // ... until a random atom's backward (0: through all of it).
     const int until = std::uniform_int_distribution<int>(b, e)(rng);
+    // A fifth of them compounds, their recompute's peak given (up to 1.5x the range).
+    const int64_t nested =
+        std::uniform_int_distribution<int64_t>(-6 * range, range + range / 2)(rng);
     p.candidates.push_back({b, e, freed, double(std::uniform_int_distribution<int>(0, 6)(rng)),
                             std::max<int64_t>(0, extra), std::max<int64_t>(0, input),
-                            std::max<int64_t>(0, apart), until == b ? 0 : until});
+                            std::max<int64_t>(0, apart), until == b ? 0 : until,
+                            nested < 0 ? -1 : nested});
   }
   random_backward_extras(rng, &p, max_bytes);
   return p;
@@ -297,6 +303,36 @@ TEST(Planner, HandCheckedExample) {
   EXPECT_TRUE(least.feasible);
   EXPECT_EQ(least.chosen, std::vector<int>{0});
   EXPECT_EQ(least.predicted_peak_bytes, 175);
+}
+
+// A compound candidate: four atoms of 10 bytes, base 0, each atom a candidate keeping 2 bytes
+// (1 s), the first two as one plain candidate (keeps 2, 2 s) and as a compound of the two
+// (keeps 2; 4 s: its forward and theirs; while it is recomputed and backward runs through it,
+// what the sub-problem [0, 2) with both chosen holds: kept 2 + 2, then atom 1 recomputed,
+// 2 + 10 = 12). Plain checkpoints of the first three peak at 16 (their 6 kept bytes and the
+// last atom's 10); the compound keeps 2 where the first two kept 4: 14, at 5 s (the last
+// atom's own checkpoint lowers nothing: its recompute is the same 4 + 10).
+TEST(Planner, HandCheckedCompound) {
+  Problem p;
+  p.atom_saved_bytes = {10, 10, 10, 10};
+  for (int k = 0; k < 4; ++k) p.candidates.push_back({k, k + 1, 8, 1.0});
+  p.candidates.push_back({0, 2, 18, 2.0});
+  Candidate compound{0, 2, 18, 4.0};
+  compound.nested_peak_bytes = 12;
+  p.candidates.push_back(compound);
+  EXPECT_EQ(predicted_peak(p, {0, 1, 2, 3}), 16);
+  EXPECT_EQ(predicted_peak(p, {4, 2, 3}), 20);  // (the plain one recomputes both atoms: 20)
+  EXPECT_EQ(predicted_peak(p, {5, 2, 3}), 14);
+  EXPECT_EQ(predicted_peak(p, {5}), 2 + 20);    // (its forward end: 2 + the last two atoms)
+  EXPECT_EQ(predicted_peak(p, {5, 2}), 14);
+  const Plan least = least_peak_plan(p);
+  EXPECT_EQ(least.chosen, (std::vector<int>{5, 2}));
+  EXPECT_EQ(least.predicted_peak_bytes, 14);
+  EXPECT_EQ(least.recompute_seconds, 5.0);
+  const Plan at16 = plan(p, 16);  // the plain ones are faster where they fit
+  EXPECT_EQ(at16.chosen, (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(at16.recompute_seconds, 3.0);
+  EXPECT_EQ(plan(p, 15).chosen, (std::vector<int>{5, 2}));
 }
 
 // The example with backward extras {0, 0, 80, 0}: atom 2's backward needs 80 bytes above what
@@ -653,6 +689,10 @@ TEST(Validate, NamesTheBadField) {
            {[](Problem& p) { p.candidates[1].recompute_extra_bytes = -1; },
             "candidates[1].recompute_extra_bytes"},
            {[](Problem& p) { p.candidates[1].input_bytes = -1; }, "candidates[1].input_bytes"},
+           {[](Problem& p) { p.candidates[3].nested_peak_bytes = -2; },
+            "candidates[3].nested_peak_bytes"},
+           {[&](Problem& p) { p.candidates[3].nested_peak_bytes = max - 50; },
+            "candidates[3].nested_peak_bytes"},
            {[](Problem& p) { p.candidates[2].backward_extra_bytes = -1; },
             "candidates[2].backward_extra_bytes"},
            {[&](Problem& p) { p.candidates[2].backward_extra_bytes = max; },

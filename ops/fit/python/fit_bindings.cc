@@ -27,7 +27,8 @@ fit::Problem problem_of(int64_t base_bytes, std::vector<int64_t> atom_saved_byte
                         const std::vector<CandidateTuple>& candidates,
                         std::vector<int64_t> atom_backward_extra_bytes,
                         const std::vector<SharedTuple>& shared_inputs,
-                        const std::vector<ApartTuple>& candidate_backward_extras) {
+                        const std::vector<ApartTuple>& candidate_backward_extras,
+                        const std::vector<int64_t>& candidate_nested_peaks) {
   fit::Problem p;
   p.base_bytes = base_bytes;
   p.atom_saved_bytes = std::move(atom_saved_bytes);
@@ -48,6 +49,17 @@ fit::Problem problem_of(int64_t base_bytes, std::vector<int64_t> atom_saved_byte
           candidate_backward_extras[i];
     }
   }
+  if (!candidate_nested_peaks.empty()) {
+    if (candidate_nested_peaks.size() != candidates.size()) {
+      throw std::invalid_argument(
+          "candidate_nested_peaks: " + std::to_string(candidate_nested_peaks.size()) +
+          " values for " + std::to_string(candidates.size()) +
+          " candidates (give one per candidate, or none)");
+    }
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      p.candidates[i].nested_peak_bytes = candidate_nested_peaks[i];
+    }
+  }
   p.shared_inputs.reserve(shared_inputs.size());
   for (const auto& [bytes, readers] : shared_inputs) p.shared_inputs.push_back({bytes, readers});
   return p;
@@ -66,9 +78,10 @@ void init_fit(py::module_& m) {
       "plan",
       [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
          int64_t budget, int resolution, std::vector<int64_t> extras,
-         const std::vector<SharedTuple>& shared, const std::vector<ApartTuple>& apart) {
-        const fit::Problem p =
-            problem_of(base, std::move(atoms), candidates, std::move(extras), shared, apart);
+         const std::vector<SharedTuple>& shared, const std::vector<ApartTuple>& apart,
+         const std::vector<int64_t>& nested) {
+        const fit::Problem p = problem_of(base, std::move(atoms), candidates, std::move(extras),
+                                          shared, apart, nested);
         fit::Plan plan;
         {
           py::gil_scoped_release release;
@@ -81,17 +94,20 @@ void init_fit(py::module_& m) {
       py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
       py::arg("shared_inputs") = std::vector<SharedTuple>{},
       py::arg("candidate_backward_extras") = std::vector<ApartTuple>{},
+      py::arg("candidate_nested_peaks") = std::vector<int64_t>{},
       "memlean::fit::plan: (feasible, chosen, predicted_peak_bytes, recompute_seconds); "
       "candidates are (begin, end, freed_bytes, seconds, recompute_extra_bytes, input_bytes); "
       "shared_inputs are (bytes, [candidate, ...]); candidate_backward_extras, one per "
-      "candidate (or none), (backward_extra_bytes, backward_extra_end).");
+      "candidate (or none), (backward_extra_bytes, backward_extra_end); candidate_nested_peaks, "
+      "one per candidate (or none), nested_peak_bytes (-1: a plain checkpoint).");
   s.def(
       "least_peak_plan",
       [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
          int resolution, std::vector<int64_t> extras,
-         const std::vector<SharedTuple>& shared, const std::vector<ApartTuple>& apart) {
-        const fit::Problem p =
-            problem_of(base, std::move(atoms), candidates, std::move(extras), shared, apart);
+         const std::vector<SharedTuple>& shared, const std::vector<ApartTuple>& apart,
+         const std::vector<int64_t>& nested) {
+        const fit::Problem p = problem_of(base, std::move(atoms), candidates, std::move(extras),
+                                          shared, apart, nested);
         fit::Plan plan;
         {
           py::gil_scoped_release release;
@@ -103,28 +119,34 @@ void init_fit(py::module_& m) {
       py::arg("resolution") = 4096, py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
       py::arg("shared_inputs") = std::vector<SharedTuple>{},
       py::arg("candidate_backward_extras") = std::vector<ApartTuple>{},
+      py::arg("candidate_nested_peaks") = std::vector<int64_t>{},
       "memlean::fit::least_peak_plan, as plan().");
   s.def(
       "predicted_peak",
       [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
          const std::vector<int>& chosen, std::vector<int64_t> extras,
-         const std::vector<SharedTuple>& shared, const std::vector<ApartTuple>& apart) {
+         const std::vector<SharedTuple>& shared, const std::vector<ApartTuple>& apart,
+         const std::vector<int64_t>& nested) {
         return fit::predicted_peak(
-            problem_of(base, std::move(atoms), candidates, std::move(extras), shared, apart), chosen);
+            problem_of(base, std::move(atoms), candidates, std::move(extras), shared, apart,
+                       nested),
+            chosen);
       },
       py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"), py::arg("chosen"),
       py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
       py::arg("shared_inputs") = std::vector<SharedTuple>{},
       py::arg("candidate_backward_extras") = std::vector<ApartTuple>{},
+      py::arg("candidate_nested_peaks") = std::vector<int64_t>{},
       "memlean::fit::predicted_peak.");
   s.def(
       "search",
       [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
          int64_t budget, int64_t floor, int64_t empty_peak, const py::function& measure,
          int resolution, std::vector<int64_t> extras,
-         const std::vector<SharedTuple>& shared, const std::vector<ApartTuple>& apart) {
-        const fit::Problem p =
-            problem_of(base, std::move(atoms), candidates, std::move(extras), shared, apart);
+         const std::vector<SharedTuple>& shared, const std::vector<ApartTuple>& apart,
+         const std::vector<int64_t>& nested) {
+        const fit::Problem p = problem_of(base, std::move(atoms), candidates, std::move(extras),
+                                          shared, apart, nested);
         fit::SearchOptions options;
         options.resolution = resolution;
         // The GIL stays held: measure is Python, and the planner's calls are short.
@@ -144,6 +166,7 @@ void init_fit(py::module_& m) {
       py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
       py::arg("shared_inputs") = std::vector<SharedTuple>{},
       py::arg("candidate_backward_extras") = std::vector<ApartTuple>{},
+      py::arg("candidate_nested_peaks") = std::vector<int64_t>{},
       "memlean::fit::search with measure(chosen) -> measured peak: (found, chosen, "
       "measured_peak_bytes, predicted_peak_bytes, recompute_seconds, "
       "least_measured_peak_bytes, measured_plans).");
