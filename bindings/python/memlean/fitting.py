@@ -1131,6 +1131,13 @@ def _wrap(module, traced=False):
     (_traced_checkpoint), which the compiler recomputes inside its graph."""
     if isinstance(module, _GatedSlice):
         return _wrap_gated(module)
+    if isinstance(module, _Nest):  # inside out: the outer forward calls the wrapped ones
+        undos = [_wrap(part, traced) for part in module.parts]
+
+        def undo():
+            for u in reversed(undos):
+                u()
+        return undo
     if isinstance(module, _Run):
         return _wrap_run(module)
     original = module.forward
@@ -1455,6 +1462,27 @@ class _Run:
         if parent and last.startswith(parent + "."):
             last = last[len(parent) + 1:]
         return f"{parent + '.' if parent else ''}({name}..{last})"
+
+
+class _Nest:
+    """A compound checkpoint: `outer` (a module or _Run) checkpointed around checkpoints of
+    modules or runs inside it (`inner`, inside out: an inner compound's parts, then its
+    outer), which its recompute runs: while it is recomputed only their inputs are kept (and
+    what no inner checkpoint holds), and each of them is recomputed again in the backward
+    through it. costs: (bytes saved, recompute seconds) of each of `parts`."""
+
+    def __init__(self, outer, inner, costs):
+        self.outer, self.inner, self.costs = outer, tuple(inner), tuple(costs)
+
+    @property
+    def parts(self) -> tuple:
+        """The checkpointed modules and runs, in the order they are wrapped: inside out."""
+        return self.inner + (self.outer,)
+
+
+def _parts(module) -> tuple:
+    """The modules and runs a candidate's checkpoint wraps: a _Nest's parts, else itself."""
+    return module.parts if isinstance(module, _Nest) else (module,)
 
 
 class _Slice(_Run):
@@ -2185,7 +2213,8 @@ def _outlives(rec: _Recorder) -> dict:
     return last
 
 
-def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), uses=None, memo=None):
+def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), uses=None, memo=None,
+             nest=True):
     """The planner's problem from a recorded step: base bytes, atoms, the candidates
     (modules called once, not the root, not writing their inputs in place, returning a
     tensor, keeping some bytes), their calls, and each atom's backward extra (what backward
@@ -2194,7 +2223,9 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), uses=None,
     id() of modules that are no candidates (those of sliced chains). uses: _uses of the
     step's eager forward (outputs that a checkpoint keeps not, though saved inside it; inputs
     whose gradients it holds apart). memo: a dict kept across the problems of one step's
-    recordings (_chains_needed makes several), for what depends on the modules alone."""
+    recordings (_chains_needed makes several), for what depends on the modules alone. nest:
+    with compound candidates (_with_compounds; not for compiled steps, nor apply_plan's
+    offers, which name each module's own checkpoint)."""
     rec = measured.recorder
     atoms = list(rec.atom_bytes)
     prefix = [0]
@@ -2347,7 +2378,99 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), uses=None,
     # planner's predictions count them once (ops/fit/planner.h, "Shared inputs"; DenseNet-121's
     # least was predicted 6 % high without, 2026-11-28).
     shared = [(n, ks) for n, ks in readers.values() if len(ks) > 1]
-    return _Problem(base, atoms, candidates, calls, backward_extras, shared, backward_apart)
+    problem = _Problem(base, atoms, candidates, calls, backward_extras, shared, backward_apart)
+    return _with_compounds(problem, readers) if nest else problem
+
+
+def _with_compounds(problem, readers):
+    """`problem` with a compound candidate (checkpoints nested in a checkpoint) for each
+    candidate whose recompute and backward hold less with checkpoints inside it: the planner's
+    sub-problem of its atoms, base 0, with the candidates inside it (not over all its atoms;
+    the compounds among them: nesting to any depth, smallest first), planned at its least
+    peak; they are then recomputed twice, in its recompute and in the backward through them
+    (its seconds: its own and theirs). Its nested peak (the planner's nested_peak_bytes): the
+    larger of that sub-problem's peak (the backward through it, its inner checkpoints
+    recomputed) and the bytes the inner plan keeps plus the candidate's recompute extra (its
+    recompute's end: its recomputed output, the gradient brought to it, its buffers' copies).
+    An input it keeps that none of its atoms saves counts once: the candidate keeps it
+    (input_bytes), so the inner ones do not again in the sub-problem. Where no inner plan
+    holds less than the candidate's atoms and its recompute extra, none."""
+    atoms = problem.atoms
+    candidates, calls = list(problem.candidates), list(problem.calls)
+    apart = list(problem.apart) or [(0, 0)] * len(candidates)
+    nested = [-1] * len(candidates)
+    prefix = [0]
+    for b in atoms:
+        prefix.append(prefix[-1] + b)
+    held_by = {}  # candidate -> {key: bytes} of the inputs it keeps that no atom saves
+    for key, (nbytes, ks) in readers.items():
+        for k in ks:
+            held_by.setdefault(k, {})[key] = nbytes
+    keepers = {key: list(ks) for key, (_, ks) in readers.items()}  # compounds among them
+    plain = len(candidates)
+    order = sorted(range(plain), key=lambda i: candidates[i][0])
+    begins = [candidates[i][0] for i in order]
+    compound_of = {}  # plain candidate -> its compound
+    for i in sorted(range(plain), key=lambda i: candidates[i][1] - candidates[i][0]):
+        b, e, freed, seconds, extra, held = candidates[i]
+        inner = [j for j in order[bisect.bisect_left(begins, b):bisect.bisect_left(begins, e)]
+                 if candidates[j][1] <= e and (candidates[j][0], candidates[j][1]) != (b, e)]
+        # A run inside it only where its parent's forward runs in its recompute (a run's
+        # modules are checkpointed as one only while their parent's forward calls them).
+        outer = calls[i].module
+        under = {id(m) for part in (outer.modules if isinstance(outer, _Run) else (outer,))
+                 for m in part.modules()}
+        inner = [j for j in inner if not isinstance(calls[j].module, _Run)
+                 or id(calls[j].module.parent) in under]
+        inner += [compound_of[j] for j in inner if j in compound_of]
+        if not inner:
+            continue
+        mine = held_by.get(i, {})
+        sub = []
+        for j in inner:
+            bj, ej, fj, sj, xj, hj = candidates[j]
+            again = sum(n for key, n in held_by.get(j, {}).items() if key in mine)
+            sub.append((bj - b, ej - b, fj + again, sj, xj, max(0, hj - again)))
+        extras = list(problem.backward_extras[b:e])
+        gradients, until = apart[i]
+        for k in range(b, until or e):
+            extras[k - b] += gradients
+        index = {j: n for n, j in enumerate(inner)}
+        shared = [(readers[key][0], [index[k] for k in ks if k in index])
+                  for key, ks in keepers.items() if key not in mine]
+        _, chosen, peak, inner_seconds = _C.fit.least_peak_plan(
+            0, atoms[b:e], sub, resolution=64, atom_backward_extra_bytes=extras,
+            shared_inputs=[(nbytes, ks) for nbytes, ks in shared if len(ks) > 1],
+            candidate_backward_extras=[(a, u - b if u else 0) for a, u in
+                                       (apart[j] for j in inner)],
+            candidate_nested_peaks=[nested[j] for j in inner])
+        if not chosen:
+            continue
+        kept = prefix[e] - prefix[b] - sum(
+            min(sub[n][2], prefix[sub[n][1] + b] - prefix[sub[n][0] + b]) for n in chosen)
+        top = max(peak, kept + extra)
+        if top >= prefix[e] - prefix[b] + extra:
+            continue  # (the plain checkpoint's recompute holds at least that)
+        parts, costs = [], []  # (inside out: a compound's own parts, then its outer)
+        for j in (inner[n] for n in chosen):
+            m = calls[j].module
+            parts += m.parts if isinstance(m, _Nest) else (m,)
+            costs += m.costs if isinstance(m, _Nest) else (candidates[j][2:4],)
+        total = seconds + inner_seconds
+        compound_of[i] = len(candidates)
+        for key in mine:
+            keepers[key].append(len(candidates))
+        held_by[len(candidates)] = mine
+        candidates.append((b, e, freed, total, extra, held))
+        calls.append(replace(calls[i], module=_Nest(outer, parts, costs + [(freed, seconds)]),
+                             seconds=total))
+        apart.append((0, 0))
+        nested.append(top)
+    if not compound_of:
+        return problem
+    shared = [(readers[key][0], ks) for key, ks in keepers.items() if len(ks) > 1]
+    return replace(problem, candidates=candidates, calls=calls, shared=shared, apart=apart,
+                   nested=nested)
 
 
 @dataclass
@@ -2361,13 +2484,15 @@ class _Problem:
     backward_extras: list
     shared: list = ()  # (bytes, [candidate, ...]): inputs several candidates keep
     apart: list = ()  # per candidate: (gradients held apart through its backward, until)
+    nested: list = ()  # per candidate: a compound's nested peak (_compounds), else -1
 
     @property
     def options(self) -> dict:
         """The planner's optional arguments for this problem (_C.fit's keywords)."""
         return dict(atom_backward_extra_bytes=self.backward_extras,
                     shared_inputs=[(n, list(ks)) for n, ks in self.shared],
-                    candidate_backward_extras=list(self.apart))
+                    candidate_backward_extras=list(self.apart),
+                    candidate_nested_peaks=list(self.nested))
 
 
 def _memoized(memo, what, make):
@@ -2657,7 +2782,7 @@ class _Fitting:
         if self.deferred is None:
             self.runs_found = self.runs_of(self.current)
         self.problem = _problem(self.current, model, self.runs_found, exclude=self.unversioned,
-                                uses=self.uses)
+                                uses=self.uses, nest=not self.compiled)
         self.lean_actions = len(self.actions)  # where the deferred lean modules' actions go
         return None
 
@@ -2687,7 +2812,7 @@ class _Fitting:
         self.actions[at:at + len(self.lean_kept)] = _swap_actions(
             self.lean_kept, max(0, self.eager.peak - self.lean_step.peak))
         self.problem = _problem(self.lean_step, self.model, self.runs_found,
-                                exclude=self.unversioned, uses=self.uses)
+                                exclude=self.unversioned, uses=self.uses, nest=not self.compiled)
         self.floor = _floor(self.problem, self.lean_step) if self.chains else None
         self.empty_peak = self.lean_step.peak
 
@@ -2774,7 +2899,7 @@ class _Fitting:
                                for i in chosen)
         self.actions.extend(_checkpoint_actions(calls, problem.candidates, chosen, self.paths))
         return self.done(peak, max(predicted, self.current.optimizer_peak), eager_only + sum(
-            isinstance(calls[i].module, _Run) for i in chosen), traced), least
+            isinstance(m, _Run) for i in chosen for m in _parts(calls[i].module)), traced), least
 
     def _slice(self):
         """3 and 4: checkpoints alone; 5: below what they reach, chains of channelwise modules
@@ -3143,7 +3268,7 @@ def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
                               if not any(id(current.recorder.calls[k].module) in inside
                                          for k in run)]
             problem = _problem(current, model, runs_found, exclude=inside | unversioned,
-                               uses=_uses(rec))
+                               uses=_uses(rec), nest=False)
             offers = _checkpoint_actions(problem.calls, problem.candidates,
                                          range(len(problem.calls)), paths)
             offered = {}
@@ -3251,7 +3376,7 @@ def _checkpointed_modules(calls, chosen) -> frozenset:
     """What the plan `chosen` (indices into `calls`) checkpoints, by the modules' identities:
     the same plan in the problems of two recordings of one step."""
     return frozenset(tuple(id(m) for m in (c.modules if isinstance(c, _Run) else (c,)))
-                     for c in (calls[i].module for i in chosen))
+                     for i in chosen for c in _parts(calls[i].module))
 
 
 def _finer(chains) -> list:
@@ -3475,6 +3600,7 @@ def _signature(problem, compile_options) -> tuple:
     """What a step's planner problem is, times left out (they differ between calls)."""
     return (problem.base, tuple(problem.atoms), tuple(problem.backward_extras),
             tuple((n, tuple(ks)) for n, ks in problem.shared), tuple(problem.apart),
+            tuple(problem.nested),
             tuple((b, e, freed, extra, held)
                   for b, e, freed, _, extra, held in problem.candidates),
             repr(compile_options))
@@ -3648,7 +3774,16 @@ def _measure_plan(step: _Step, calls, chosen, compile_options=None, untraced=Non
 
 
 def _checkpoint_actions(calls, candidates, chosen, paths):
-    return [FitAction(calls[i].module.path(paths) if isinstance(calls[i].module, _Run)
-                      else paths.get(id(calls[i].module), "?"), "checkpoint", int(candidates[i][2]),
-                      float(candidates[i][3])) for i in chosen]
+    """A "checkpoint" action per checkpointed module or run of the plan `chosen` (a compound's
+    inner ones first, then its outer: the order apply_plan wraps them in)."""
+    def path(m):
+        return m.path(paths) if isinstance(m, _Run) else paths.get(id(m), "?")
+
+    actions = []
+    for i in chosen:
+        m = calls[i].module
+        costs = m.costs if isinstance(m, _Nest) else ((candidates[i][2], candidates[i][3]),)
+        actions.extend(FitAction(path(part), "checkpoint", int(saved), float(seconds))
+                       for part, (saved, seconds) in zip(_parts(m), costs))
+    return actions
 
