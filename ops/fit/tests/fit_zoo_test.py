@@ -28,6 +28,7 @@ import copy
 import sys
 import unittest
 import warnings
+from unittest import mock
 
 import torch
 
@@ -333,11 +334,21 @@ class FitTransformersTest(unittest.TestCase):
             return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
         def least_plan(model, opt, region):
-            with region(), self.assertRaises(memlean.FitError) as error:
-                memlean.fit(model, ids, 1, loss_fn=loss_fn, optimizer=opt)
-            least = error.exception.least_peak_bytes
-            with region():
-                plan = memlean.fit(model, ids, least, loss_fn=loss_fn, optimizer=opt)
+            # In bfloat16, checkpoints nested in checkpoints (compounds) reach a lower least
+            # than slicing does (16,279,176 bytes; sliced, without compounds: 16,741,896), so
+            # that the split MLPs are sliced there, fit plans without compounds.
+            from memlean import fitting
+
+            plain = mock.patch.object(fitting, "_with_compounds",
+                                      lambda problem, readers: problem)
+            with contextlib.ExitStack() as stack:
+                if region is bf16:
+                    stack.enter_context(plain)
+                with region(), self.assertRaises(memlean.FitError) as error:
+                    memlean.fit(model, ids, 1, loss_fn=loss_fn, optimizer=opt)
+                least = error.exception.least_peak_bytes
+                with region():
+                    plan = memlean.fit(model, ids, least, loss_fn=loss_fn, optimizer=opt)
             done = {(a.path, a.action) for a in plan.actions}
             for i in range(2):
                 self.assertIn((f"bert.encoder.layer.{i}.(intermediate..output.dense)",
