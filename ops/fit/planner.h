@@ -22,7 +22,9 @@
 // there without checkpoints: backward(c), from the per-atom extras below. memlean's
 // checkpoint frees the recomputed output and the incoming gradient as soon as they are used,
 // so the two do not add up: on CPU, where bytes are exact, the planner's plans are then
-// predicted to the byte (docs/fit.md).
+// predicted to the byte (docs/fit.md). A compound candidate (checkpoints nested inside it)
+// has range_sum(c) + max(...) given instead: its nested_peak_bytes (Candidate, below), the
+// term at least its kept bytes.
 // plan() minimises the sum of seconds over S subject to
 // predicted_peak(S) <= budget; ties go to the lower peak, then to fewer candidates (the
 // fewest is not guaranteed: a state keeps the lower partial peak, which may tie at the end).
