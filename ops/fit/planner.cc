@@ -505,6 +505,116 @@ Plan least_peak_plan(const Problem& problem, int resolution) {
   return plan(problem, feasible, resolution);
 }
 
+Problem with_compounds(const Problem& problem, const std::vector<std::vector<int>>& excluded,
+                       int resolution, std::vector<Compound>* made) {
+  check_resolution(resolution);
+  validate(problem);
+  const int plain = static_cast<int>(problem.candidates.size());
+  if (!excluded.empty() && excluded.size() != static_cast<size_t>(plain)) {
+    throw std::invalid_argument("excluded: " + std::to_string(excluded.size()) + " lists for " +
+                                std::to_string(plain) +
+                                " candidates (give one per candidate, or none)");
+  }
+  Problem out = problem;
+  const std::vector<Candidate>& cands = problem.candidates;
+  const int n = static_cast<int>(problem.atom_saved_bytes.size());
+  std::vector<int64_t> prefix(n + 1, 0);
+  for (int k = 0; k < n; ++k) prefix[k + 1] = prefix[k] + problem.atom_saved_bytes[k];
+  // The shared inputs each candidate keeps (compounds keep their outer's).
+  std::vector<std::vector<int>> shared_of(plain);
+  for (size_t s = 0; s < problem.shared_inputs.size(); ++s) {
+    for (int c : problem.shared_inputs[s].candidates) shared_of[c].push_back(static_cast<int>(s));
+  }
+  std::vector<int> order(plain);  // smallest first: a compound's inner ones are made before it
+  for (int i = 0; i < plain; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    return cands[a].end - cands[a].begin < cands[b].end - cands[b].begin;
+  });
+  std::vector<int> compound_of(plain, -1);  // its compound's index, or -1
+  std::vector<int> compound_outer;          // per compound made, its candidate
+  for (const int c : order) {
+    const Candidate& outer = cands[c];
+    const int b = outer.begin, e = outer.end;
+    std::vector<int> inner;
+    for (int j = 0; j < plain; ++j) {
+      const Candidate& d = cands[j];
+      if (d.begin < b || d.end > e || (d.begin == b && d.end == e)) continue;
+      if (!excluded.empty() &&
+          std::find(excluded[c].begin(), excluded[c].end(), j) != excluded[c].end()) {
+        continue;
+      }
+      inner.push_back(j);
+      if (compound_of[j] >= 0) inner.push_back(compound_of[j]);
+    }
+    if (inner.empty()) continue;
+    Problem sub;
+    sub.atom_saved_bytes.assign(problem.atom_saved_bytes.begin() + b,
+                                problem.atom_saved_bytes.begin() + e);
+    sub.atom_backward_extra_bytes.assign(e - b, 0);
+    for (int k = b; k < e; ++k) {
+      if (!problem.atom_backward_extra_bytes.empty()) {
+        sub.atom_backward_extra_bytes[k - b] = problem.atom_backward_extra_bytes[k];
+      }
+      const int until = outer.backward_extra_end == 0 ? e : outer.backward_extra_end;
+      if (k < until) sub.atom_backward_extra_bytes[k - b] += outer.backward_extra_bytes;
+    }
+    std::vector<int> index(out.candidates.size(), -1);
+    for (const int j : inner) {
+      index[j] = static_cast<int>(sub.candidates.size());
+      Candidate d = out.candidates[j];
+      const int plain_j = j < plain ? j : compound_outer[j - plain];
+      for (const int s : shared_of[plain_j]) {  // kept by c too: c counts it
+        const std::vector<int>& readers = problem.shared_inputs[s].candidates;
+        if (std::find(readers.begin(), readers.end(), c) == readers.end()) continue;
+        const int64_t bytes = problem.shared_inputs[s].bytes;
+        d.input_bytes = std::max<int64_t>(0, d.input_bytes - bytes);
+        d.freed_bytes += bytes;
+      }
+      d.begin -= b;
+      d.end -= b;
+      if (d.backward_extra_end != 0) d.backward_extra_end -= b;
+      sub.candidates.push_back(d);
+    }
+    for (size_t s = 0; s < problem.shared_inputs.size(); ++s) {
+      const std::vector<int>& readers = out.shared_inputs[s].candidates;
+      if (std::find(readers.begin(), readers.end(), c) != readers.end()) continue;
+      SharedInput kept{out.shared_inputs[s].bytes, {}};
+      for (const int r : readers) {
+        if (r < static_cast<int>(index.size()) && index[r] >= 0) {
+          kept.candidates.push_back(index[r]);
+        }
+      }
+      if (kept.candidates.size() > 1) sub.shared_inputs.push_back(std::move(kept));
+    }
+    const Plan inside = least_peak_plan(sub, resolution);
+    if (!inside.feasible || inside.chosen.empty()) continue;
+    const int64_t range = prefix[e] - prefix[b];
+    int64_t kept = range;
+    for (const int i : inside.chosen) {
+      const Candidate& d = sub.candidates[i];
+      kept -= std::min(d.freed_bytes, prefix[d.end + b] - prefix[d.begin + b]);
+    }
+    const int64_t top = std::max(inside.predicted_peak_bytes, kept + outer.recompute_extra_bytes);
+    if (top >= range + outer.recompute_extra_bytes) continue;
+    Candidate compound = outer;
+    compound.seconds = outer.seconds + inside.recompute_seconds;
+    compound.nested_peak_bytes = top;
+    compound.backward_extra_bytes = 0;  // (in the nested peak: its atoms' extras)
+    compound.backward_extra_end = 0;
+    const int at = static_cast<int>(out.candidates.size());
+    for (const int s : shared_of[c]) out.shared_inputs[s].candidates.push_back(at);
+    out.candidates.push_back(compound);
+    compound_of[c] = at;
+    compound_outer.push_back(c);
+    if (made != nullptr) {
+      Compound m{c, {}};
+      for (const int i : inside.chosen) m.inner.push_back(inner[i]);
+      made->push_back(std::move(m));
+    }
+  }
+  return out;
+}
+
 std::vector<Candidate> chain_candidates(const std::vector<int64_t>& saved_bytes,
                                         const std::vector<int64_t>& output_bytes,
                                         const std::vector<double>& seconds) {

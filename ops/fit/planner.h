@@ -163,6 +163,30 @@ std::vector<Candidate> chain_candidates(const std::vector<int64_t>& saved_bytes,
                                         const std::vector<int64_t>& output_bytes,
                                         const std::vector<double>& seconds);
 
+// A compound candidate made by with_compounds: candidates[outer] checkpointed around the
+// checkpoints `inner` inside it, which its recompute runs (indices into the candidates, the
+// compounds made before it among them: nesting to any depth).
+struct Compound {
+  int outer = 0;
+  std::vector<int> inner;
+};
+
+// `problem` with a compound candidate appended for each candidate c (smallest first) that holds
+// less with checkpoints inside it: the sub-problem of c's atoms (base 0; c's gradients held
+// apart added to its atoms' backward extras; the candidates strictly inside it but those in
+// excluded[c] (when given: one list per candidate), and the compounds of those; a shared input
+// that c keeps too counted by c alone: the inner ones' input_bytes less it, their freed_bytes
+// more) planned at its least peak (least_peak_plan at `resolution`). The compound covers c's
+// atoms and keeps what c keeps (freed_bytes, recompute_extra_bytes, input_bytes and shared
+// inputs as c's); its seconds are c's and the inner plan's; its nested_peak_bytes the larger of
+// the inner plan's predicted peak and what it keeps plus c's recompute_extra_bytes (the end of
+// c's recompute). None where that is not below c's atoms' bytes plus its
+// recompute_extra_bytes, or where the inner plan chooses nothing. `made`, if given, receives
+// one Compound per appended candidate, in order. Throws as validate() does, and
+// std::invalid_argument for excluded of the wrong size.
+Problem with_compounds(const Problem& problem, const std::vector<std::vector<int>>& excluded = {},
+                       int resolution = 64, std::vector<Compound>* made = nullptr);
+
 // {"feasible": true, "chosen": [0, 3], "predicted_peak_bytes": 123, "recompute_seconds": 0.5}
 std::string to_json(const Plan& plan);
 

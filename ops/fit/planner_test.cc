@@ -335,6 +335,36 @@ TEST(Planner, HandCheckedCompound) {
   EXPECT_EQ(plan(p, 15).chosen, (std::vector<int>{5, 2}));
 }
 
+// with_compounds on that problem without its compound: it makes it, with the least-peak inner
+// plan of [0, 2) (atom 0's checkpoint alone: 2 + 10 = 12 at 1 s; both: 12 at 2 s), keeping
+// what the plain [0, 2) keeps; the singles have nothing inside them. With candidate 4
+// excluded from nothing and candidate 0 excluded from it, the inner plan is atom 1's alone
+// (10 + 10 = 20: not below the plain 20): none.
+TEST(Planner, WithCompoundsMakesTheCompound) {
+  Problem p;
+  p.atom_saved_bytes = {10, 10, 10, 10};
+  for (int k = 0; k < 4; ++k) p.candidates.push_back({k, k + 1, 8, 1.0});
+  p.candidates.push_back({0, 2, 18, 2.0});
+  std::vector<Compound> made;
+  const Problem out = with_compounds(p, {}, 64, &made);
+  ASSERT_EQ(made.size(), 1u);
+  EXPECT_EQ(made[0].outer, 4);
+  EXPECT_EQ(made[0].inner, std::vector<int>{0});
+  ASSERT_EQ(out.candidates.size(), 6u);
+  const Candidate& c = out.candidates[5];
+  EXPECT_EQ(c.begin, 0);
+  EXPECT_EQ(c.end, 2);
+  EXPECT_EQ(c.freed_bytes, 18);
+  EXPECT_EQ(c.seconds, 3.0);
+  EXPECT_EQ(c.nested_peak_bytes, 12);
+  EXPECT_EQ(least_peak_plan(out).predicted_peak_bytes, 14);
+  EXPECT_EQ(least_peak_plan(p).predicted_peak_bytes, 16);
+  made.clear();
+  EXPECT_EQ(with_compounds(p, {{}, {}, {}, {}, {0}}, 64, &made).candidates.size(), 5u);
+  EXPECT_TRUE(made.empty());
+  EXPECT_THROW(with_compounds(p, {{}}), std::invalid_argument);
+}
+
 // The example with backward extras {0, 0, 80, 0}: atom 2's backward needs 80 bytes above what
 // is kept through it.
 TEST(Planner, HandCheckedBackwardExtras) {

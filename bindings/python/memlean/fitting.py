@@ -2379,96 +2379,38 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), uses=None,
     # least was predicted 6 % high without, 2026-11-28).
     shared = [(n, ks) for n, ks in readers.values() if len(ks) > 1]
     problem = _Problem(base, atoms, candidates, calls, backward_extras, shared, backward_apart)
-    return _with_compounds(problem, readers) if nest else problem
+    return _with_compounds(problem) if nest else problem
 
 
-def _with_compounds(problem, readers):
-    """`problem` with a compound candidate (checkpoints nested in a checkpoint) for each
-    candidate whose recompute and backward hold less with checkpoints inside it: the planner's
-    sub-problem of its atoms, base 0, with the candidates inside it (not over all its atoms;
-    the compounds among them: nesting to any depth, smallest first), planned at its least
-    peak; they are then recomputed twice, in its recompute and in the backward through them
-    (its seconds: its own and theirs). Its nested peak (the planner's nested_peak_bytes): the
-    larger of that sub-problem's peak (the backward through it, its inner checkpoints
-    recomputed) and the bytes the inner plan keeps plus the candidate's recompute extra (its
-    recompute's end: its recomputed output, the gradient brought to it, its buffers' copies).
-    An input it keeps that none of its atoms saves counts once: the candidate keeps it
-    (input_bytes), so the inner ones do not again in the sub-problem. Where no inner plan
-    holds less than the candidate's atoms and its recompute extra, none."""
-    atoms = problem.atoms
-    candidates, calls = list(problem.candidates), list(problem.calls)
-    apart = list(problem.apart) or [(0, 0)] * len(candidates)
-    nested = [-1] * len(candidates)
-    prefix = [0]
-    for b in atoms:
-        prefix.append(prefix[-1] + b)
-    held_by = {}  # candidate -> {key: bytes} of the inputs it keeps that no atom saves
-    for key, (nbytes, ks) in readers.items():
-        for k in ks:
-            held_by.setdefault(k, {})[key] = nbytes
-    keepers = {key: list(ks) for key, (_, ks) in readers.items()}  # compounds among them
-    plain = len(candidates)
-    order = sorted(range(plain), key=lambda i: candidates[i][0])
-    begins = [candidates[i][0] for i in order]
-    compound_of = {}  # plain candidate -> its compound
-    for i in sorted(range(plain), key=lambda i: candidates[i][1] - candidates[i][0]):
-        b, e, freed, seconds, extra, held = candidates[i]
-        inner = [j for j in order[bisect.bisect_left(begins, b):bisect.bisect_left(begins, e)]
-                 if candidates[j][1] <= e and (candidates[j][0], candidates[j][1]) != (b, e)]
-        # A run inside it only where its parent's forward runs in its recompute (a run's
-        # modules are checkpointed as one only while their parent's forward calls them).
-        outer = calls[i].module
-        under = {id(m) for part in (outer.modules if isinstance(outer, _Run) else (outer,))
-                 for m in part.modules()}
-        inner = [j for j in inner if not isinstance(calls[j].module, _Run)
-                 or id(calls[j].module.parent) in under]
-        inner += [compound_of[j] for j in inner if j in compound_of]
-        if not inner:
-            continue
-        mine = held_by.get(i, {})
-        sub = []
+def _with_compounds(problem):
+    """`problem` with compound candidates (checkpoints nested in a checkpoint, to any depth):
+    memlean::fit::with_compounds (ops/fit/planner.h, the planner of both languages) plans
+    them, each candidate's sub-problem at its least peak; here each gets its call, whose
+    module is a _Nest of the candidate's module (or run) and those of its inner checkpoints.
+    A run inside a candidate nests only where the run's parent forward runs in the
+    candidate's recompute (a run's modules are checkpointed as one only while their parent
+    calls them: a run inside a sibling run measured a module's bytes per module high)."""
+    calls = list(problem.calls)
+    under = []  # per candidate: id() of the modules its recompute runs the forward of
+    for c in calls:
+        outer = c.module
+        under.append({id(m) for part in (outer.modules if isinstance(outer, _Run) else (outer,))
+                      for m in part.modules()})
+    runs = [(j, id(c.module.parent)) for j, c in enumerate(calls) if isinstance(c.module, _Run)]
+    excluded = [[j for j, parent in runs if parent not in mine] for mine in under]
+    candidates, shared, apart, nested, made = _C.fit.with_compounds(
+        problem.base, problem.atoms, problem.candidates, excluded, **problem.options)
+    if not made:
+        return problem
+    for outer, inner in made:
+        parts, costs = [], []  # (inside out: an inner compound's parts, then its outer)
         for j in inner:
-            bj, ej, fj, sj, xj, hj = candidates[j]
-            again = sum(n for key, n in held_by.get(j, {}).items() if key in mine)
-            sub.append((bj - b, ej - b, fj + again, sj, xj, max(0, hj - again)))
-        extras = list(problem.backward_extras[b:e])
-        gradients, until = apart[i]
-        for k in range(b, until or e):
-            extras[k - b] += gradients
-        index = {j: n for n, j in enumerate(inner)}
-        shared = [(readers[key][0], [index[k] for k in ks if k in index])
-                  for key, ks in keepers.items() if key not in mine]
-        _, chosen, peak, inner_seconds = _C.fit.least_peak_plan(
-            0, atoms[b:e], sub, resolution=64, atom_backward_extra_bytes=extras,
-            shared_inputs=[(nbytes, ks) for nbytes, ks in shared if len(ks) > 1],
-            candidate_backward_extras=[(a, u - b if u else 0) for a, u in
-                                       (apart[j] for j in inner)],
-            candidate_nested_peaks=[nested[j] for j in inner])
-        if not chosen:
-            continue
-        kept = prefix[e] - prefix[b] - sum(
-            min(sub[n][2], prefix[sub[n][1] + b] - prefix[sub[n][0] + b]) for n in chosen)
-        top = max(peak, kept + extra)
-        if top >= prefix[e] - prefix[b] + extra:
-            continue  # (the plain checkpoint's recompute holds at least that)
-        parts, costs = [], []  # (inside out: a compound's own parts, then its outer)
-        for j in (inner[n] for n in chosen):
             m = calls[j].module
             parts += m.parts if isinstance(m, _Nest) else (m,)
             costs += m.costs if isinstance(m, _Nest) else (candidates[j][2:4],)
-        total = seconds + inner_seconds
-        compound_of[i] = len(candidates)
-        for key in mine:
-            keepers[key].append(len(candidates))
-        held_by[len(candidates)] = mine
-        candidates.append((b, e, freed, total, extra, held))
-        calls.append(replace(calls[i], module=_Nest(outer, parts, costs + [(freed, seconds)]),
-                             seconds=total))
-        apart.append((0, 0))
-        nested.append(top)
-    if not compound_of:
-        return problem
-    shared = [(readers[key][0], ks) for key, ks in keepers.items() if len(ks) > 1]
+        total = candidates[len(calls)][3]
+        calls.append(replace(calls[outer], module=_Nest(
+            calls[outer].module, parts, costs + [candidates[outer][2:4]]), seconds=total))
     return replace(problem, candidates=candidates, calls=calls, shared=shared, apart=apart,
                    nested=nested)
 

@@ -170,6 +170,42 @@ void init_fit(py::module_& m) {
       "memlean::fit::search with measure(chosen) -> measured peak: (found, chosen, "
       "measured_peak_bytes, predicted_peak_bytes, recompute_seconds, "
       "least_measured_peak_bytes, measured_plans).");
+  s.def(
+      "with_compounds",
+      [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
+         const std::vector<std::vector<int>>& excluded, int resolution,
+         std::vector<int64_t> extras, const std::vector<SharedTuple>& shared,
+         const std::vector<ApartTuple>& apart, const std::vector<int64_t>& nested) {
+        const fit::Problem p = problem_of(base, std::move(atoms), candidates, std::move(extras),
+                                          shared, apart, nested);
+        std::vector<fit::Compound> made;
+        fit::Problem out;
+        {
+          py::gil_scoped_release release;
+          out = fit::with_compounds(p, excluded, resolution, &made);
+        }
+        py::list tuples, shared_out, apart_out, nested_out, made_out;
+        for (const fit::Candidate& c : out.candidates) {
+          tuples.append(py::make_tuple(c.begin, c.end, c.freed_bytes, c.seconds,
+                                       c.recompute_extra_bytes, c.input_bytes));
+          apart_out.append(py::make_tuple(c.backward_extra_bytes, c.backward_extra_end));
+          nested_out.append(c.nested_peak_bytes);
+        }
+        for (const fit::SharedInput& si : out.shared_inputs) {
+          shared_out.append(py::make_tuple(si.bytes, si.candidates));
+        }
+        for (const fit::Compound& m : made) made_out.append(py::make_tuple(m.outer, m.inner));
+        return py::make_tuple(tuples, shared_out, apart_out, nested_out, made_out);
+      },
+      py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"),
+      py::arg("excluded") = std::vector<std::vector<int>>{}, py::arg("resolution") = 64,
+      py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
+      py::arg("shared_inputs") = std::vector<SharedTuple>{},
+      py::arg("candidate_backward_extras") = std::vector<ApartTuple>{},
+      py::arg("candidate_nested_peaks") = std::vector<int64_t>{},
+      "memlean::fit::with_compounds: (candidates, shared_inputs, candidate_backward_extras, "
+      "candidate_nested_peaks, made), the problem's own first, then one per compound made; "
+      "made: (outer, [inner, ...]) per compound.");
   s.def("parse_budget", &fit::parse_budget, py::arg("text"), py::arg("argument"),
         "memlean::fit::parse_budget: '6GiB' -> bytes (ValueError naming `argument`).");
   s.def("describe_bytes", &fit::describe_bytes, py::arg("bytes"),

@@ -1313,7 +1313,7 @@ class FitTest(unittest.TestCase):
         for old in (False, True):
             with contextlib.ExitStack() as stack:
                 stack.enter_context(mock.patch.object(
-                    fitting, "_with_compounds", lambda problem, readers: problem))
+                    fitting, "_with_compounds", lambda problem: problem))
                 if old:  # (the level where backward reaches a call not taken)
                     stack.enter_context(mock.patch.object(
                         fitting._Recorder, "_reached", lambda self, call: None))
@@ -1732,7 +1732,7 @@ class FitTest(unittest.TestCase):
             model, x, loss_fn, opt = classified(BottleneckNet, 32)
             return model.double(), x.double(), loss_fn, opt
 
-        with mock.patch.object(fitting, "_with_compounds", lambda problem, readers: problem):
+        with mock.patch.object(fitting, "_with_compounds", lambda problem: problem):
             plain, _ = self.least_and_eager(*setup(), runs=True)
         model, x, loss_fn, opt = setup()
         twin, twin2 = copy.deepcopy(model), copy.deepcopy(model)

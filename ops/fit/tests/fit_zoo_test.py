@@ -340,7 +340,7 @@ class FitTransformersTest(unittest.TestCase):
             from memlean import fitting
 
             plain = mock.patch.object(fitting, "_with_compounds",
-                                      lambda problem, readers: problem)
+                                      lambda problem: problem)
             with contextlib.ExitStack() as stack:
                 if region is bf16:
                     stack.enter_context(plain)
