@@ -37,25 +37,22 @@ fit::Problem problem_of(int64_t base_bytes, std::vector<int64_t> atom_saved_byte
   for (const auto& [begin, end, freed, seconds, extra, input] : candidates) {
     p.candidates.push_back({begin, end, freed, seconds, extra, input});
   }
-  if (!candidate_backward_extras.empty()) {
-    if (candidate_backward_extras.size() != candidates.size()) {
-      throw std::invalid_argument(
-          "candidate_backward_extras: " + std::to_string(candidate_backward_extras.size()) +
-          " values for " + std::to_string(candidates.size()) +
-          " candidates (give one per candidate, or none)");
+  // An optional per-candidate list: empty, or one value per candidate.
+  auto per_candidate = [&](size_t size, const char* name) {
+    if (size != 0 && size != candidates.size()) {
+      throw std::invalid_argument(std::string(name) + ": " + std::to_string(size) +
+                                  " values for " + std::to_string(candidates.size()) +
+                                  " candidates (give one per candidate, or none)");
     }
+    return size != 0;
+  };
+  if (per_candidate(candidate_backward_extras.size(), "candidate_backward_extras")) {
     for (size_t i = 0; i < candidates.size(); ++i) {
       std::tie(p.candidates[i].backward_extra_bytes, p.candidates[i].backward_extra_end) =
           candidate_backward_extras[i];
     }
   }
-  if (!candidate_nested_peaks.empty()) {
-    if (candidate_nested_peaks.size() != candidates.size()) {
-      throw std::invalid_argument(
-          "candidate_nested_peaks: " + std::to_string(candidate_nested_peaks.size()) +
-          " values for " + std::to_string(candidates.size()) +
-          " candidates (give one per candidate, or none)");
-    }
+  if (per_candidate(candidate_nested_peaks.size(), "candidate_nested_peaks")) {
     for (size_t i = 0; i < candidates.size(); ++i) {
       p.candidates[i].nested_peak_bytes = candidate_nested_peaks[i];
     }

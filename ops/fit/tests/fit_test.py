@@ -3133,6 +3133,24 @@ class FitTest(unittest.TestCase):
         self.assertEqual(again.peak_bytes, plan.peak_bytes)
         again.undo()
 
+    def test_the_planners_optional_lists_are_checked_per_candidate(self):
+        # _C.fit's per-candidate keywords (the gradients held apart, the compounds' nested
+        # peaks) take one value per candidate or none: another count is a ValueError naming
+        # the keyword, not a read past the list; with_compounds' excluded lists likewise.
+        from memlean import _C
+
+        atoms, candidates = [10, 10], [(0, 1, 8, 1.0, 0, 0), (0, 2, 18, 2.0, 0, 0)]
+        for keyword, values in (("candidate_backward_extras", [(0, 0)]),
+                                ("candidate_nested_peaks", [5, 5, 5])):
+            with self.assertRaisesRegex(ValueError, keyword + ": .* values for 2 candidates"):
+                _C.fit.predicted_peak(0, atoms, candidates, [], **{keyword: values})
+        with self.assertRaisesRegex(ValueError, "nested_peak_bytes must be -1"):
+            _C.fit.predicted_peak(0, atoms, candidates, [], candidate_nested_peaks=[-1, -2])
+        with self.assertRaisesRegex(ValueError, "excluded: 1 lists for 2 candidates"):
+            _C.fit.with_compounds(0, atoms, candidates, [[]])
+        made = _C.fit.with_compounds(0, atoms, candidates, [[], []])[4]
+        self.assertEqual(made, [(1, [0])])  # ([0, 2) around [0, 1): 2 + 10 = 12 < 20)
+
     def test_bad_input_is_named(self):
         model, x, loss_fn, opt = self.conv_setup()
         for budget, kind, text in [(0, ValueError, "budget_bytes"), (-5, ValueError, "budget_bytes"),
