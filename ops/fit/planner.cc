@@ -573,6 +573,10 @@ Problem with_compounds(const Problem& problem, const std::vector<std::vector<int
       d.begin -= b;
       d.end -= b;
       if (d.backward_extra_end != 0) d.backward_extra_end -= b;
+      // (Its atoms for its seconds: which inner plan reaches the least peak fastest must not
+      // hang on measured times, which differ from call to call: a later fit at the least an
+      // earlier one named must find the same compounds.)
+      d.seconds = d.end - d.begin;
       sub.candidates.push_back(d);
     }
     for (size_t s = 0; s < problem.shared_inputs.size(); ++s) {
@@ -597,7 +601,8 @@ Problem with_compounds(const Problem& problem, const std::vector<std::vector<int
     const int64_t top = std::max(inside.predicted_peak_bytes, kept + outer.recompute_extra_bytes);
     if (top >= range + outer.recompute_extra_bytes) continue;
     Candidate compound = outer;
-    compound.seconds = outer.seconds + inside.recompute_seconds;
+    compound.seconds = outer.seconds;
+    for (const int i : inside.chosen) compound.seconds += out.candidates[inner[i]].seconds;
     compound.nested_peak_bytes = top;
     compound.backward_extra_bytes = 0;  // (in the nested peak: its atoms' extras)
     compound.backward_extra_end = 0;

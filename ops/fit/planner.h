@@ -176,7 +176,9 @@ struct Compound {
 // apart added to its atoms' backward extras; the candidates strictly inside it but those in
 // excluded[c] (when given: one list per candidate), and the compounds of those; a shared input
 // that c keeps too counted by c alone: the inner ones' input_bytes less it, their freed_bytes
-// more) planned at its least peak (least_peak_plan at `resolution`). The compound covers c's
+// more) planned at its least peak (least_peak_plan at `resolution`; the fewest atoms
+// recomputed among the plans reaching it, so that the compounds depend on bytes alone, not on
+// measured times). The compound covers c's
 // atoms and keeps what c keeps (freed_bytes, recompute_extra_bytes, input_bytes and shared
 // inputs as c's); its seconds are c's and the inner plan's; its nested_peak_bytes the larger of
 // the inner plan's predicted peak and what it keeps plus c's recompute_extra_bytes (the end of
