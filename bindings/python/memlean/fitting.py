@@ -1485,6 +1485,12 @@ def _parts(module) -> tuple:
     return module.parts if isinstance(module, _Nest) else (module,)
 
 
+def _part_costs(module, candidate) -> tuple:
+    """(bytes saved, recompute seconds) of each of _parts(module), `candidate` its planner
+    tuple (begin, end, freed_bytes, seconds, ...)."""
+    return module.costs if isinstance(module, _Nest) else (tuple(candidate[2:4]),)
+
+
 class _Slice(_Run):
     """A run fit recomputes channel slice by channel slice (memlean.sliced): an optional
     ungrouped convolution, then BatchNorms, elementwise activations and depthwise
@@ -2405,9 +2411,8 @@ def _with_compounds(problem):
     for outer, inner in made:
         parts, costs = [], []  # (inside out: an inner compound's parts, then its outer)
         for j in inner:
-            m = calls[j].module
-            parts += m.parts if isinstance(m, _Nest) else (m,)
-            costs += m.costs if isinstance(m, _Nest) else (candidates[j][2:4],)
+            parts += _parts(calls[j].module)
+            costs += _part_costs(calls[j].module, candidates[j])
         total = candidates[len(calls)][3]
         calls.append(replace(calls[outer], module=_Nest(
             calls[outer].module, parts, costs + [candidates[outer][2:4]]), seconds=total))
@@ -2435,7 +2440,7 @@ class _Problem:
     backward_extras: list
     shared: list = ()  # (bytes, [candidate, ...]): inputs several candidates keep
     apart: list = ()  # per candidate: (gradients held apart through its backward, until)
-    nested: list = ()  # per candidate: a compound's nested peak (_compounds), else -1
+    nested: list = ()  # per candidate: a compound's nested peak (_with_compounds), else -1
 
     @property
     def options(self) -> dict:
@@ -3740,11 +3745,7 @@ def _checkpoint_actions(calls, candidates, chosen, paths):
     def path(m):
         return m.path(paths) if isinstance(m, _Run) else paths.get(id(m), "?")
 
-    actions = []
-    for i in chosen:
-        m = calls[i].module
-        costs = m.costs if isinstance(m, _Nest) else ((candidates[i][2], candidates[i][3]),)
-        actions.extend(FitAction(path(part), "checkpoint", int(saved), float(seconds))
-                       for part, (saved, seconds) in zip(_parts(m), costs))
-    return actions
+    return [FitAction(path(part), "checkpoint", int(saved), float(seconds)) for i in chosen
+            for part, (saved, seconds) in zip(_parts(calls[i].module),
+                                              _part_costs(calls[i].module, candidates[i]))]
 
