@@ -598,6 +598,13 @@ Problem with_compounds(const Problem& problem, const std::vector<std::vector<int
       const Candidate& d = sub.candidates[i];
       kept -= std::min(d.freed_bytes, prefix[d.end + b] - prefix[d.begin + b]);
     }
+    for (const SharedInput& si : sub.shared_inputs) {  // (kept once, not per chosen reader)
+      int64_t readers = 0;
+      for (const int r : si.candidates) {
+        readers += std::count(inside.chosen.begin(), inside.chosen.end(), r);
+      }
+      if (readers > 1) kept -= (readers - 1) * si.bytes;
+    }
     const int64_t top = std::max(inside.predicted_peak_bytes, kept + outer.recompute_extra_bytes);
     if (top >= range + outer.recompute_extra_bytes) continue;
     Candidate compound = outer;

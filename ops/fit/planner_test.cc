@@ -365,6 +365,24 @@ TEST(Planner, WithCompoundsMakesTheCompound) {
   EXPECT_THROW(with_compounds(p, {{}}), std::invalid_argument);
 }
 
+// A compound whose inner checkpoints keep one input between them (3 bytes no atom saves, a
+// dense block's map): the inner plan keeps it once, so the compound's nested peak counts it
+// once: kept 5 + (5 - 3) + 10 = 17 (counted per reader, 20).
+TEST(Planner, WithCompoundsCountsASharedInputOnce) {
+  Problem p;
+  p.atom_saved_bytes = {10, 10, 10};
+  p.candidates.push_back({0, 1, 5, 1.0, 0, 3});
+  p.candidates.push_back({1, 2, 5, 1.0, 0, 3});
+  p.candidates.push_back({0, 3, 20, 3.0});
+  p.shared_inputs.push_back({3, {0, 1}});
+  std::vector<Compound> made;
+  const Problem out = with_compounds(p, {}, 64, &made);
+  ASSERT_EQ(made.size(), 1u);
+  EXPECT_EQ(made[0].outer, 2);
+  EXPECT_EQ(made[0].inner, (std::vector<int>{0, 1}));
+  EXPECT_EQ(out.candidates.back().nested_peak_bytes, 17);
+}
+
 // The example with backward extras {0, 0, 80, 0}: atom 2's backward needs 80 bytes above what
 // is kept through it.
 TEST(Planner, HandCheckedBackwardExtras) {
