@@ -200,7 +200,10 @@ Prepared prepare(const Problem& problem) {
 // A shared input is counted once from its first chosen reader on: a later chosen reader's
 // recompute does not count it again, nor does what that reader keeps (its kept bytes, at most).
 // share == false: counted once per chosen reader, as the programs count it.
-int64_t peak_of_sorted(const Prepared& prep, const std::vector<int>& chosen, bool share = true) {
+// kept, if given: what the plan keeps at the forward's end, above base (shared inputs as
+// `share` counts them).
+int64_t peak_of_sorted(const Prepared& prep, const std::vector<int>& chosen, bool share = true,
+                       int64_t* kept = nullptr) {
   const int64_t base = prep.problem.base_bytes;
   // Freed by the chosen candidates already passed, and their shared inputs counted again.
   int64_t freed_before = 0;
@@ -234,6 +237,7 @@ int64_t peak_of_sorted(const Prepared& prep, const std::vector<int>& chosen, boo
     k = cand.end;
   }
   atoms_until(prep.n);
+  if (kept != nullptr) *kept = prep.prefix[prep.n] - freed_before;
   return std::max(peak, base + prep.prefix[prep.n] - freed_before);
 }
 
@@ -508,7 +512,7 @@ Plan least_peak_plan(const Problem& problem, int resolution) {
 Problem with_compounds(const Problem& problem, const std::vector<std::vector<int>>& excluded,
                        int resolution, std::vector<Compound>* made) {
   check_resolution(resolution);
-  validate(problem);
+  const Prepared prep = prepare(problem);
   const int plain = static_cast<int>(problem.candidates.size());
   if (!excluded.empty() && excluded.size() != static_cast<size_t>(plain)) {
     throw std::invalid_argument("excluded: " + std::to_string(excluded.size()) + " lists for " +
@@ -517,21 +521,14 @@ Problem with_compounds(const Problem& problem, const std::vector<std::vector<int
   }
   Problem out = problem;
   const std::vector<Candidate>& cands = problem.candidates;
-  const int n = static_cast<int>(problem.atom_saved_bytes.size());
-  std::vector<int64_t> prefix(n + 1, 0);
-  for (int k = 0; k < n; ++k) prefix[k + 1] = prefix[k] + problem.atom_saved_bytes[k];
-  // The shared inputs each candidate keeps (compounds keep their outer's).
-  std::vector<std::vector<int>> shared_of(plain);
-  for (size_t s = 0; s < problem.shared_inputs.size(); ++s) {
-    for (int c : problem.shared_inputs[s].candidates) shared_of[c].push_back(static_cast<int>(s));
-  }
+  const std::vector<std::vector<int>>& shared_of = prep.shared_of;  // (a compound: its outer's)
+  std::vector<Compound> compounds;  // made, in order: compound `plain + k` is compounds[k]
   std::vector<int> order(plain);  // smallest first: a compound's inner ones are made before it
   for (int i = 0; i < plain; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
     return cands[a].end - cands[a].begin < cands[b].end - cands[b].begin;
   });
   std::vector<int> compound_of(plain, -1);  // its compound's index, or -1
-  std::vector<int> compound_outer;          // per compound made, its candidate
   for (const int c : order) {
     const Candidate& outer = cands[c];
     const int b = outer.begin, e = outer.end;
@@ -562,7 +559,7 @@ Problem with_compounds(const Problem& problem, const std::vector<std::vector<int
     for (const int j : inner) {
       index[j] = static_cast<int>(sub.candidates.size());
       Candidate d = out.candidates[j];
-      const int plain_j = j < plain ? j : compound_outer[j - plain];
+      const int plain_j = j < plain ? j : compounds[j - plain].outer;
       for (const int s : shared_of[plain_j]) {  // kept by c too: c counts it
         const std::vector<int>& readers = problem.shared_inputs[s].candidates;
         if (std::find(readers.begin(), readers.end(), c) == readers.end()) continue;
@@ -592,19 +589,9 @@ Problem with_compounds(const Problem& problem, const std::vector<std::vector<int
     }
     const Plan inside = least_peak_plan(sub, resolution);
     if (!inside.feasible || inside.chosen.empty()) continue;
-    const int64_t range = prefix[e] - prefix[b];
-    int64_t kept = range;
-    for (const int i : inside.chosen) {
-      const Candidate& d = sub.candidates[i];
-      kept -= std::min(d.freed_bytes, prefix[d.end + b] - prefix[d.begin + b]);
-    }
-    for (const SharedInput& si : sub.shared_inputs) {  // (kept once, not per chosen reader)
-      int64_t readers = 0;
-      for (const int r : si.candidates) {
-        readers += std::count(inside.chosen.begin(), inside.chosen.end(), r);
-      }
-      if (readers > 1) kept -= (readers - 1) * si.bytes;
-    }
+    const int64_t range = prep.range_sum(c);
+    int64_t kept = 0;  // (a shared input once, as the predicted peak counts it)
+    peak_of_sorted(prepare(sub), inside.chosen, /*share=*/true, &kept);
     const int64_t top = std::max(inside.predicted_peak_bytes, kept + outer.recompute_extra_bytes);
     if (top >= range + outer.recompute_extra_bytes) continue;
     Candidate compound = outer;
@@ -617,13 +604,11 @@ Problem with_compounds(const Problem& problem, const std::vector<std::vector<int
     for (const int s : shared_of[c]) out.shared_inputs[s].candidates.push_back(at);
     out.candidates.push_back(compound);
     compound_of[c] = at;
-    compound_outer.push_back(c);
-    if (made != nullptr) {
-      Compound m{c, {}};
-      for (const int i : inside.chosen) m.inner.push_back(inner[i]);
-      made->push_back(std::move(m));
-    }
+    Compound m{c, {}};
+    for (const int i : inside.chosen) m.inner.push_back(inner[i]);
+    compounds.push_back(std::move(m));
   }
+  if (made != nullptr) *made = std::move(compounds);
   return out;
 }
 

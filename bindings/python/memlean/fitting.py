@@ -2846,16 +2846,16 @@ class _Fitting:
         """search(problem): (the plan, with the actions `taken` to reach this step, its
         checkpoints wrapped; or None, the least peak the search measured)."""
         chosen, peak, predicted, least = self.search(problem, empty_peak, seen)
-        if chosen is None and problem.nested and least > _least_predicted(
-                _without_compounds(problem), self.current):
+        plain = _without_compounds(problem) if chosen is None and problem.nested else None
+        if plain is not None and least > _least_predicted(plain, self.current):
             # Where plans with compounds measured above their predictions (a compound's nested
             # peak is a model too), the search can walk past plain plans that fit: timm's
             # NF-ResNet-26 (bfloat16, channels_last, runs, batch 4, 64²) named a least 2 %
             # above the plain search's. Where the least measured is above what plain plans
             # are predicted to reach, their search, and the lower least.
-            problem = _without_compounds(problem)
-            chosen, peak, predicted, plain = self.search(problem, empty_peak, seen)
-            least = min(least, plain)
+            problem = plain
+            chosen, peak, predicted, plain_least = self.search(problem, empty_peak, seen)
+            least = min(least, plain_least)
         if chosen is None:
             return None, least
         self.actions.extend(taken)
