@@ -67,18 +67,38 @@ py::tuple plan_tuple(const fit::Plan& plan) {
                         plan.recompute_seconds);
 }
 
+// Defines s.`name`(base_bytes, atom_saved_bytes, candidates, <own>, atom_backward_extra_bytes=[],
+// shared_inputs=[], candidate_backward_extras=[], candidate_nested_peaks=[]) as
+// f(the Problem, <own>): every planner function takes the problem so, its own arguments (of
+// types Own, named by own_args) between its three required and four optional fields.
+template <typename... Own>
+struct OnProblem {
+  template <typename F, typename... OwnArgs>
+  static void def(py::module_& s, const char* name, F f, const char* doc, OwnArgs... own_args) {
+    s.def(
+        name,
+        [f](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
+            Own... own, std::vector<int64_t> extras, const std::vector<SharedTuple>& shared,
+            const std::vector<ApartTuple>& apart, const std::vector<int64_t>& nested) {
+          return f(problem_of(base, std::move(atoms), candidates, std::move(extras), shared, apart,
+                              nested),
+                   std::move(own)...);
+        },
+        py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"), own_args...,
+        py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
+        py::arg("shared_inputs") = std::vector<SharedTuple>{},
+        py::arg("candidate_backward_extras") = std::vector<ApartTuple>{},
+        py::arg("candidate_nested_peaks") = std::vector<int64_t>{}, doc);
+  }
+};
+
 }  // namespace
 
 void init_fit(py::module_& m) {
   py::module_ s = m.def_submodule("fit", "memlean::fit: the memory-budget planner (private).");
-  s.def(
-      "plan",
-      [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
-         int64_t budget, int resolution, std::vector<int64_t> extras,
-         const std::vector<SharedTuple>& shared, const std::vector<ApartTuple>& apart,
-         const std::vector<int64_t>& nested) {
-        const fit::Problem p = problem_of(base, std::move(atoms), candidates, std::move(extras),
-                                          shared, apart, nested);
+  OnProblem<int64_t, int>::def(
+      s, "plan",
+      [](const fit::Problem& p, int64_t budget, int resolution) {
         fit::Plan plan;
         {
           py::gil_scoped_release release;
@@ -86,25 +106,15 @@ void init_fit(py::module_& m) {
         }
         return plan_tuple(plan);
       },
-      py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"),
-      py::arg("budget_bytes"), py::arg("resolution") = 4096,
-      py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
-      py::arg("shared_inputs") = std::vector<SharedTuple>{},
-      py::arg("candidate_backward_extras") = std::vector<ApartTuple>{},
-      py::arg("candidate_nested_peaks") = std::vector<int64_t>{},
       "memlean::fit::plan: (feasible, chosen, predicted_peak_bytes, recompute_seconds); "
       "candidates are (begin, end, freed_bytes, seconds, recompute_extra_bytes, input_bytes); "
       "shared_inputs are (bytes, [candidate, ...]); candidate_backward_extras, one per "
       "candidate (or none), (backward_extra_bytes, backward_extra_end); candidate_nested_peaks, "
-      "one per candidate (or none), nested_peak_bytes (-1: a plain checkpoint).");
-  s.def(
-      "least_peak_plan",
-      [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
-         int resolution, std::vector<int64_t> extras,
-         const std::vector<SharedTuple>& shared, const std::vector<ApartTuple>& apart,
-         const std::vector<int64_t>& nested) {
-        const fit::Problem p = problem_of(base, std::move(atoms), candidates, std::move(extras),
-                                          shared, apart, nested);
+      "one per candidate (or none), nested_peak_bytes (-1: a plain checkpoint).",
+      py::arg("budget_bytes"), py::arg("resolution") = 4096);
+  OnProblem<int>::def(
+      s, "least_peak_plan",
+      [](const fit::Problem& p, int resolution) {
         fit::Plan plan;
         {
           py::gil_scoped_release release;
@@ -112,38 +122,17 @@ void init_fit(py::module_& m) {
         }
         return plan_tuple(plan);
       },
-      py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"),
-      py::arg("resolution") = 4096, py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
-      py::arg("shared_inputs") = std::vector<SharedTuple>{},
-      py::arg("candidate_backward_extras") = std::vector<ApartTuple>{},
-      py::arg("candidate_nested_peaks") = std::vector<int64_t>{},
-      "memlean::fit::least_peak_plan, as plan().");
-  s.def(
-      "predicted_peak",
-      [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
-         const std::vector<int>& chosen, std::vector<int64_t> extras,
-         const std::vector<SharedTuple>& shared, const std::vector<ApartTuple>& apart,
-         const std::vector<int64_t>& nested) {
-        return fit::predicted_peak(
-            problem_of(base, std::move(atoms), candidates, std::move(extras), shared, apart,
-                       nested),
-            chosen);
+      "memlean::fit::least_peak_plan, as plan().", py::arg("resolution") = 4096);
+  OnProblem<std::vector<int>>::def(
+      s, "predicted_peak",
+      [](const fit::Problem& p, const std::vector<int>& chosen) {
+        return fit::predicted_peak(p, chosen);
       },
-      py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"), py::arg("chosen"),
-      py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
-      py::arg("shared_inputs") = std::vector<SharedTuple>{},
-      py::arg("candidate_backward_extras") = std::vector<ApartTuple>{},
-      py::arg("candidate_nested_peaks") = std::vector<int64_t>{},
-      "memlean::fit::predicted_peak.");
-  s.def(
-      "search",
-      [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
-         int64_t budget, int64_t floor, int64_t empty_peak, const py::function& measure,
-         int resolution, std::vector<int64_t> extras,
-         const std::vector<SharedTuple>& shared, const std::vector<ApartTuple>& apart,
-         const std::vector<int64_t>& nested) {
-        const fit::Problem p = problem_of(base, std::move(atoms), candidates, std::move(extras),
-                                          shared, apart, nested);
+      "memlean::fit::predicted_peak.", py::arg("chosen"));
+  OnProblem<int64_t, int64_t, int64_t, py::function, int>::def(
+      s, "search",
+      [](const fit::Problem& p, int64_t budget, int64_t floor, int64_t empty_peak,
+         const py::function& measure, int resolution) {
         fit::SearchOptions options;
         options.resolution = resolution;
         // The GIL stays held: measure is Python, and the planner's calls are short.
@@ -157,24 +146,14 @@ void init_fit(py::module_& m) {
                               fastest.predicted_peak_bytes, fastest.recompute_seconds,
                               r.least_measured_peak_bytes, r.measured_plans);
       },
-      py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"),
-      py::arg("budget_bytes"), py::arg("floor_bytes"), py::arg("empty_peak_bytes"),
-      py::arg("measure"), py::arg("resolution") = 4096,
-      py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
-      py::arg("shared_inputs") = std::vector<SharedTuple>{},
-      py::arg("candidate_backward_extras") = std::vector<ApartTuple>{},
-      py::arg("candidate_nested_peaks") = std::vector<int64_t>{},
       "memlean::fit::search with measure(chosen) -> measured peak: (found, chosen, "
       "measured_peak_bytes, predicted_peak_bytes, recompute_seconds, "
-      "least_measured_peak_bytes, measured_plans).");
-  s.def(
-      "with_compounds",
-      [](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
-         const std::vector<std::vector<int>>& excluded, int resolution,
-         std::vector<int64_t> extras, const std::vector<SharedTuple>& shared,
-         const std::vector<ApartTuple>& apart, const std::vector<int64_t>& nested) {
-        const fit::Problem p = problem_of(base, std::move(atoms), candidates, std::move(extras),
-                                          shared, apart, nested);
+      "least_measured_peak_bytes, measured_plans).",
+      py::arg("budget_bytes"), py::arg("floor_bytes"), py::arg("empty_peak_bytes"),
+      py::arg("measure"), py::arg("resolution") = 4096);
+  OnProblem<std::vector<std::vector<int>>, int>::def(
+      s, "with_compounds",
+      [](const fit::Problem& p, const std::vector<std::vector<int>>& excluded, int resolution) {
         std::vector<fit::Compound> made;
         fit::Problem out;
         {
@@ -194,15 +173,10 @@ void init_fit(py::module_& m) {
         for (const fit::Compound& m : made) made_out.append(py::make_tuple(m.outer, m.inner));
         return py::make_tuple(tuples, shared_out, apart_out, nested_out, made_out);
       },
-      py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"),
-      py::arg("excluded") = std::vector<std::vector<int>>{}, py::arg("resolution") = 64,
-      py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
-      py::arg("shared_inputs") = std::vector<SharedTuple>{},
-      py::arg("candidate_backward_extras") = std::vector<ApartTuple>{},
-      py::arg("candidate_nested_peaks") = std::vector<int64_t>{},
       "memlean::fit::with_compounds: (candidates, shared_inputs, candidate_backward_extras, "
       "candidate_nested_peaks, made), the problem's own first, then one per compound made; "
-      "made: (outer, [inner, ...]) per compound.");
+      "made: (outer, [inner, ...]) per compound.",
+      py::arg("excluded") = std::vector<std::vector<int>>{}, py::arg("resolution") = 64);
   s.def("parse_budget", &fit::parse_budget, py::arg("text"), py::arg("argument"),
         "memlean::fit::parse_budget: '6GiB' -> bytes (ValueError naming `argument`).");
   s.def("describe_bytes", &fit::describe_bytes, py::arg("bytes"),
