@@ -49,15 +49,52 @@
 
 namespace memlean::fit {
 
+namespace {
+
+// A checkpointed run inside another (a compound's nested checkpoint): its layers through
+// memlean::checkpoint, as a layer of the outer run's Sequential.
+class NestedRunImpl : public torch::nn::Module {
+ public:
+  explicit NestedRunImpl(torch::nn::Sequential run) : run_(register_module("run", run)) {}
+  at::Tensor forward(const at::Tensor& x) { return memlean::checkpoint(run_, x); }
+
+ private:
+  torch::nn::Sequential run_;
+};
+TORCH_MODULE(NestedRun);
+
+}  // namespace
+
 struct FitPlanAccess {
+  // The plan's runs: one Sequential per outermost run of plan.checkpointed (sorted by begin, an
+  // outer run before the runs inside it), each run inside it a NestedRun of its own layers.
   static void set_runner(FitPlan& plan, torch::nn::Sequential model) {
     plan.model_ = model;
     plan.runs_.clear();
-    for (const auto& [b, e] : plan.checkpointed) {
-      torch::nn::Sequential run;
-      for (int64_t i = b; i < e; ++i) run->push_back(model->begin()[i]);  // shares the layer
-      plan.runs_.push_back(run);
+    plan.outermost_.clear();
+    size_t k = 0;
+    while (k < plan.checkpointed.size()) {
+      plan.outermost_.push_back(k);
+      plan.runs_.push_back(layers(model, plan.checkpointed, k));
     }
+  }
+
+ private:
+  // The layers of run k (shared: the model's own), the runs inside it nested; k moves past them.
+  static torch::nn::Sequential layers(const torch::nn::Sequential& model,
+                                      const std::vector<std::pair<int64_t, int64_t>>& runs,
+                                      size_t& k) {
+    const auto [b, e] = runs[k++];
+    torch::nn::Sequential run;
+    for (int64_t i = b; i < e;) {
+      if (k < runs.size() && runs[k].first == i && runs[k].second <= e) {
+        i = runs[k].second;
+        run->push_back(NestedRun(layers(model, runs, k)));
+      } else {
+        run->push_back(model->begin()[i++]);
+      }
+    }
+    return run;
   }
 };
 
@@ -841,8 +878,8 @@ at::Tensor FitPlan::forward(const at::Tensor& x) const {
   const auto n = static_cast<int64_t>(seq->size());
   at::Tensor h = x;
   int64_t i = 0;
-  for (size_t k = 0; k < checkpointed.size(); ++k) {
-    const auto [b, e] = checkpointed[k];
+  for (size_t k = 0; k < runs_.size(); ++k) {
+    const auto [b, e] = checkpointed[outermost_[k]];
     for (; i < b; ++i) h = seq->begin()[i].forward(h);
     h = memlean::checkpoint(runs_[k], h);
     i = e;
@@ -1295,7 +1332,8 @@ class Checkpointable {
 // of layers a checkpoint may hold, with their costs. `optimizer_peak`: the step's most in the
 // optimizer's step, which no plan changes (the search's floor).
 Problem checkpoint_problem(const FitContext& ctx, const LayerWalk& walk, const SlicedMlps& sliced,
-                           int64_t empty_peak, int64_t& optimizer_peak) {
+                           int64_t empty_peak, int64_t& optimizer_peak,
+                           std::vector<Compound>& made) {
   const auto n = static_cast<int64_t>(walk.layers.size());
   const auto& freed = walk.freed;
   Problem problem;
@@ -1378,22 +1416,56 @@ Problem checkpoint_problem(const FitContext& ctx, const LayerWalk& walk, const S
     const int64_t highest =
         *std::max_element(walk.forward_peak.begin() + c.begin, walk.forward_peak.begin() + c.end);
     recompute += std::max<int64_t>(0, highest - walk.forward_start[c.end]);
-    c.recompute_extra_bytes =
-        std::max<int64_t>(0, recompute + brought[c.end - 1]) + buffer_copy_bytes(c.begin, c.end);
+    const int64_t copies = buffer_copy_bytes(c.begin, c.end);
+    c.recompute_extra_bytes = std::max<int64_t>(0, recompute + brought[c.end - 1]) + copies;
+    c.recompute_held_bytes = std::max<int64_t>(0, brought[c.end - 1]) + copies;
+    // Nested in a compound's recompute, its forward runs without grad: at layer k, the input
+    // of layer k (the output of k - 1, past its first layer) and what layer k holds while it
+    // runs above what was alive when it began (its output, temporaries; with grad, as the walk
+    // measured it, also what it saves: never less).
+    for (int k = c.begin; k < c.end; ++k) {
+      c.forward_bytes = std::max(c.forward_bytes, (k > c.begin ? walk.output_bytes[k - 1] : 0) +
+                                                      walk.forward_peak[k] -
+                                                      walk.forward_start[k]);
+    }
     problem.candidates.push_back(c);
   }
-  return problem;
+  // And compounds: runs checkpointed around the checkpointed runs inside them, which their
+  // recompute runs (planner.h, as memlean.fit; each nested run checkpointable alone).
+  made.clear();
+  Problem out = with_compounds(problem, {}, 64, &made);
+  return out;
+}
+
+// The runs a plan's chosen candidate checkpoints: its own, or a compound's (`made`, after the
+// problem's plain candidates) and those nested inside it.
+void chosen_runs(const Problem& problem, const std::vector<Compound>& made, int c,
+                 std::vector<int>& out) {
+  const int plain = static_cast<int>(problem.candidates.size() - made.size());
+  if (c < plain) {
+    out.push_back(c);
+    return;
+  }
+  out.push_back(made[c - plain].outer);
+  for (const int inner : made[c - plain].inner) chosen_runs(problem, made, inner, out);
 }
 
 // The FitPlan of the swapped step (its swaps and sliced MLPs) with the checkpoints of plan p
 // (an empty Plan: none); the optimizer's step peaks at `optimizer_peak`, whatever the plan.
 FitPlan plan_of(const FitContext& ctx, const Problem& problem, const Plan& p,
-                const Swapped& swapped, const SlicedMlps& sliced, int64_t optimizer_peak = 0) {
+                const Swapped& swapped, const SlicedMlps& sliced, int64_t optimizer_peak = 0,
+                const std::vector<Compound>& made = {}) {
   FitPlan f = ctx.eager;
   f.predicted_peak_bytes = std::max(p.predicted_peak_bytes, optimizer_peak);
   f.actions = swapped.actions;
   f.sliced = sliced.runs;
-  for (const int c : p.chosen) {
+  std::vector<int> runs;  // (plain candidates: a compound's own run and those inside it)
+  for (const int c : p.chosen) chosen_runs(problem, made, c, runs);
+  std::sort(runs.begin(), runs.end(), [&](int a, int b) {  // by begin, an outer run first
+    const Candidate &x = problem.candidates[a], &y = problem.candidates[b];
+    return x.begin != y.begin ? x.begin < y.begin : x.end > y.end;
+  });
+  for (const int c : runs) {
     const Candidate& cand = problem.candidates[c];
     f.checkpointed.emplace_back(cand.begin, cand.end);
     f.actions.push_back({path_of(cand.begin, cand.end, ctx.names), "checkpoint", cand.freed_bytes,
@@ -1427,7 +1499,9 @@ Attempt attempt(const FitContext& ctx, const torch::nn::Sequential& base,
     return out;
   }
   int64_t optimizer_peak = 0;
-  const Problem problem = checkpoint_problem(ctx, walk, sliced, swapped.peak, optimizer_peak);
+  std::vector<Compound> made;
+  const Problem problem =
+      checkpoint_problem(ctx, walk, sliced, swapped.peak, optimizer_peak, made);
   out.saved = problem.atom_saved_bytes;
   auto measure = [&](const FitPlan& f) {
     return ctx.step.measure([&f](const at::Tensor& x) { return f.forward(x); });
@@ -1435,12 +1509,16 @@ Attempt attempt(const FitContext& ctx, const torch::nn::Sequential& base,
   if (problem_observer()) {
     testing::CheckpointProblem seen;
     for (const Candidate& c : problem.candidates) seen.runs.emplace_back(c.begin, c.end);
+    seen.problem = problem;
+    seen.nested.resize(problem.candidates.size());
+    const size_t plain = problem.candidates.size() - made.size();
+    for (size_t k = 0; k < made.size(); ++k) seen.nested[plain + k] = made[k].inner;
     seen.predict_and_measure = [&](const std::vector<int>& chosen) {
       Plan p;
       p.feasible = true;
       p.chosen = chosen;
       p.predicted_peak_bytes = predicted_peak(problem, chosen);
-      const FitPlan f = plan_of(ctx, problem, p, swapped, sliced, optimizer_peak);
+      const FitPlan f = plan_of(ctx, problem, p, swapped, sliced, optimizer_peak, made);
       return std::make_pair(f.predicted_peak_bytes, measure(f));
     };
     problem_observer()(seen);
@@ -1449,10 +1527,10 @@ Attempt attempt(const FitContext& ctx, const torch::nn::Sequential& base,
   search_options.resolution = ctx.resolution;
   const SearchResult found = search(
       problem, ctx.planned, /*floor_bytes=*/optimizer_peak, swapped.peak,
-      [&](const Plan& p) { return measure(plan_of(ctx, problem, p, swapped, sliced)); },
+      [&](const Plan& p) { return measure(plan_of(ctx, problem, p, swapped, sliced, 0, made)); },
       search_options);
   if (found.fastest) {
-    out.plan = plan_of(ctx, problem, *found.fastest, swapped, sliced, optimizer_peak);
+    out.plan = plan_of(ctx, problem, *found.fastest, swapped, sliced, optimizer_peak, made);
     out.plan->peak_bytes = found.fastest_peak_bytes;
   }
   out.least_measured = found.least_measured_peak_bytes;
@@ -1731,16 +1809,22 @@ FitPlan apply_plan(torch::nn::Sequential model, const at::Tensor& example_input,
     work = torch::nn::Sequential();
     for (int64_t i = 0; i < n; ++i) work->push_back(names[i], walk.layers[i]);
   }
-  // 3. The checkpointed runs: each one fit offers, in order, none overlapping.
+  // 3. The checkpointed runs: each one fit offers, by begin, each either after the runs
+  // before it or inside one of them (nested: after it, the same layers not twice).
   const Checkpointable checkpointable(walk, sliced, session.unversioned);
-  int64_t end = 0;
+  std::vector<std::pair<int64_t, int64_t>> open;  // the runs the next one may lie inside
   for (const auto& [b, e] : plan.checkpointed) {
-    std::string why = b < end ? "it overlaps the run before" : checkpointable.why_not(b, e);
+    while (!open.empty() && open.back().second <= b) open.pop_back();
+    std::string why = checkpointable.why_not(b, e);
+    if (!open.empty() && (e > open.back().second || open.back() == std::make_pair(b, e) ||
+                          b < open.back().first)) {
+      why = "it overlaps the run before it, not inside it";
+    }
     if (!why.empty()) {
       plan_mismatch("its checkpointed run [" + std::to_string(b) + ", " + std::to_string(e) +
                     ") is none fit offers here: " + why);
     }
-    end = e;
+    open.emplace_back(b, e);
   }
   // The plan's actions, each sliced MLP's and checkpoint's recompute time measured in this
   // step (the plan may come from another machine): as fit times them, from the walks.

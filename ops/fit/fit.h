@@ -132,14 +132,17 @@ class FitPlan {
                                      // cuda_margin(budget_bytes) (budget.h), on the CPU 0
   std::vector<FitAction> actions;    // the swaps, the sliced MLPs, then the checkpoints, each
                                      // in forward order
-  std::vector<std::pair<int64_t, int64_t>> checkpointed;  // [begin, end) runs, in order
+  // [begin, end) runs, by begin; a run inside another (checkpoints nested in a checkpoint, which
+  // its recompute runs) after it.
+  std::vector<std::pair<int64_t, int64_t>> checkpointed;
   // [fc1, fc2 + 1) runs of layers computed as one sliced MLP (memlean::sliced_mlp), in order:
   // model()'s layer fc1 computes them, the others pass its output on.
   std::vector<std::pair<int64_t, int64_t>> sliced;
 
   // The plan's Sequential on x: each run [b, e) of `checkpointed` through memlean::checkpoint
-  // (its layers' parameters and buffers given, so a BatchNorm updates its statistics once),
-  // the other layers as usual.
+  // (its layers' parameters and buffers given, so a BatchNorm updates its statistics once;
+  // the runs inside it so again, in its forward and in its recompute), the other layers as
+  // usual.
   at::Tensor forward(const at::Tensor& x) const;
   // A table for people: one row per action (what it saves; a checkpoint's recompute time),
   // then the budget (with the margin on CUDA), peak, predicted, eager and fixed lines.
@@ -162,7 +165,8 @@ class FitPlan {
  private:
   friend struct FitPlanAccess;  // fit.cc
   torch::nn::Sequential model_{nullptr};
-  std::vector<torch::nn::Sequential> runs_;  // one per checkpointed run: its layers
+  std::vector<torch::nn::Sequential> runs_;  // one per outermost checkpointed run: its layers
+  std::vector<size_t> outermost_;             // those runs' indices in checkpointed
 };
 
 // Fits one training step of `model` on `example_input` into budget_bytes (see above).

@@ -7,14 +7,19 @@
 #include <utility>
 #include <vector>
 
+#include "ops/fit/planner.h"
+
 namespace memlean::fit::testing {
 
-// A checkpoint problem fit() built: its candidate runs [begin, end) of layers, and
-// `predict_and_measure(chosen)` (chosen: disjoint indices into runs), which returns the
-// planner's predicted peak of the step with those runs checkpointed and the peak measured when
-// one such step runs.
+// A checkpoint problem fit() built: its candidate runs [begin, end) of layers, the planner's
+// problem (one candidate per run), the runs nested in each (a compound, planner.h: the runs
+// its recompute checkpoints; empty for a plain run), and `predict_and_measure(chosen)`
+// (chosen: disjoint indices into runs), which returns the planner's predicted peak of the
+// step with those runs checkpointed and the peak measured when one such step runs.
 struct CheckpointProblem {
   std::vector<std::pair<int64_t, int64_t>> runs;
+  Problem problem;
+  std::vector<std::vector<int>> nested;
   std::function<std::pair<int64_t, int64_t>(const std::vector<int>& chosen)> predict_and_measure;
 };
 

@@ -149,6 +149,14 @@ Prepared prepare(const Problem& problem) {
     if (!std::isfinite(c.seconds) || c.seconds < 0) {
       throw std::invalid_argument(candidate_field(i, "seconds") + " must be finite and >= 0");
     }
+    if (c.forward_bytes < 0 || c.forward_bytes > headroom - c.input_bytes) {
+      throw std::invalid_argument(candidate_field(i, "forward_bytes") +
+                                  " must be >= 0 and keep the peak within int64");
+    }
+    if (c.recompute_held_bytes < 0 || c.recompute_held_bytes > c.recompute_extra_bytes) {
+      throw std::invalid_argument(candidate_field(i, "recompute_held_bytes") +
+                                  " must be in [0, recompute_extra_bytes]");
+    }
     if (c.nested_peak_bytes < -1 || c.nested_peak_bytes > headroom - c.input_bytes) {
       throw std::invalid_argument(candidate_field(i, "nested_peak_bytes") +
                                   " must be -1 (derived) or >= 0 and keep the peak within int64");
@@ -201,14 +209,16 @@ Prepared prepare(const Problem& problem) {
 // recompute does not count it again, nor does what that reader keeps (its kept bytes, at most).
 // share == false: counted once per chosen reader, as the programs count it.
 // kept, if given: what the plan keeps at the forward's end, above base (shared inputs as
-// `share` counts them).
+// `share` counts them); forward, if given: the most a chosen candidate's forward without grad
+// holds above base (the kept bytes before it, its input_bytes and forward_bytes), 0 if none.
 int64_t peak_of_sorted(const Prepared& prep, const std::vector<int>& chosen, bool share = true,
-                       int64_t* kept = nullptr) {
+                       int64_t* kept = nullptr, int64_t* forward = nullptr) {
   const int64_t base = prep.problem.base_bytes;
   // Freed by the chosen candidates already passed, and their shared inputs counted again.
   int64_t freed_before = 0;
   std::vector<bool> counted(prep.problem.shared_inputs.size(), false);
   int64_t peak = base;
+  if (forward != nullptr) *forward = 0;
   int k = 0;  // the next atom
   auto atoms_until = [&](int end) {  // the backward terms of the atoms no candidate covers
     for (; k < end; ++k) {
@@ -233,6 +243,9 @@ int64_t peak_of_sorted(const Prepared& prep, const std::vector<int>& chosen, boo
       }
     }
     peak = std::max(peak, base + kept_before + prep.recompute(c) - again);
+    if (forward != nullptr) {
+      *forward = std::max(*forward, kept_before + cand.input_bytes - again + cand.forward_bytes);
+    }
     freed_before += prep.freed[c] + kept_again;
     k = cand.end;
   }
@@ -590,9 +603,13 @@ Problem with_compounds(const Problem& problem, const std::vector<std::vector<int
     const Plan inside = least_peak_plan(sub, resolution);
     if (!inside.feasible || inside.chosen.empty()) continue;
     const int64_t range = prep.range_sum(c);
-    int64_t kept = 0;  // (a shared input once, as the predicted peak counts it)
-    peak_of_sorted(prepare(sub), inside.chosen, /*share=*/true, &kept);
-    const int64_t top = std::max(inside.predicted_peak_bytes, kept + outer.recompute_extra_bytes);
+    // (A shared input once, as the predicted peak counts it.)
+    int64_t kept = 0, forward = 0;
+    peak_of_sorted(prepare(sub), inside.chosen, /*share=*/true, &kept, &forward);
+    const int64_t top = std::max({inside.predicted_peak_bytes, kept + outer.recompute_extra_bytes,
+                                  forward > kInt64Max - outer.recompute_held_bytes
+                                      ? kInt64Max
+                                      : forward + outer.recompute_held_bytes});
     if (top >= range + outer.recompute_extra_bytes) continue;
     Candidate compound = outer;
     compound.seconds = outer.seconds;

@@ -92,6 +92,15 @@ struct Candidate {
   // derived from its atoms' bytes and extras. -1: derived (a plain checkpoint). Its seconds
   // are then its forward's and the nested candidates' together.
   int64_t nested_peak_bytes = -1;
+  // For compounds (with_compounds, below). forward_bytes: the most its forward holds when run
+  // without grad, as a checkpoint nested in a compound's recompute runs it (a layer's input,
+  // output and temporaries), above the kept bytes before it and its input_bytes; >= 0.
+  // recompute_held_bytes: of its recompute_extra_bytes, what is alive from the start of its
+  // recompute (the gradients backward brought, the buffer copies), through the forwards of the
+  // checkpoints nested in it as a compound; in [0, recompute_extra_bytes]. Both 0: no such
+  // moment above the others (a caller that does not measure them).
+  int64_t forward_bytes = 0;
+  int64_t recompute_held_bytes = 0;
 };
 
 // A tensor kept by several candidates (see "Shared inputs" above): each of them counts its
@@ -133,8 +142,8 @@ struct Plan {
 };
 
 // Throws std::invalid_argument, naming the field, for: negative base_bytes, atom_saved_bytes,
-// freed_bytes, recompute_extra_bytes, input_bytes, backward_extra_bytes, nested_peak_bytes
-// (but -1) or
+// freed_bytes, recompute_extra_bytes, input_bytes, backward_extra_bytes, forward_bytes,
+// nested_peak_bytes (but -1), recompute_held_bytes (or above recompute_extra_bytes) or
 // atom_backward_extra_bytes, or the latter
 // not empty and not one per atom; a candidate with begin >= end or outside [0, n]; negative or
 // non-finite seconds; base_bytes + sum(atom_saved_bytes) overflowing int64; a shared input
@@ -180,9 +189,10 @@ struct Compound {
 // recomputed among the plans reaching it, so that the compounds depend on bytes alone, not on
 // measured times). The compound covers c's
 // atoms and keeps what c keeps (freed_bytes, recompute_extra_bytes, input_bytes and shared
-// inputs as c's); its seconds are c's and the inner plan's; its nested_peak_bytes the larger of
-// the inner plan's predicted peak and what it keeps plus c's recompute_extra_bytes (the end of
-// c's recompute). None where that is not below c's atoms' bytes plus its
+// inputs as c's); its seconds are c's and the inner plan's; its nested_peak_bytes the largest of
+// the inner plan's predicted peak, what it keeps plus c's recompute_extra_bytes (the end of
+// c's recompute), and, for each nested checkpoint d, the kept bytes before it, its input_bytes
+// and forward_bytes plus c's recompute_held_bytes (d's forward inside c's recompute). None where that is not below c's atoms' bytes plus its
 // recompute_extra_bytes, or where the inner plan chooses nothing. `made`, if given, receives
 // one Compound per appended candidate, in order. Throws as validate() does, and
 // std::invalid_argument for excluded of the wrong size.

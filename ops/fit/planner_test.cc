@@ -365,6 +365,32 @@ TEST(Planner, WithCompoundsMakesTheCompound) {
   EXPECT_THROW(with_compounds(p, {{}}), std::invalid_argument);
 }
 
+// The same compound where its inner checkpoint's forward, run inside its recompute without
+// grad, holds 15 bytes above its input (forward_bytes) while the outer's recompute holds 2 of
+// its 3 recompute_extra_bytes from its start (recompute_held_bytes: the gradient backward
+// brought): nested peak max(inner peak 12, kept 12 + 3, 0 + 15 + 2) = 17. At 25 forward bytes
+// (27 >= 20 + 3, the plain term) no compound.
+TEST(Planner, WithCompoundsCountsANestedForward) {
+  Problem p;
+  p.atom_saved_bytes = {10, 10, 10, 10};
+  for (int k = 0; k < 4; ++k) p.candidates.push_back({k, k + 1, 8, 1.0});
+  p.candidates.push_back({0, 2, 18, 2.0, 3});
+  p.candidates[4].recompute_held_bytes = 2;
+  p.candidates[0].forward_bytes = 15;
+  std::vector<Compound> made;
+  Problem out = with_compounds(p, {}, 64, &made);
+  ASSERT_EQ(made.size(), 1u);
+  EXPECT_EQ(made[0].inner, std::vector<int>{0});
+  EXPECT_EQ(out.candidates.back().nested_peak_bytes, 17);
+  EXPECT_EQ(out.candidates.back().forward_bytes, 0);  // (its outer's: [0, 2) no forward given)
+  p.candidates[0].forward_bytes = 11;  // 11 + 2 < 15: the end of the recompute sets it
+  EXPECT_EQ(with_compounds(p).candidates.back().nested_peak_bytes, 15);
+  p.candidates[0].forward_bytes = 25;
+  out = with_compounds(p, {}, 64, &made);
+  EXPECT_TRUE(made.empty());
+  EXPECT_EQ(out.candidates.size(), 5u);
+}
+
 // A compound whose inner checkpoints keep one input between them (3 bytes no atom saves, a
 // dense block's map): the inner plan keeps it once, so the compound's nested peak counts it
 // once: kept 5 + (5 - 3) + 10 = 17 (counted per reader, 20).
@@ -741,6 +767,15 @@ TEST(Validate, NamesTheBadField) {
             "candidates[3].nested_peak_bytes"},
            {[&](Problem& p) { p.candidates[3].nested_peak_bytes = max - 50; },
             "candidates[3].nested_peak_bytes"},
+           {[](Problem& p) { p.candidates[2].forward_bytes = -1; }, "candidates[2].forward_bytes"},
+           {[&](Problem& p) { p.candidates[2].forward_bytes = max; }, "candidates[2].forward_bytes"},
+           {[](Problem& p) { p.candidates[1].recompute_held_bytes = -1; },
+            "candidates[1].recompute_held_bytes"},
+           {[](Problem& p) {
+              p.candidates[1].recompute_extra_bytes = 4;
+              p.candidates[1].recompute_held_bytes = 5;
+            },
+            "candidates[1].recompute_held_bytes"},
            {[](Problem& p) { p.candidates[2].backward_extra_bytes = -1; },
             "candidates[2].backward_extra_bytes"},
            {[&](Problem& p) { p.candidates[2].backward_extra_bytes = max; },
