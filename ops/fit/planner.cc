@@ -600,13 +600,18 @@ Problem with_compounds(const Problem& problem, const std::vector<std::vector<int
       }
       if (kept.candidates.size() > 1) sub.shared_inputs.push_back(std::move(kept));
     }
+    // The end of c's recompute, what the inner plan keeps plus c's recompute extra, as one
+    // more atom after its own (no bytes; that extra its backward term): the inner plan then
+    // reaches the least of the larger of the two, not the least of its own peak alone.
+    sub.atom_saved_bytes.push_back(0);
+    sub.atom_backward_extra_bytes.push_back(outer.recompute_extra_bytes);
     const Plan inside = least_peak_plan(sub, resolution);
     if (!inside.feasible || inside.chosen.empty()) continue;
     const int64_t range = prep.range_sum(c);
     // (A shared input once, as the predicted peak counts it.)
     int64_t kept = 0, forward = 0;
     peak_of_sorted(prepare(sub), inside.chosen, /*share=*/true, &kept, &forward);
-    const int64_t top = std::max({inside.predicted_peak_bytes, kept + outer.recompute_extra_bytes,
+    const int64_t top = std::max({inside.predicted_peak_bytes,
                                   forward > kInt64Max - outer.recompute_held_bytes
                                       ? kInt64Max
                                       : forward + outer.recompute_held_bytes});

@@ -365,11 +365,29 @@ TEST(Planner, WithCompoundsMakesTheCompound) {
   EXPECT_THROW(with_compounds(p, {{}}), std::invalid_argument);
 }
 
-// The same compound where its inner checkpoint's forward, run inside its recompute without
+// The same compound with 3 recompute_extra_bytes (the outer's recomputed output, alive at the
+// end of its recompute with what the inner plan keeps): the inner plan {0} keeps 2 + 10, so
+// its term would be max(12, 12 + 3) = 15; the inner plan {0, 1} keeps 2 + 2 and reaches
+// max(12, 4 + 3) = 12, and with_compounds takes it (it weighs the end of the recompute as one
+// more moment of the inner problem; before, it took the least inner peak alone, {0}: 15).
+TEST(Planner, WithCompoundsWeighTheEndOfTheRecompute) {
+  Problem p;
+  p.atom_saved_bytes = {10, 10, 10, 10};
+  for (int k = 0; k < 4; ++k) p.candidates.push_back({k, k + 1, 8, 1.0});
+  p.candidates.push_back({0, 2, 18, 2.0, 3});
+  std::vector<Compound> made;
+  const Problem out = with_compounds(p, {}, 64, &made);
+  ASSERT_EQ(made.size(), 1u);
+  EXPECT_EQ(made[0].inner, (std::vector<int>{0, 1}));
+  EXPECT_EQ(out.candidates.back().nested_peak_bytes, 12);
+  EXPECT_EQ(out.candidates.back().seconds, 4.0);
+}
+
+// That compound where its inner checkpoint 0's forward, run inside its recompute without
 // grad, holds 15 bytes above its input (forward_bytes) while the outer's recompute holds 2 of
 // its 3 recompute_extra_bytes from its start (recompute_held_bytes: the gradient backward
-// brought): nested peak max(inner peak 12, kept 12 + 3, 0 + 15 + 2) = 17. At 25 forward bytes
-// (27 >= 20 + 3, the plain term) no compound.
+// brought): nested peak max(inner peak 12, kept 4 + 3, 0 + 15 + 2) = 17. At 11 forward bytes
+// 13; at 25 (27 >= 20 + 3, the plain term) no compound.
 TEST(Planner, WithCompoundsCountsANestedForward) {
   Problem p;
   p.atom_saved_bytes = {10, 10, 10, 10};
@@ -380,11 +398,11 @@ TEST(Planner, WithCompoundsCountsANestedForward) {
   std::vector<Compound> made;
   Problem out = with_compounds(p, {}, 64, &made);
   ASSERT_EQ(made.size(), 1u);
-  EXPECT_EQ(made[0].inner, std::vector<int>{0});
+  EXPECT_EQ(made[0].inner, (std::vector<int>{0, 1}));
   EXPECT_EQ(out.candidates.back().nested_peak_bytes, 17);
   EXPECT_EQ(out.candidates.back().forward_bytes, 0);  // (its outer's: [0, 2) no forward given)
-  p.candidates[0].forward_bytes = 11;  // 11 + 2 < 15: the end of the recompute sets it
-  EXPECT_EQ(with_compounds(p).candidates.back().nested_peak_bytes, 15);
+  p.candidates[0].forward_bytes = 11;
+  EXPECT_EQ(with_compounds(p).candidates.back().nested_peak_bytes, 13);
   p.candidates[0].forward_bytes = 25;
   out = with_compounds(p, {}, 64, &made);
   EXPECT_TRUE(made.empty());
