@@ -185,15 +185,16 @@ struct Compound {
 // apart added to its atoms' backward extras; the candidates strictly inside it but those in
 // excluded[c] (when given: one list per candidate), and the compounds of those; a shared input
 // that c keeps too counted by c alone: the inner ones' input_bytes less it, their freed_bytes
-// more) planned at its least peak (least_peak_plan at `resolution`; the fewest atoms
-// recomputed among the plans reaching it, so that the compounds depend on bytes alone, not on
-// measured times). The compound covers c's
-// atoms and keeps what c keeps (freed_bytes, recompute_extra_bytes, input_bytes and shared
-// inputs as c's); its seconds are c's and the inner plan's; its nested_peak_bytes the largest of
-// the inner plan's predicted peak, what it keeps plus c's recompute_extra_bytes (the end of
-// c's recompute), and, for each nested checkpoint d, the kept bytes before it, its input_bytes
-// and forward_bytes plus c's recompute_held_bytes (d's forward inside c's recompute). None where that is not below c's atoms' bytes plus its
-// recompute_extra_bytes, or where the inner plan chooses nothing. `made`, if given, receives
+// more; the end of c's recompute, what the inner plan keeps plus c's recompute_extra_bytes, one
+// more moment of it) planned at its least peak (least_peak_plan at `resolution`; the fewest
+// atoms recomputed among the plans reaching it, so that the compounds depend on bytes alone,
+// not on measured times). The compound covers c's atoms and keeps what c keeps (freed_bytes,
+// recompute_extra_bytes, input_bytes and shared inputs as c's); its seconds are c's and the
+// inner plan's; its nested_peak_bytes the larger of the inner plan's predicted peak (that end
+// included) and, for each nested checkpoint d, the kept bytes before it, its input_bytes and
+// forward_bytes plus c's recompute_held_bytes (d's forward inside c's recompute). None where
+// that is not below c's atoms' bytes plus its recompute_extra_bytes, or where the inner plan
+// chooses nothing. `made`, if given, receives
 // one Compound per appended candidate, in order. Throws as validate() does, and
 // std::invalid_argument for excluded of the wrong size.
 Problem with_compounds(const Problem& problem, const std::vector<std::vector<int>>& excluded = {},
