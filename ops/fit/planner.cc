@@ -153,9 +153,10 @@ Prepared prepare(const Problem& problem) {
       throw std::invalid_argument(candidate_field(i, "forward_bytes") +
                                   " must be >= 0 and keep the peak within int64");
     }
-    if (c.recompute_held_bytes < 0 || c.recompute_held_bytes > c.recompute_extra_bytes) {
+    if (c.recompute_held_bytes < -problem.base_bytes ||
+        c.recompute_held_bytes > c.recompute_extra_bytes) {
       throw std::invalid_argument(candidate_field(i, "recompute_held_bytes") +
-                                  " must be in [0, recompute_extra_bytes]");
+                                  " must be in [-base_bytes, recompute_extra_bytes]");
     }
     if (c.nested_peak_bytes < -1 || c.nested_peak_bytes > headroom - c.input_bytes) {
       throw std::invalid_argument(candidate_field(i, "nested_peak_bytes") +
@@ -587,6 +588,9 @@ Problem with_compounds(const Problem& problem, const std::vector<std::vector<int
       // hang on measured times, which differ from call to call: a later fit at the least an
       // earlier one named must find the same compounds.)
       d.seconds = d.end - d.begin;
+      // (Relative to the step's base, which the sub-problem does not have; it plans no
+      // compounds of its own, so nothing reads it there.)
+      d.recompute_held_bytes = 0;
       sub.candidates.push_back(d);
     }
     for (size_t s = 0; s < problem.shared_inputs.size(); ++s) {
@@ -612,7 +616,8 @@ Problem with_compounds(const Problem& problem, const std::vector<std::vector<int
     int64_t kept = 0, forward = 0;
     peak_of_sorted(prepare(sub), inside.chosen, /*share=*/true, &kept, &forward);
     const int64_t top = std::max({inside.predicted_peak_bytes,
-                                  forward > kInt64Max - outer.recompute_held_bytes
+                                  outer.recompute_held_bytes > 0 &&
+                                          forward > kInt64Max - outer.recompute_held_bytes
                                       ? kInt64Max
                                       : forward + outer.recompute_held_bytes});
     if (top >= range + outer.recompute_extra_bytes) continue;

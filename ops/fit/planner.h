@@ -97,8 +97,10 @@ struct Candidate {
   // output and temporaries), above the kept bytes before it and its input_bytes; >= 0.
   // recompute_held_bytes: of its recompute_extra_bytes, what is alive from the start of its
   // recompute (the gradients backward brought, the buffer copies), through the forwards of the
-  // checkpoints nested in it as a compound; in [0, recompute_extra_bytes]. Both 0: no such
-  // moment above the others (a caller that does not measure them).
+  // checkpoints nested in it as a compound; in [-base_bytes, recompute_extra_bytes]: negative
+  // where base, the step's highest catch-all (the forward's, the loss's), counts more than is
+  // alive then (recompute_extra_bytes is that sum with its recompute's own bytes, clamped to
+  // >= 0). Both 0: no such moment above the others (a caller that does not measure them).
   int64_t forward_bytes = 0;
   int64_t recompute_held_bytes = 0;
 };
@@ -143,7 +145,8 @@ struct Plan {
 
 // Throws std::invalid_argument, naming the field, for: negative base_bytes, atom_saved_bytes,
 // freed_bytes, recompute_extra_bytes, input_bytes, backward_extra_bytes, forward_bytes,
-// nested_peak_bytes (but -1), recompute_held_bytes (or above recompute_extra_bytes) or
+// nested_peak_bytes (but -1), recompute_held_bytes below -base_bytes or above
+// recompute_extra_bytes, or
 // atom_backward_extra_bytes, or the latter
 // not empty and not one per atom; a candidate with begin >= end or outside [0, n]; negative or
 // non-finite seconds; base_bytes + sum(atom_saved_bytes) overflowing int64; a shared input

@@ -787,7 +787,7 @@ TEST(Validate, NamesTheBadField) {
             "candidates[3].nested_peak_bytes"},
            {[](Problem& p) { p.candidates[2].forward_bytes = -1; }, "candidates[2].forward_bytes"},
            {[&](Problem& p) { p.candidates[2].forward_bytes = max; }, "candidates[2].forward_bytes"},
-           {[](Problem& p) { p.candidates[1].recompute_held_bytes = -1; },
+           {[](Problem& p) { p.candidates[1].recompute_held_bytes = -p.base_bytes - 1; },
             "candidates[1].recompute_held_bytes"},
            {[](Problem& p) {
               p.candidates[1].recompute_extra_bytes = 4;
