@@ -1344,7 +1344,8 @@ class Checkpointable {
 
 // Step 3's problem for the swapped step (ctx.step runs it; its peak without checkpoints
 // `empty_peak`): what each layer keeps for backward, backward's own bytes there, and the runs
-// of layers a checkpoint may hold, with their costs. `optimizer_peak`: the step's most in the
+// of layers a checkpoint may hold, with their costs, then the compounds of them (`made`: one
+// per compound candidate, after the plain ones). `optimizer_peak`: the step's most in the
 // optimizer's step, which no plan changes (the search's floor).
 Problem checkpoint_problem(const FitContext& ctx, const LayerWalk& walk, const SlicedMlps& sliced,
                            int64_t empty_peak, int64_t& optimizer_peak,
@@ -1448,9 +1449,7 @@ Problem checkpoint_problem(const FitContext& ctx, const LayerWalk& walk, const S
   }
   // And compounds: runs checkpointed around the checkpointed runs inside them, which their
   // recompute runs (planner.h, as memlean.fit; each nested run checkpointable alone).
-  made.clear();
-  Problem out = with_compounds(problem, {}, 64, &made);
-  return out;
+  return with_compounds(problem, {}, /*resolution=*/64, &made);
 }
 
 // The runs a plan's chosen candidate checkpoints: its own, or a compound's (`made`, after the
