@@ -919,16 +919,32 @@ std::string FitPlan::str() const {
   if (actions.empty()) out << " (the eager step fits the budget)";
   out << "\n";
   if (!actions.empty()) {
-    size_t w = 4, wa = 6;
+    // Each action's path, a checkpointed run inside others indented by two spaces per run
+    // around it (the k-th checkpoint action is checkpointed[k]).
+    std::vector<std::string> paths;
+    std::vector<std::pair<int64_t, int64_t>> around;
+    size_t k = 0;
     for (const auto& a : actions) {
-      w = std::max(w, a.path.size());
-      wa = std::max(wa, a.action.size());
+      std::string indent;
+      if (a.action == "checkpoint" && k < checkpointed.size()) {
+        const auto [b, e] = checkpointed[k++];
+        while (!around.empty() && around.back().second <= b) around.pop_back();
+        indent.assign(2 * around.size(), ' ');
+        around.emplace_back(b, e);
+      }
+      paths.push_back(indent + a.path);
+    }
+    size_t w = 4, wa = 6;
+    for (size_t i = 0; i < actions.size(); ++i) {
+      w = std::max(w, paths[i].size());
+      wa = std::max(wa, actions[i].action.size());
     }
     char line[640];
     std::snprintf(line, sizeof(line), "  %-*s  %-*s  %-44s  %s\n", static_cast<int>(w), "path",
                   static_cast<int>(wa), "action", "saves", "recompute");
     out << line;
-    for (const auto& a : actions) {
+    for (size_t i = 0; i < actions.size(); ++i) {
+      const FitAction& a = actions[i];
       // (a checkpoint's and a sliced MLP's saving is the planner's; they recompute)
       const bool checkpoint = a.action == "checkpoint" || a.action == "sliced mlp";
       char recompute[32];
@@ -936,7 +952,7 @@ std::string FitPlan::str() const {
       const std::string saves =
           describe_bytes(a.bytes_saved) + (checkpoint ? " predicted" : " measured");
       std::snprintf(line, sizeof(line), "  %-*s  %-*s  %-44s  %s\n", static_cast<int>(w),
-                    a.path.c_str(), static_cast<int>(wa), a.action.c_str(), saves.c_str(),
+                    paths[i].c_str(), static_cast<int>(wa), a.action.c_str(), saves.c_str(),
                     checkpoint ? recompute : "none");
       out << line;
     }

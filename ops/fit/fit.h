@@ -144,8 +144,9 @@ class FitPlan {
   // the runs inside it so again, in its forward and in its recompute), the other layers as
   // usual.
   at::Tensor forward(const at::Tensor& x) const;
-  // A table for people: one row per action (what it saves; a checkpoint's recompute time),
-  // then the budget (with the margin on CUDA), peak, predicted, eager and fixed lines.
+  // A table for people: one row per action (what it saves; a checkpoint's recompute time; a
+  // run nested in another indented under it), then the budget (with the margin on CUDA),
+  // peak, predicted, eager and fixed lines.
   std::string str() const;
   // {"budget_bytes": ..., "peak_bytes": ..., "predicted_peak_bytes": ..., "fixed_bytes": ...,
   //  "eager_peak_bytes": ..., "margin_bytes": ..., "recompute_seconds": ..., "checkpointed": [[b, e], ...],
