@@ -63,6 +63,23 @@ class NestedRunImpl : public torch::nn::Module {
 };
 TORCH_MODULE(NestedRun);
 
+// How many of the runs before it each of `runs` (by begin, a run before the runs inside it)
+// lies inside; -1 for one neither after nor inside the run before it (overlapping it, out of
+// order, or the same run again).
+std::vector<int> nesting_depths(const std::vector<std::pair<int64_t, int64_t>>& runs) {
+  std::vector<int> depths;
+  std::vector<std::pair<int64_t, int64_t>> around;  // the runs the next one may lie inside
+  for (const auto& run : runs) {
+    while (!around.empty() && around.back().second <= run.first) around.pop_back();
+    const bool inside = around.empty() || (around.back().first <= run.first &&
+                                           run.second <= around.back().second &&
+                                           around.back() != run);
+    depths.push_back(inside ? static_cast<int>(around.size()) : -1);
+    around.push_back(run);
+  }
+  return depths;
+}
+
 }  // namespace
 
 struct FitPlanAccess {
@@ -921,18 +938,12 @@ std::string FitPlan::str() const {
   if (!actions.empty()) {
     // Each action's path, a checkpointed run inside others indented by two spaces per run
     // around it (the k-th checkpoint action is checkpointed[k]).
+    const std::vector<int> depths = nesting_depths(checkpointed);
     std::vector<std::string> paths;
-    std::vector<std::pair<int64_t, int64_t>> around;
     size_t k = 0;
     for (const auto& a : actions) {
-      std::string indent;
-      if (a.action == "checkpoint" && k < checkpointed.size()) {
-        const auto [b, e] = checkpointed[k++];
-        while (!around.empty() && around.back().second <= b) around.pop_back();
-        indent.assign(2 * around.size(), ' ');
-        around.emplace_back(b, e);
-      }
-      paths.push_back(indent + a.path);
+      const int depth = a.action == "checkpoint" && k < depths.size() ? depths[k++] : 0;
+      paths.push_back(std::string(2 * std::max(0, depth), ' ') + a.path);
     }
     size_t w = 4, wa = 6;
     for (size_t i = 0; i < actions.size(); ++i) {
@@ -1843,19 +1854,15 @@ FitPlan apply_plan(torch::nn::Sequential model, const at::Tensor& example_input,
   // 3. The checkpointed runs: each one fit offers, by begin, each either after the runs
   // before it or inside one of them (nested: after it, the same layers not twice).
   const Checkpointable checkpointable(walk, sliced, session.unversioned);
-  std::vector<std::pair<int64_t, int64_t>> open;  // the runs the next one may lie inside
-  for (const auto& [b, e] : plan.checkpointed) {
-    while (!open.empty() && open.back().second <= b) open.pop_back();
-    std::string why = checkpointable.why_not(b, e);
-    if (!open.empty() && (e > open.back().second || open.back() == std::make_pair(b, e) ||
-                          b < open.back().first)) {
-      why = "it overlaps the run before it, not inside it";
-    }
+  const std::vector<int> depths = nesting_depths(plan.checkpointed);
+  for (size_t k = 0; k < plan.checkpointed.size(); ++k) {
+    const auto [b, e] = plan.checkpointed[k];
+    const std::string why = depths[k] < 0 ? "it overlaps the run before it, not inside it"
+                                          : checkpointable.why_not(b, e);
     if (!why.empty()) {
       plan_mismatch("its checkpointed run [" + std::to_string(b) + ", " + std::to_string(e) +
                     ") is none fit offers here: " + why);
     }
-    open.emplace_back(b, e);
   }
   // The plan's actions, each sliced MLP's and checkpoint's recompute time measured in this
   // step (the plan may come from another machine): as fit times them, from the walks.

@@ -209,11 +209,11 @@ Prepared prepare(const Problem& problem) {
 // A shared input is counted once from its first chosen reader on: a later chosen reader's
 // recompute does not count it again, nor does what that reader keeps (its kept bytes, at most).
 // share == false: counted once per chosen reader, as the programs count it.
-// kept, if given: what the plan keeps at the forward's end, above base (shared inputs as
-// `share` counts them); forward, if given: the most a chosen candidate's forward without grad
-// holds above base (the kept bytes before it, its input_bytes and forward_bytes), 0 if none.
+// forward, if given: the most a chosen candidate's forward without grad holds above base (the
+// kept bytes before it, its input_bytes and forward_bytes; shared inputs as `share` counts
+// them), 0 if none.
 int64_t peak_of_sorted(const Prepared& prep, const std::vector<int>& chosen, bool share = true,
-                       int64_t* kept = nullptr, int64_t* forward = nullptr) {
+                       int64_t* forward = nullptr) {
   const int64_t base = prep.problem.base_bytes;
   // Freed by the chosen candidates already passed, and their shared inputs counted again.
   int64_t freed_before = 0;
@@ -251,7 +251,6 @@ int64_t peak_of_sorted(const Prepared& prep, const std::vector<int>& chosen, boo
     k = cand.end;
   }
   atoms_until(prep.n);
-  if (kept != nullptr) *kept = prep.prefix[prep.n] - freed_before;
   return std::max(peak, base + prep.prefix[prep.n] - freed_before);
 }
 
@@ -562,11 +561,11 @@ Problem with_compounds(const Problem& problem, const std::vector<std::vector<int
     sub.atom_saved_bytes.assign(problem.atom_saved_bytes.begin() + b,
                                 problem.atom_saved_bytes.begin() + e);
     sub.atom_backward_extra_bytes.assign(e - b, 0);
+    const int until = outer.backward_extra_end == 0 ? e : outer.backward_extra_end;
     for (int k = b; k < e; ++k) {
       if (!problem.atom_backward_extra_bytes.empty()) {
         sub.atom_backward_extra_bytes[k - b] = problem.atom_backward_extra_bytes[k];
       }
-      const int until = outer.backward_extra_end == 0 ? e : outer.backward_extra_end;
       if (k < until) sub.atom_backward_extra_bytes[k - b] += outer.backward_extra_bytes;
     }
     std::vector<int> index(out.candidates.size(), -1);
@@ -612,9 +611,8 @@ Problem with_compounds(const Problem& problem, const std::vector<std::vector<int
     const Plan inside = least_peak_plan(sub, resolution);
     if (!inside.feasible || inside.chosen.empty()) continue;
     const int64_t range = prep.range_sum(c);
-    // (A shared input once, as the predicted peak counts it.)
-    int64_t kept = 0, forward = 0;
-    peak_of_sorted(prepare(sub), inside.chosen, /*share=*/true, &kept, &forward);
+    int64_t forward = 0;  // (a shared input once, as the predicted peak counts it)
+    peak_of_sorted(prepare(sub), inside.chosen, /*share=*/true, &forward);
     const int64_t top = std::max({inside.predicted_peak_bytes,
                                   outer.recompute_held_bytes > 0 &&
                                           forward > kInt64Max - outer.recompute_held_bytes
@@ -622,7 +620,6 @@ Problem with_compounds(const Problem& problem, const std::vector<std::vector<int
                                       : forward + outer.recompute_held_bytes});
     if (top >= range + outer.recompute_extra_bytes) continue;
     Candidate compound = outer;
-    compound.seconds = outer.seconds;
     for (const int i : inside.chosen) compound.seconds += out.candidates[inner[i]].seconds;
     compound.nested_peak_bytes = top;
     compound.backward_extra_bytes = 0;  // (in the nested peak: its atoms' extras)
