@@ -28,13 +28,12 @@ import copy
 import sys
 import unittest
 import warnings
-from unittest import mock
 
 import torch
 
 import memlean
 import optional_deps
-from fit_test import cross_entropy_of, step_peak, train_side_by_side
+from fit_test import cross_entropy_of, plain_checkpoints, step_peak, train_side_by_side
 
 
 def make(name):
@@ -337,10 +336,7 @@ class FitTransformersTest(unittest.TestCase):
             # In bfloat16, checkpoints nested in checkpoints (compounds) reach a lower least
             # than slicing does (16,279,176 bytes; sliced, without compounds: 16,741,896), so
             # that the split MLPs are sliced there, fit plans without compounds.
-            from memlean import fitting
-
-            plain = mock.patch.object(fitting, "_with_compounds",
-                                      lambda problem: problem)
+            plain = plain_checkpoints()
             with contextlib.ExitStack() as stack:
                 if region is bf16:
                     stack.enter_context(plain)
