@@ -117,12 +117,16 @@ class FitAction:
     step apart: below the least of checkpoints, it may go to the sliced step directly).
     recompute_seconds: the module's measured forward time (the mean over the modules that do
     the same work, e.g. a model's repeated blocks; a sliced run's modules' forward time; 0
-    for a swap)."""
+    for a swap). depth: for a checkpoint, how many of the plan's checkpoints it is nested in
+    (0: none; 1: inside one, whose recompute runs it; ...), else 0. A checkpoint's actions
+    come inside out (those nested in it, then it: the order apply_plan wraps them in); str()
+    of the plan shows each under the one it is nested in."""
 
     path: str
     action: str
     bytes_saved: int
     recompute_seconds: float
+    depth: int = 0
 
 
 def _loaded_plan(data: dict) -> "FitPlan":
@@ -278,7 +282,7 @@ class FitPlan:
         kinds = {}
         for a in self.actions:
             kinds.setdefault(a.action, []).append(a)
-        for a in self.actions:
+        for a in _outer_first(self.actions):
             same = kinds[a.action]
             if a.action in _SWAPS and len(same) > _LISTED:
                 if a is same[0]:
@@ -286,7 +290,8 @@ class FitPlan:
                                  sum(b.bytes_saved for b in same),
                                  sum(b.recompute_seconds for b in same)))
             else:
-                rows.append((a.path, a.action, a.bytes_saved, a.recompute_seconds))
+                rows.append(("  " * a.depth + a.path, a.action, a.bytes_saved,
+                             a.recompute_seconds))
         width = max(len("module"), max(len(r[0]) for r in rows))
         lines.append(f"  {'module':<{width}}  {'action':<22}  {'saves':>12}  {'recompute':>10}")
         for path, action, saved, seconds in rows:
@@ -311,6 +316,16 @@ class FitPlan:
                          f"checkpointed or sliced in eager steps only: under torch.compile this "
                          f"model is not held to the budget (fit with compile=True for that)")
         return "\n".join(lines)
+
+
+def _outer_first(actions) -> list:
+    """actions with each checkpoint before those nested in it (they come inside out, each
+    checkpoint after those of depth one more just before it), else in order."""
+    pending = {}  # depth -> the subtrees (lists of actions) not yet under their outer one
+    for a in actions:
+        pending.setdefault(a.depth, []).append(
+            [a] + [b for tree in pending.pop(a.depth + 1, []) for b in tree])
+    return [a for depth in sorted(pending) for tree in pending[depth] for a in tree]
 
 
 # ---- arguments -----------------------------------------------------------------------------
@@ -1491,8 +1506,9 @@ class _Nest:
     what no inner checkpoint holds), and each of them is recomputed again in the backward
     through it. costs: (bytes saved, recompute seconds) of each of `parts`."""
 
-    def __init__(self, outer, inner, costs):
+    def __init__(self, outer, inner, costs, depths):
         self.outer, self.inner, self.costs = outer, tuple(inner), tuple(costs)
+        self.depths = tuple(depths) + (0,)  # of each of parts: how many parts it is inside
 
     @property
     def parts(self) -> tuple:
@@ -1503,6 +1519,11 @@ class _Nest:
 def _parts(module) -> tuple:
     """The modules and runs a candidate's checkpoint wraps: a _Nest's parts, else itself."""
     return module.parts if isinstance(module, _Nest) else (module,)
+
+
+def _part_depths(module) -> tuple:
+    """How many of _parts(module) each of them is nested in (its outer: 0)."""
+    return module.depths if isinstance(module, _Nest) else (0,)
 
 
 def _part_costs(module, candidate) -> tuple:
@@ -2435,13 +2456,15 @@ def _with_compounds(problem):
     if not made:
         return problem
     for outer, inner in made:
-        parts, costs = [], []  # (inside out: an inner compound's parts, then its outer)
+        parts, costs, depths = [], [], []  # (inside out: an inner one's parts, then its outer)
         for j in inner:
             parts += _parts(calls[j].module)
             costs += _part_costs(calls[j].module, candidates[j])
+            depths += [d + 1 for d in _part_depths(calls[j].module)]
         total = candidates[len(calls)][3]
         calls.append(replace(calls[outer], module=_Nest(
-            calls[outer].module, parts, costs + [candidates[outer][2:4]]), seconds=total))
+            calls[outer].module, parts, costs + [candidates[outer][2:4]], depths),
+            seconds=total))
     return replace(problem, candidates=candidates, calls=calls, shared=shared, apart=apart,
                    nested=nested)
 
@@ -3199,7 +3222,8 @@ def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
     traced = compile_options is not None and bool(data.get("traced", False))
     budget = requested - _cuda_margin(requested) if device.type == "cuda" else requested
     wanted = [FitAction(a["path"], a["action"], int(a.get("bytes_saved", 0)),
-                        float(a.get("recompute_seconds", 0.0))) for a in data["actions"]]
+                        float(a.get("recompute_seconds", 0.0)), int(a.get("depth", 0)))
+              for a in data["actions"]]
     swaps = {(a.path, a.action) for a in wanted if a.action in _SWAPS}
     slices = {(a.path, a.action) for a in wanted if a.action in _SLICE_ACTIONS}
     checkpoints = [a.path for a in wanted if a.action == "checkpoint"]
@@ -3297,8 +3321,8 @@ def apply_plan(model: torch.nn.Module, example_inputs, plan, *,
         saved.restore()
         # The plan's actions, each with the recompute time measured here (this machine's,
         # where the plan may come from another).
-        actions = [FitAction(a.path, a.action, a.bytes_saved,
-                             timed.get((a.path, a.action), a.recompute_seconds))
+        actions = [replace(a, recompute_seconds=timed.get((a.path, a.action),
+                                                           a.recompute_seconds))
                    for a in wanted]
         result = FitPlan(requested, peak,
                          int(data.get("predicted_peak_bytes", peak)), eager.resident,
@@ -3771,7 +3795,9 @@ def _checkpoint_actions(calls, candidates, chosen, paths):
     def path(m):
         return m.path(paths) if isinstance(m, _Run) else paths.get(id(m), "?")
 
-    return [FitAction(path(part), "checkpoint", int(saved), float(seconds)) for i in chosen
-            for part, (saved, seconds) in zip(_parts(calls[i].module),
-                                              _part_costs(calls[i].module, candidates[i]))]
+    return [FitAction(path(part), "checkpoint", int(saved), float(seconds), depth)
+            for i in chosen
+            for part, (saved, seconds), depth in zip(
+                _parts(calls[i].module), _part_costs(calls[i].module, candidates[i]),
+                _part_depths(calls[i].module))]
 

@@ -1750,7 +1750,9 @@ class FitTest(unittest.TestCase):
         times the least without compounds, predicted to the byte and measured again apart
         from fit; nests(model, plan) holds; three training steps equal an unfitted twin's
         (float64, to 1e-10); apply_plan on another twin makes the same plan, to the byte,
-        wrapping the same forwards; undo leaves nothing wrapped."""
+        wrapping the same forwards, its checkpoints at the same depths; str(plan) shows each
+        nested one below its outer one, indented by its depth; undo leaves nothing
+        wrapped."""
         with plain_checkpoints():
             plain, _ = self.least_and_eager(*setup(), runs=True)
         model, x, loss_fn, opt = setup()
@@ -1770,6 +1772,19 @@ class FitTest(unittest.TestCase):
         self.assertEqual(changes(applied), changes(plan))
         self.assertEqual(applied.peak_bytes, least)
         self.assertEqual(wrapped_forwards(twin2), wrapped)
+        # Each nested checkpoint's depth, kept by apply_plan, and shown under its outer one.
+        depths = [a.depth for a in plan.actions]
+        self.assertGreater(max(depths), 0)
+        self.assertEqual([a.depth for a in applied.actions], depths)
+        lines = str(plan).splitlines()
+        for k, a in enumerate(plan.actions):
+            if a.depth:
+                row = next(i for i, line in enumerate(lines)
+                           if line.startswith("  " + "  " * a.depth + a.path + " "))
+                outer = next(b for b in plan.actions[k + 1:] if b.depth == a.depth - 1)
+                above = [line for line in lines[:row]
+                         if line.startswith("  " + "  " * outer.depth + outer.path + " ")]
+                self.assertTrue(above, (a.path, outer.path, lines))
         plan.undo()
         applied.undo()
         self.assertEqual(wrapped_forwards(model), [])
