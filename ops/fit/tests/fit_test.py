@@ -1750,7 +1750,8 @@ class FitTest(unittest.TestCase):
         times the least without compounds, predicted to the byte and measured again apart
         from fit; nests(model, plan) holds; three training steps equal an unfitted twin's
         (float64, to 1e-10); apply_plan on another twin makes the same plan, to the byte,
-        wrapping the same forwards, its checkpoints at the same depths; str(plan) shows each
+        wrapping the same forwards, its checkpoints at the same depths (and from JSON without
+        depths, as plans saved before them, at depth 0); str(plan) shows each
         nested one below its outer one, indented by its depth; undo leaves nothing
         wrapped."""
         with plain_checkpoints():
@@ -1785,6 +1786,15 @@ class FitTest(unittest.TestCase):
                 above = [line for line in lines[:row]
                          if line.startswith("  " + "  " * outer.depth + outer.path + " ")]
                 self.assertTrue(above, (a.path, outer.path, lines))
+        # A plan saved before FitAction.depth (no "depth" in its actions) applies as well.
+        applied.undo()
+        old = json.loads(plan.to_json())
+        for a in old["actions"]:
+            del a["depth"]
+        applied = memlean.apply_plan(twin2, x, json.dumps(old), loss_fn=loss_fn, optimizer=opt2)
+        self.assertEqual(changes(applied), changes(plan))
+        self.assertEqual(applied.peak_bytes, least)
+        self.assertEqual({a.depth for a in applied.actions}, {0})
         plan.undo()
         applied.undo()
         self.assertEqual(wrapped_forwards(model), [])
