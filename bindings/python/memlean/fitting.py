@@ -1504,11 +1504,12 @@ class _Nest:
     modules or runs inside it (`inner`, inside out: an inner compound's parts, then its
     outer), which its recompute runs: while it is recomputed only their inputs are kept (and
     what no inner checkpoint holds), and each of them is recomputed again in the backward
-    through it. costs: (bytes saved, recompute seconds) of each of `parts`."""
+    through it. costs: (bytes saved, recompute seconds) of each of `parts`; depths: of each
+    of `inner`, how many of `parts` it is nested in (depths adds the outer's, 0)."""
 
     def __init__(self, outer, inner, costs, depths):
         self.outer, self.inner, self.costs = outer, tuple(inner), tuple(costs)
-        self.depths = tuple(depths) + (0,)  # of each of parts: how many parts it is inside
+        self.depths = tuple(depths) + (0,)
 
     @property
     def parts(self) -> tuple:
@@ -3151,6 +3152,12 @@ def _plan_dict(plan) -> dict:
         if a["action"] not in known:
             raise ValueError(f"{_APPLY}: plan's action {a['action']!r} on {a['path']!r} is none "
                              f"of fit's ({', '.join(known)})")
+        depth = a.get("depth", 0)
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0 or (
+                depth and a["action"] != "checkpoint"):
+            raise ValueError(f"{_APPLY}: plan's {a['action']} of {a['path']!r} has depth "
+                             f"{depth!r}: a checkpoint's is an int >= 0, every other "
+                             f"action's 0")
     return plan
 
 

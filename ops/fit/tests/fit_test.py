@@ -3212,6 +3212,11 @@ class FitTest(unittest.TestCase):
         unknown["actions"][0]["action"] = "teleport"
         with self.assertRaisesRegex(ValueError, "plan's action 'teleport'"):
             memlean.apply_plan(model, x, unknown, loss_fn=loss_fn, optimizer=opt)
+        for depth in (-1, "1", 1.5, True):
+            deep = json.loads(text)
+            deep["actions"][0]["depth"] = depth
+            with self.assertRaisesRegex(ValueError, "has depth"):
+                memlean.apply_plan(model, x, deep, loss_fn=loss_fn, optimizer=opt)
         with self.assertRaisesRegex(ValueError, "plan has no budget_bytes, actions"):
             memlean.apply_plan(model, x, {}, loss_fn=loss_fn, optimizer=opt)
         with self.assertRaisesRegex(ValueError, "plan is not the JSON of a FitPlan"):
