@@ -105,7 +105,28 @@ Prepared prepare(const Problem& problem) {
   // The backward extra of atom k seen from the end of a candidate: extra + prefix[k + 1].
   std::vector<int64_t> reach(prep.n);
   for (int k = 0; k < prep.n; ++k) reach[k] = prep.atom_extra[k] + prep.prefix[k + 1];
+  // (Less the deferred gradients of the atoms after it, where given: reach + deferred prefix.)
+  const std::vector<int64_t>& deferred = problem.atom_deferred_bytes;
+  if (!deferred.empty() && deferred.size() != static_cast<size_t>(prep.n)) {
+    throw std::invalid_argument("atom_deferred_bytes: " + std::to_string(deferred.size()) +
+                                " values for " + std::to_string(prep.n) +
+                                " atoms (give one per atom, or none)");
+  }
+  std::vector<int64_t> deferred_prefix(prep.n + 1, 0);
+  if (!deferred.empty()) {
+    const int64_t largest = *std::max_element(prep.atom_extra.begin(), prep.atom_extra.end());
+    for (int k = 0; k < prep.n; ++k) {
+      if (deferred[k] < 0 || deferred[k] > headroom - largest - deferred_prefix[k]) {
+        throw std::invalid_argument("atom_deferred_bytes[" + std::to_string(k) +
+                                    "] must be >= 0 and keep the peak within int64");
+      }
+      deferred_prefix[k + 1] = deferred_prefix[k] + deferred[k];
+      reach[k] += deferred_prefix[k + 1];
+    }
+  }
   const RangeMax reach_max(std::move(reach));
+  // The end of a candidate's atoms, as reach counts it.
+  auto end_of = [&](int e) { return prep.prefix[e] + deferred_prefix[e]; };
   prep.ending_at.resize(prep.n + 1);
   prep.freed.resize(problem.candidates.size());
   prep.recompute_bytes.resize(problem.candidates.size());
@@ -121,7 +142,7 @@ Prepared prepare(const Problem& problem) {
     }
     // Its atoms' backward extras, less the bytes of its atoms after each (freed by then): >= 0
     // (the last atom's term is its extra) and <= headroom.
-    const int64_t backward = reach_max.max(c.begin, c.end) - prep.prefix[c.end];
+    const int64_t backward = reach_max.max(c.begin, c.end) - end_of(c.end);
     if (c.recompute_extra_bytes < 0 || c.recompute_extra_bytes > headroom) {
       throw std::invalid_argument(candidate_field(i, "recompute_extra_bytes") +
                                   " must be >= 0 and keep the peak within int64");
@@ -139,7 +160,7 @@ Prepared prepare(const Problem& problem) {
     // With the gradients it holds apart: the backward through its atoms [begin, until).
     const int64_t apart = c.backward_extra_bytes == 0
                               ? 0
-                              : reach_max.max(c.begin, until) - prep.prefix[c.end] +
+                              : reach_max.max(c.begin, until) - end_of(c.end) +
                                     c.backward_extra_bytes;
     const int64_t held = std::max({c.recompute_extra_bytes, backward, apart});
     if (c.input_bytes < 0 || c.input_bytes > headroom - held) {
@@ -608,6 +629,11 @@ Problem with_compounds(const Problem& problem, const std::vector<std::vector<int
     // reaches the least of the larger of the two, not the least of its own peak alone.
     sub.atom_saved_bytes.push_back(0);
     sub.atom_backward_extra_bytes.push_back(outer.recompute_extra_bytes);
+    if (!problem.atom_deferred_bytes.empty()) {
+      sub.atom_deferred_bytes.assign(problem.atom_deferred_bytes.begin() + b,
+                                     problem.atom_deferred_bytes.begin() + e);
+      sub.atom_deferred_bytes.push_back(0);
+    }
     const Plan inside = least_peak_plan(sub, resolution);
     if (!inside.feasible || inside.chosen.empty()) continue;
     const int64_t range = prep.range_sum(c);

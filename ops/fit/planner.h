@@ -129,6 +129,18 @@ struct Problem {
   // these terms are what backward reaches atom by atom, so measured ones keep the eager
   // prediction exact.
   std::vector<int64_t> atom_backward_extra_bytes;
+  // Optional (empty: all 0), one per atom, >= 0: gradient bytes that the backward through a
+  // checkpoint holds less than the step without checkpoints held, from the backward of atom
+  // k on, through the backward of the atoms before k inside that checkpoint: a chosen
+  // c = [b, e) has
+  //   backward(c) = max over k in [b, e) of atom_backward_extra_bytes[k]
+  //                 - sum(atom_saved_bytes(k, e)) - sum(atom_deferred_bytes(k, e)) + ...
+  // (memlean.fit under autocast: the recompute reuses the weights' lower-precision copies
+  // autocast cached in the forward, whose casts' backward autograd runs after the
+  // recompute's, so each weight's gradient waits in the lower precision until the
+  // checkpoint's backward ends, where the step without it had accumulated it in float32: k
+  // the atom that first used the copy, its bytes the float32 gradient's less the copy's.)
+  std::vector<int64_t> atom_deferred_bytes;
   // Optional: tensors several candidates keep, counted once where more than one is chosen.
   std::vector<SharedInput> shared_inputs;
 };
@@ -148,7 +160,8 @@ struct Plan {
 // nested_peak_bytes (but -1), recompute_held_bytes below -base_bytes or above
 // recompute_extra_bytes, or
 // atom_backward_extra_bytes, or the latter
-// not empty and not one per atom; a candidate with begin >= end or outside [0, n]; negative or
+// not empty and not one per atom; atom_deferred_bytes likewise, or its sum with the largest
+// backward extra overflowing the peak; a candidate with begin >= end or outside [0, n]; negative or
 // non-finite seconds; base_bytes + sum(atom_saved_bytes) overflowing int64; a shared input
 // with negative bytes or a candidate index out of range or repeated; a candidate whose shared
 // inputs sum above its input_bytes.

@@ -70,7 +70,10 @@ int64_t reference_peak(const Problem& p, const std::vector<int>& chosen) {
     const int until = c.backward_extra_end == 0 ? c.end : c.backward_extra_end;
     for (int k = c.begin; k < c.end; ++k) {
       int64_t after = 0;
-      for (int j = k + 1; j < c.end; ++j) after += p.atom_saved_bytes[j];
+      for (int j = k + 1; j < c.end; ++j) {
+        after += p.atom_saved_bytes[j] +
+                 (p.atom_deferred_bytes.empty() ? int64_t{0} : p.atom_deferred_bytes[j]);
+      }
       backward = std::max(backward,
                           extra(k) - after + (k < until ? c.backward_extra_bytes : 0));
       covered[k] = true;
@@ -171,6 +174,10 @@ void random_backward_extras(std::mt19937_64& rng, Problem* p, int64_t max_bytes)
   if (std::uniform_int_distribution<int>(0, 1)(rng) == 0) return;
   p->atom_backward_extra_bytes = random_bytes(rng, static_cast<int>(p->atom_saved_bytes.size()),
                                               2 * max_bytes);
+  // A third of those get deferred gradients too (up to an atom's most bytes).
+  if (std::uniform_int_distribution<int>(0, 2)(rng) != 0) return;
+  p->atom_deferred_bytes = random_bytes(rng, static_cast<int>(p->atom_saved_bytes.size()),
+                                        max_bytes);
 }
 
 Problem random_laminar(std::mt19937_64& rng, int n, int64_t max_bytes) {
@@ -481,6 +488,35 @@ TEST(Planner, HandCheckedBackwardExtras) {
   EXPECT_EQ(predicted_peak(p, {1}), 315);
 }
 
+// Deferred gradients (atom_deferred_bytes: what the backward through a checkpoint holds less
+// than the step without it, from an atom's backward on): the backward through a chosen
+// candidate holds them less at the atoms before them inside it; nowhere else.
+TEST(Planner, HandCheckedDeferredGradients) {
+  Problem p = example();
+  p.atom_backward_extra_bytes = {0, 0, 30, 80};
+  EXPECT_EQ(predicted_peak(p, {1}), 280);  // [2,4): 100 + 30 + 70 + max(30 - 40, 80)
+  p.atom_deferred_bytes = {0, 0, 0, 50};
+  // Atom 3's deferred bytes count at the atoms before it only: atom 3's term stays.
+  EXPECT_EQ(predicted_peak(p, {1}), 280);
+  p.atom_backward_extra_bytes = {0, 0, 120, 0};
+  p.atom_deferred_bytes = {0, 0, 0, 0};
+  EXPECT_EQ(predicted_peak(p, {1}), 280);  // 100 + 30 + 70 + (120 - 40)
+  p.atom_deferred_bytes = {0, 0, 0, 25};
+  EXPECT_EQ(predicted_peak(p, {1}), 255);  // 100 + 30 + 70 + (120 - 40 - 25)
+  p.atom_deferred_bytes = {0, 0, 0, 100};
+  EXPECT_EQ(predicted_peak(p, {1}), 200);  // its backward term 0 (atom 3's): its recompute
+  EXPECT_EQ(predicted_peak(p, {0, 1}), 175);  // 100 + 5 + 70
+  // Uncovered, atom 2's backward holds what it held: 100 + 60 + 120.
+  EXPECT_EQ(predicted_peak(p, {}), 280);
+  for (const std::vector<int>& chosen : std::vector<std::vector<int>>{{}, {0}, {1}, {2}, {3}, {0, 1}, {3, 1}}) {
+    EXPECT_EQ(predicted_peak(p, chosen), reference_peak(p, chosen));
+  }
+  EXPECT_EQ(least_peak_plan(p).predicted_peak_bytes, 175);
+  Problem without = p;
+  without.atom_deferred_bytes.clear();
+  EXPECT_EQ(least_peak_plan(without).predicted_peak_bytes, 255);  // {0, 1}: 100 + 5 + 70 + 80
+}
+
 // A tensor both [0,2) and [2,4) keep (5 bytes, in the input_bytes of each: 5 and 8) lives once.
 //   {0,1}: kept 5 + 10 - 5 -> 110; recompute 0: 100 + 30 + 5 = 135; recompute 1: 100 + 5 + 70
 //          + 8 - 5 = 178 (183 counting it twice)
@@ -768,6 +804,10 @@ TEST(Validate, NamesTheBadField) {
   const int64_t max = std::numeric_limits<int64_t>::max();
   for (const Case& c : std::vector<Case>{
            {[](Problem& p) { p.base_bytes = -1; }, "base_bytes"},
+           {[](Problem& p) { p.atom_deferred_bytes = {1, 2}; }, "atom_deferred_bytes"},
+           {[](Problem& p) { p.atom_deferred_bytes = {0, -1, 0, 0}; }, "atom_deferred_bytes[1]"},
+           {[&](Problem& p) { p.atom_deferred_bytes = {0, 0, max - 150, 0}; },
+            "atom_deferred_bytes[2]"},
            {[](Problem& p) { p.atom_saved_bytes[1] = -5; }, "atom_saved_bytes[1]"},
            {[&](Problem& p) { p.atom_saved_bytes = {max, 1, 0, 0}; }, "atom_saved_bytes"},
            {[&](Problem& p) { p.base_bytes = max - 99; }, "base_bytes"},

@@ -576,7 +576,7 @@ class _Dataflow(TorchDispatchMode):
         return out
 
 
-def _autocast_weight_copy(t) -> bool:
+def _autocast_weight_copy(t) -> Optional[torch.Tensor]:
     """Whether t, a tensor autograd saves in a step that runs in an autocast region with its
     cache on, is autocast's cached lower-precision copy of a parameter (a float32 leaf that
     requires grad, cast by an op autocast runs in its dtype):
@@ -584,16 +584,16 @@ def _autocast_weight_copy(t) -> bool:
     checkpointed (a checkpoint's forward makes it too, under no_grad), so it is no saving of
     that module's but one of the step's base bytes. (Counted as saved, a checkpoint's
     predicted saving included every weight copy of its modules: bfloat16 plans were predicted
-    2-7 % below their measured peak.)"""
+    2-7 % below their measured peak.) Returns that parameter, else None."""
     if t._is_view():
         t = t._base  # (a Linear saves its weight's copy transposed)
     fn = t.grad_fn
     if fn is None or type(fn).__name__ != "ToCopyBackward0" or t.dtype == torch.float32:
-        return False
+        return None
     source = fn.next_functions[0][0] if fn.next_functions else None
     v = getattr(source, "variable", None)  # (an AccumulateGrad node's leaf)
-    return (isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.requires_grad
-            and not v._is_view())
+    return (v if isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.requires_grad
+            and not v._is_view() else None)
 
 
 class _Recorder:
@@ -639,6 +639,13 @@ class _Recorder:
         self.forward_starts, self.forward_peaks = [], []
         self._forward = None
         self._casts_cached = False  # (forward_begin)
+        # atom -> the bytes of its weights' gradients that a checkpoint's backward holds in
+        # lower precision until its end, where the step without it had them in float32 by
+        # the atoms before it (the planner's atom_deferred_bytes): the autocast copies it
+        # saved first. A checkpoint's recompute reuses the copy autocast cached in the
+        # forward, and autograd runs that cast's backward, older than every node of the
+        # recompute, last.
+        self.deferred = {}
 
     def forward_begin(self, device):
         # (read here: inside an op, where the saved-tensors hook runs, autocast is off)
@@ -717,7 +724,10 @@ class _Recorder:
             first = self.saved.get(key)
             if first is None:
                 self.saved[key] = self.atom
-                if self._casts_cached and _autocast_weight_copy(t):
+                weight = _autocast_weight_copy(t) if self._casts_cached else None
+                if weight is not None:
+                    self.deferred[self.atom] = (self.deferred.get(self.atom, 0)
+                                                + max(0, weight.nbytes - nbytes))
                     nbytes = 0
                 self.saved_bytes[key] = nbytes
                 self.atom_bytes[self.atom] += nbytes
@@ -2426,7 +2436,9 @@ def _problem(measured: _Measured, root, runs=(), exclude=frozenset(), uses=None,
     # planner's predictions count them once (ops/fit/planner.h, "Shared inputs"; DenseNet-121's
     # least was predicted 6 % high without, 2026-11-28).
     shared = [(n, ks) for n, ks in readers.values() if len(ks) > 1]
-    problem = _Problem(base, atoms, candidates, calls, backward_extras, shared, backward_apart)
+    deferred = [rec.deferred.get(k, 0) for k in range(len(atoms))] if rec.deferred else []
+    problem = _Problem(base, atoms, candidates, calls, backward_extras, shared, backward_apart,
+                       deferred=deferred)
     return _with_compounds(problem) if nest else problem
 
 
@@ -2491,6 +2503,7 @@ class _Problem:
     shared: list = ()  # (bytes, [candidate, ...]): inputs several candidates keep
     apart: list = ()  # per candidate: (gradients held apart through its backward, until)
     nested: list = ()  # per candidate: a compound's nested peak (_with_compounds), else -1
+    deferred: list = ()  # per atom (or none): the planner's atom_deferred_bytes
 
     @property
     def options(self) -> dict:
@@ -2498,7 +2511,8 @@ class _Problem:
         return dict(atom_backward_extra_bytes=self.backward_extras,
                     shared_inputs=[(n, list(ks)) for n, ks in self.shared],
                     candidate_backward_extras=list(self.apart),
-                    candidate_nested_peaks=list(self.nested))
+                    candidate_nested_peaks=list(self.nested),
+                    atom_deferred_bytes=list(self.deferred))
 
 
 def _memoized(memo, what, make):
@@ -3623,7 +3637,7 @@ def _signature(problem, compile_options) -> tuple:
     """What a step's planner problem is, times left out (they differ between calls)."""
     return (problem.base, tuple(problem.atoms), tuple(problem.backward_extras),
             tuple((n, tuple(ks)) for n, ks in problem.shared), tuple(problem.apart),
-            tuple(problem.nested),
+            tuple(problem.nested), tuple(problem.deferred),
             tuple((b, e, freed, extra, held)
                   for b, e, freed, _, extra, held in problem.candidates),
             repr(compile_options))

@@ -28,11 +28,13 @@ fit::Problem problem_of(int64_t base_bytes, std::vector<int64_t> atom_saved_byte
                         std::vector<int64_t> atom_backward_extra_bytes,
                         const std::vector<SharedTuple>& shared_inputs,
                         const std::vector<ApartTuple>& candidate_backward_extras,
-                        const std::vector<int64_t>& candidate_nested_peaks) {
+                        const std::vector<int64_t>& candidate_nested_peaks,
+                        std::vector<int64_t> atom_deferred_bytes) {
   fit::Problem p;
   p.base_bytes = base_bytes;
   p.atom_saved_bytes = std::move(atom_saved_bytes);
   p.atom_backward_extra_bytes = std::move(atom_backward_extra_bytes);
+  p.atom_deferred_bytes = std::move(atom_deferred_bytes);
   p.candidates.reserve(candidates.size());
   for (const auto& [begin, end, freed, seconds, extra, input] : candidates) {
     p.candidates.push_back({begin, end, freed, seconds, extra, input});
@@ -68,9 +70,10 @@ py::tuple plan_tuple(const fit::Plan& plan) {
 }
 
 // Defines s.`name`(base_bytes, atom_saved_bytes, candidates, <own>, atom_backward_extra_bytes=[],
-// shared_inputs=[], candidate_backward_extras=[], candidate_nested_peaks=[]) as
-// f(the Problem, <own>): every planner function takes the problem so, its own arguments (of
-// types Own, named by own_args) between its three required and four optional fields.
+// shared_inputs=[], candidate_backward_extras=[], candidate_nested_peaks=[],
+// atom_deferred_bytes=[]) as f(the Problem, <own>): every planner function takes the problem
+// so, its own arguments (of types Own, named by own_args) between its three required and five
+// optional fields.
 template <typename... Own>
 struct OnProblem {
   template <typename F, typename... OwnArgs>
@@ -79,16 +82,18 @@ struct OnProblem {
         name,
         [f](int64_t base, std::vector<int64_t> atoms, const std::vector<CandidateTuple>& candidates,
             Own... own, std::vector<int64_t> extras, const std::vector<SharedTuple>& shared,
-            const std::vector<ApartTuple>& apart, const std::vector<int64_t>& nested) {
+            const std::vector<ApartTuple>& apart, const std::vector<int64_t>& nested,
+            std::vector<int64_t> deferred) {
           return f(problem_of(base, std::move(atoms), candidates, std::move(extras), shared, apart,
-                              nested),
+                              nested, std::move(deferred)),
                    std::move(own)...);
         },
         py::arg("base_bytes"), py::arg("atom_saved_bytes"), py::arg("candidates"), own_args...,
         py::arg("atom_backward_extra_bytes") = std::vector<int64_t>{},
         py::arg("shared_inputs") = std::vector<SharedTuple>{},
         py::arg("candidate_backward_extras") = std::vector<ApartTuple>{},
-        py::arg("candidate_nested_peaks") = std::vector<int64_t>{}, doc);
+        py::arg("candidate_nested_peaks") = std::vector<int64_t>{},
+        py::arg("atom_deferred_bytes") = std::vector<int64_t>{}, doc);
   }
 };
 
