@@ -3516,19 +3516,20 @@ class FitCudaTest(unittest.TestCase):
         torch.manual_seed(0)
         return (base,) + make()
 
-    def check_cuda_budgets(self, make, region=contextlib.nullcontext, count=5):
+    def check_cuda_budgets(self, make, region=contextlib.nullcontext, count=5, runs=False):
         base, model, x, loss_fn, opt = self.on_cuda(make, region)
         with self.assertRaises(memlean.FitError) as caught, region():
-            memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
+            memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt, runs=runs)
         least = caught.exception.least_peak_bytes
         with region():
-            eager = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt).eager_peak_bytes
+            eager = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt,
+                                runs=runs).eager_peak_bytes
         self.assertLess(least, eager)
         previous = None
         for i in range(count):
             budget = eager - (eager - least) * i // (count - 1)
             with region():
-                plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt)
+                plan = memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt, runs=runs)
             self.assertEqual(plan.device, "cuda:0")
             if not opt.state:
                 cuda_step(model, x, loss_fn, opt, region)
@@ -3571,6 +3572,22 @@ class FitCudaTest(unittest.TestCase):
 
         self.check_cuda_budgets(make, lambda: torch.autocast("cuda", torch.bfloat16))
 
+    def test_budget_is_a_promise_on_cuda_with_runs_channels_last_bf16_autocast(self):
+        # Runs of sibling modules, nested ones among them, and the weight gradients a
+        # checkpoint's backward defers under autocast (its recompute reuses the cached bfloat16
+        # weight copies), measured with torch's counters.
+        def make():
+            model, x, loss_fn, opt = self.conv()
+            return (model.to(memory_format=torch.channels_last),
+                    x.to(memory_format=torch.channels_last), loss_fn, opt)
+
+        region = lambda: torch.autocast("cuda", torch.bfloat16)
+        least, _ = self.check_cuda_budgets(make, region, runs=True)
+        model, x, loss_fn, opt = make()
+        with self.assertRaises(memlean.FitError) as caught, region():
+            memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
+        self.assertLess(least, caught.exception.least_peak_bytes)  # (runs lower it)
+
     def test_budget_is_a_promise_on_cuda_transformer(self):
         least, eager = self.check_cuda_budgets(self.gpt)
         self.assertLess(least, 0.9 * eager)
@@ -3594,16 +3611,23 @@ class FitCudaTest(unittest.TestCase):
         # What fit puts back it holds on the CPU: the most torch's allocator counts while fit
         # runs, above what was allocated before it, is the eager step's own bytes above its
         # resident ones (here 32 MiB of parameters and 64 MiB of AdamW state that copies on
-        # the device would add); nothing is left allocated. (C++: FitCuda's
-        # NeedsNoDeviceMemoryBeyondItsSteps.)
+        # the device would add); nothing is left allocated, with no plan and with the plan of
+        # the least peak. (C++: FitCuda's NeedsNoDeviceMemoryBeyondItsSteps.) The activations
+        # (32 MiB each) outweigh the gradients, so checkpoints lower the peak (at 512 rows
+        # they did not: the least was the eager peak, and a budget 4 MiB below it raised a
+        # FitError on an H200, 2026-11-29).
         model = nn.Sequential(nn.Linear(2048, 2048), nn.SiLU(), nn.Linear(2048, 2048), nn.SiLU(),
                               nn.Linear(2048, 10)).cuda()
-        x = torch.randn(512, 2048, device="cuda")
+        x = torch.randn(4096, 2048, device="cuda")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         cuda_step(model, x, squared_mean, opt, contextlib.nullcontext)
         eager = memlean.fit(model, x, 2**50, loss_fn=squared_mean, optimizer=opt)
         own = eager.eager_peak_bytes - eager.fixed_bytes
-        for budget in (2**50, eager.eager_peak_bytes - (4 << 20)):
+        with self.assertRaises(memlean.FitError) as caught:
+            memlean.fit(model, x, 1, loss_fn=squared_mean, optimizer=opt)
+        least = caught.exception.least_peak_bytes
+        self.assertLess(least, eager.eager_peak_bytes)
+        for budget in (2**50, least):
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -3613,6 +3637,7 @@ class FitCudaTest(unittest.TestCase):
             print(f"cuda budget {budget}: fit's most above its start {most}, the eager "
                   f"step's own {own}", flush=True)
             self.assertLessEqual(most, own + (1 << 20), str(plan))
+            self.assertEqual(bool(plan.actions), budget == least, str(plan))
             plan.undo()
             del plan
             torch.cuda.synchronize()
