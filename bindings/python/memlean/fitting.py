@@ -1271,11 +1271,32 @@ def _wrap_run(run: _Run):
     def head(*args, **kwargs):
         if state.handed:
             strayed(f"{type(modules[0]).__name__} was called again inside the run")
-        out = run.run(chain, args, kwargs) if state.active or _CHAINS.depth else None
+        if not (state.active or _CHAINS.depth):
+            return originals[0](*args, **kwargs)
+        if torch.is_grad_enabled() and modules[0].training:
+            hooked()
+        out = run.run(chain, args, kwargs)
         if out is None:
             return originals[0](*args, **kwargs)
         state.handed, state.out = 1, out
         return out
+
+    def hooked():
+        # fit offers no run through a module with hooks (_runs); ones added since (FSDP2's
+        # fully_shard, a user's) would run around the first module's call, which runs them
+        # all, or around a later one's hand-on: never around their own module's forward.
+        for m in modules:
+            if any(not isinstance(getattr(f, "__self__", None), _Recorder)  # (fit's own)
+                   for h in _HOOKS for f in (getattr(m, h, None) or {}).values()):
+                raise RuntimeError(
+                    f"memlean.fit: the run {run.path(_paths(parent))} is checkpointed as one "
+                    f"(fit(..., runs=True)): the call of its first module runs the forwards "
+                    f"of all {len(modules)}, so no hook of theirs would run around its own "
+                    f"module's forward, and {type(m).__name__} "
+                    f"{_paths(parent).get(id(m), '?')} has hooks since fit planned it (FSDP2's "
+                    f"fully_shard adds them to each module it shards). Fit without runs=True, "
+                    f"add the hooks to modules outside the plan's runs (fully_shard the run's "
+                    f"parent rather than its modules), or undo the plan (plan.undo()).")
 
     def later(k):
         def forward(*args, **kwargs):

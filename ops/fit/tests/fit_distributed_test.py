@@ -8,7 +8,12 @@ the whole batch, and BatchNorm counts each training forward once. The same again
 model fitted at its least peak, where fit recomputes channelwise chains slice by slice of
 channels (memlean.sliced_chain) beside its checkpoints, and with a token net fitted at its
 least peak, where fit slices its MLPs (a plain and a packed gated one) over their hidden
-features. "ddp+mlp_applied" and "ddp+sliced_applied": rank 0 fits, broadcasts the plan's
+features, and with the model fitted at its least peak with runs=True, where fit checkpoints
+runs of sibling modules nested three deep (a run of the root's stem and first two blocks,
+around a run of two blocks, around a run inside the first block; under FSDP2, runs
+spanning fully_shard units: a clear error, since fully_shard's hooks on a run's modules would
+not run around their forwards). "ddp+mlp_applied", "ddp+sliced_applied" and "ddp+runs_applied":
+rank 0 fits, broadcasts the plan's
 JSON, and the other rank applies it with memlean.apply_plan (no search there): the same plan,
 trained as one process does. "ddp+sliced_sent": rank 0 fits and sends the fitted model itself
 (dist.broadcast_object_list pickles it); the other rank trains the model it loads, fitted as
@@ -42,8 +47,11 @@ DEADLINE_S = 300
 # bn1..act2 chain and the stem recomputed slice by slice of channels). "+mlp": a token net
 # fitted at its least peak, which slicing its MLPs over their hidden features reaches
 # (memlean::sliced_mlp, C++, run with the Python activations: a plain and a packed gated one).
-CONFIGS = ["ddp", "fsdp", "ddp+sliced", "fsdp+sliced", "ddp+mlp", "fsdp+mlp",
-           "ddp+sliced_applied", "ddp+mlp_applied", "ddp+sliced_sent"]
+# "+runs": fitted at its least peak with runs=True (runs nested in runs); under FSDP2, with
+# fully_shard on blocks its runs span, a clear error (docs/fit.md).
+CONFIGS = ["ddp", "fsdp", "ddp+sliced", "fsdp+sliced", "ddp+mlp", "fsdp+mlp", "ddp+runs",
+           "fsdp+runs", "ddp+sliced_applied", "ddp+mlp_applied", "ddp+runs_applied",
+           "ddp+sliced_sent"]
 
 
 class Block(nn.Module):
@@ -153,11 +161,12 @@ def halves():
     return [(x[r * n:(r + 1) * n], y[r * n:(r + 1) * n]) for r in range(WORLD)]
 
 
-def _setup(sliced, mlp):
-    """The model (fit's sizes lowered to these small nets), half 0 of the batch, its loss,
-    SGD."""
+def _setup(what):
+    """The model for `what` ("", "sliced", "mlp" or "runs"; fit's sizes lowered to these
+    small nets), half 0 of the batch, its loss, SGD."""
     from memlean import fitting, sliced as slicing
 
+    sliced, mlp = what == "sliced", what == "mlp"
     fitting._SLICE_MIN_BYTES = 0 if sliced or mlp else 1 << 20
     slicing.SLICE_BYTES = 16 << 10 if sliced or mlp else 1 << 20  # (several slices of these)
     model = TokenNet() if mlp else Net(block=Expanding) if sliced else Net()
@@ -166,7 +175,7 @@ def _setup(sliced, mlp):
     return model, x, loss_fn, torch.optim.SGD(model.parameters(), lr=LR)
 
 
-def applied(sliced, mlp, rank):
+def applied(what, rank):
     """fitted() on rank 0; on the others the same model with rank 0's plan applied
     (memlean.apply_plan of the JSON rank 0 broadcast): the same actions (their recompute
     times each rank's own)."""
@@ -176,26 +185,26 @@ def applied(sliced, mlp, rank):
 
     model, box = None, [None]
     if rank == 0:
-        model, plan = fitted(sliced, mlp)
+        model, plan = fitted(what)
         box = [plan.to_json()]
     dist.broadcast_object_list(box, src=0)
     if rank == 0:
         return model
-    model, x, loss_fn, opt = _setup(sliced, mlp)
+    model, x, loss_fn, opt = _setup(what)
     plan = memlean.apply_plan(model, x, box[0], loss_fn=loss_fn, optimizer=opt)
     assert [(a.path, a.action, a.bytes_saved) for a in plan.actions] == [
         (a["path"], a["action"], a["bytes_saved"]) for a in json.loads(box[0])["actions"]]
     return model
 
 
-def sent(sliced, mlp, rank):
+def sent(what, rank):
     """fitted() on rank 0, sent whole to the others (dist.broadcast_object_list pickles it,
     fit's wrappers made again where it loads): the same fitted model on every rank."""
     import torch.distributed as dist
 
     box = [None]
     if rank == 0:
-        model = fitted(sliced, mlp)[0]
+        model = fitted(what)[0]
         box = [(model, wrapped(model))]
     dist.broadcast_object_list(box, src=0)
     model, paths = box[0]
@@ -208,45 +217,56 @@ def wrapped(model):
     return [n for n, m in model.named_modules() if "forward" in m.__dict__]
 
 
-def fitted(sliced=False, mlp=False):
+def fitted(what=""):
     """The model, fitted on half a batch to the budget halfway between the least peak fit
     reaches and the eager peak: a plan with checkpoints, swapped SiLUs and the lean BatchNorm
     and depthwise-convolution backwards, the same in every process (memory does not depend
-    on the values). sliced: a net of Expanding blocks at its least peak, with channel-sliced
+    on the values). "sliced": a net of Expanding blocks at its least peak, with channel-sliced
     recompute (its chains are far under the 1 MiB fit slices from and a slice's 1 MiB: both
-    lowered); mlp: a TokenNet at its least peak, its MLPs sliced (the same sizes lowered)."""
-    model, x, loss_fn, opt = _setup(sliced, mlp)
+    lowered); "mlp": a TokenNet at its least peak, its MLPs sliced (the same sizes lowered);
+    "runs": the plain net at its least peak with runs=True, runs nested in runs."""
+    model, x, loss_fn, opt = _setup(what)
+    runs = what == "runs"
     try:
-        memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt)
+        memlean.fit(model, x, 1, loss_fn=loss_fn, optimizer=opt, runs=runs)
         raise AssertionError("a budget of 1 byte fitted")
     except memlean.FitError as e:
         least = e.least_peak_bytes
-    eager = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt).eager_peak_bytes
-    plan = memlean.fit(model, x, least if sliced or mlp else (least + eager) // 2,
-                       loss_fn=loss_fn, optimizer=opt)
+    eager = memlean.fit(model, x, 2**50, loss_fn=loss_fn, optimizer=opt,
+                        runs=runs).eager_peak_bytes
+    plan = memlean.fit(model, x, least if what else (least + eager) // 2,
+                       loss_fn=loss_fn, optimizer=opt, runs=runs)
     actions = {a.action for a in plan.actions}
-    if mlp:
+    if what == "mlp":
         sliced_mlps = sorted(a.path for a in plan.actions if a.action == "sliced mlp")
         assert sliced_mlps == [f"blocks.{i}.mlp{'.(fc1..fc2)' if i % 2 == 0 else ''}"
                                for i in range(4)], str(plan)
         return model, plan
     assert {"checkpoint", "lean batchnorm", "lean depthwise conv"} <= actions, str(plan)
-    assert ("sliced recompute" in actions) == sliced, str(plan)
+    assert ("sliced recompute" in actions) == (what == "sliced"), str(plan)
+    if runs:  # a run of sibling modules inside a run inside a run
+        assert max(a.depth for a in plan.actions) >= 2, str(plan)
+        assert any(a.depth and "(" in a.path for a in plan.actions), str(plan)
     assert actions & {"inplace swish", "memory_efficient swish"}, str(plan)
     return model, plan
 
 
 def _train(config, mesh, rank):
     x, y = halves()[rank]
-    how, _, what = config.partition("+")
-    what, _, apply = what.partition("_")
+    how, what, apply = _parse(config)
     make = {"applied": applied, "sent": sent}.get(apply)
-    model = (make(what == "sliced", what == "mlp", rank) if make
-             else fitted(what == "sliced", what == "mlp")[0])
+    model = make(what, rank) if make else fitted(what)[0]
     return train_steps(model, wrap(model, how, mesh), x, y, steps=STEPS, lr=LR)
 
 
-def reference(sliced, mlp=False):
+def _parse(config):
+    """("ddp" or "fsdp", the model's kind, how the other ranks get the plan) of a config."""
+    how, _, what = config.partition("+")
+    what, _, apply = what.partition("_")
+    return how, what, apply
+
+
+def reference(what):
     """One process, the same fitted model: each step's gradients of the average of the
     halves' losses, and rank 0's BatchNorm statistics (half 0's forward only). fit's sizes
     (_setup lowers them) are put back after: this process runs other tests too (the zoo's
@@ -255,7 +275,7 @@ def reference(sliced, mlp=False):
 
     with mock.patch.object(fitting, "_SLICE_MIN_BYTES", fitting._SLICE_MIN_BYTES), \
             mock.patch.object(slicing, "SLICE_BYTES", slicing.SLICE_BYTES):
-        model, tracker = fitted(sliced, mlp)[0], fitted(sliced, mlp)[0]
+        model, tracker = fitted(what)[0], fitted(what)[0]
         return train_one_process(model, tracker, halves(), steps=STEPS, lr=LR)
 
 
@@ -266,10 +286,17 @@ def results():
 
 @pytest.mark.parametrize("config", CONFIGS)
 def test_a_fitted_model_trains_under_ddp_and_fsdp2_as_one_process(results, config):
-    sliced, mlp = "sliced" in config, "mlp" in config
-    grads, buffers = reference(sliced, mlp)
+    how, what, _ = _parse(config)
+    if how == "fsdp" and what == "runs":
+        # fully_shard on blocks that a run of the plan spans adds hooks fit's run would not
+        # run around their modules' forwards: a clear error on every rank, naming the run.
+        for rank, result in enumerate(results[config]):
+            assert "has hooks since fit planned it" in result.get("error", ""), (rank, result)
+            assert "fully_shard the run's parent" in result["error"], result["error"]
+        return
+    grads, buffers = reference(what)
     assert_like_one_process(results[config], grads, buffers, STEPS,
-                            1 if mlp else 1 + 3 * 4 if sliced else N_BN)
+                            {"mlp": 1, "sliced": 1 + 3 * 4}.get(what, N_BN))
 
 
 if __name__ == "__main__":

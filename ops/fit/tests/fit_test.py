@@ -1868,6 +1868,42 @@ class FitTest(unittest.TestCase):
 
         self.check_compounds_lower_the_least(setup, 0.9, nests)
 
+    def test_hooks_added_to_a_runs_modules_after_fit_are_a_clear_error(self):
+        # A run's first module calls all of its modules' forwards, so a hook added to one of
+        # them after fit (FSDP2's fully_shard adds them; before this check, fully_shard on
+        # blocks of a run failed with DTensor's "mixed Tensor and DTensor" error, and a user's
+        # forward hook on a later module saw the run's output, not its module's) would not run
+        # around its module's forward: the training step raises, naming the run and the
+        # module. Without grad the modules run as they are, hooks included; plan.undo()
+        # leaves them as they were.
+        torch.manual_seed(0)
+        model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.Tanh())],
+                              nn.Linear(64, 10)).double()
+        x = torch.randn(256, 64, dtype=torch.float64)
+        loss_fn = cross_entropy_of(torch.randint(0, 10, (256,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        least, _ = self.least_and_eager(model, x, loss_fn, opt, runs=True)
+        plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt, runs=True)
+        run = next(a.path for a in plan.actions if a.path.startswith("("))
+        later = str(int(run.strip("()").split("..")[0]) + 1)
+        seen = []
+        handle = model.get_submodule(later).register_forward_hook(
+            lambda m, i, o: seen.append(o.shape))
+        with self.assertRaisesRegex(RuntimeError, rf"the run \(\d+\.\.\d+\).*"
+                                    rf"{type(model[int(later)]).__name__} {later} has hooks"
+                                    rf".*fully_shard"):
+            loss_fn(model(x)).backward()
+        with torch.no_grad():
+            model(x)
+        self.assertEqual(len(seen), 1)
+        handle.remove()
+        loss_fn(model(x)).backward()  # (without the hook: the plan as it was)
+        plan.undo()
+        handle = model.get_submodule(later).register_forward_hook(
+            lambda m, i, o: seen.append(o.shape))
+        loss_fn(model(x)).backward()
+        self.assertEqual(len(seen), 2)
+
     def test_a_search_misled_by_compounds_falls_back_to_plain_checkpoints(self):
         # Where plans with compounds measure above their prediction, fit searches the plain
         # checkpoints too when the least it measured is above what they are predicted to
