@@ -1282,21 +1282,11 @@ def _wrap_run(run: _Run):
         return out
 
     def hooked():
-        # fit offers no run through a module with hooks (_runs); ones added since (FSDP2's
-        # fully_shard, a user's) would run around the first module's call, which runs them
-        # all, or around a later one's hand-on: never around their own module's forward.
-        for m in modules:
-            if any(not isinstance(getattr(f, "__self__", None), _Recorder)  # (fit's own)
-                   for h in _HOOKS for f in (getattr(m, h, None) or {}).values()):
-                raise RuntimeError(
-                    f"memlean.fit: the run {run.path(_paths(parent))} is checkpointed as one "
-                    f"(fit(..., runs=True)): the call of its first module runs the forwards "
-                    f"of all {len(modules)}, so no hook of theirs would run around its own "
-                    f"module's forward, and {type(m).__name__} "
-                    f"{_paths(parent).get(id(m), '?')} has hooks since fit planned it (FSDP2's "
-                    f"fully_shard adds them to each module it shards). Fit without runs=True, "
-                    f"add the hooks to modules outside the plan's runs (fully_shard the run's "
-                    f"parent rather than its modules), or undo the plan (plan.undo()).")
+        # (Hooks around the first module's call would run around all of them, a later
+        # one's around its hand-on.)
+        _refuse_hooks(modules, parent, f"the run {run.path(_paths(parent))} is checkpointed "
+                      f"as one (fit(..., runs=True)): the call of its first module runs the "
+                      f"forwards of all {len(modules)}")
 
     def later(k):
         def forward(*args, **kwargs):
@@ -1645,11 +1635,32 @@ class _GatedSlice(_Run):
         if not (self.modules[0].training and len(args) == 1 and not kwargs
                 and sliced.applies(args[0], mlp=True)):
             return None  # (eval, CUDA, other dtypes: its own forward)
+        module = self.modules[0]
+        _refuse_hooks(list(module.modules())[1:], module,
+                      f"{type(module).__name__}'s forward is computed slice by slice of its "
+                      f"hidden features (a sliced MLP), its layers' forwards not called")
         return sliced.run_sliced_gated_mlp(args[0], self.gate, self.acts, self.up, self.down,
                                            gate_first=self.gate_first)
 
     def path(self, paths) -> str:
         return paths.get(id(self.modules[0]), "?")
+
+
+def _refuse_hooks(modules, root, what):
+    """RuntimeError where a module of `modules` has hooks (but fit's own recorder's) whose
+    forward the plan does not call through the module (`what` says how; paths under root).
+    fit plans nothing of the kind through a module with hooks (_runs); these were added since
+    (FSDP2's fully_shard, a user's) and would not run around their module's forward."""
+    for m in modules:
+        if any(not isinstance(getattr(f, "__self__", None), _Recorder)
+               for h in _HOOKS for f in (getattr(m, h, None) or {}).values()):
+            raise RuntimeError(
+                f"memlean.fit: {what}, so no hook of theirs would run around its own module's "
+                f"forward, and {type(m).__name__} {_paths(root).get(id(m), '?')} has hooks "
+                f"since fit planned it. A hook of yours: fit again with it in place (fit plans "
+                f"around modules with hooks). FSDP2's fully_shard, which adds them to each "
+                f"module it shards after fit: fully_shard the run's parent rather than its "
+                f"modules, or fit without runs=True. Or undo the plan (plan.undo()).")
 
 
 def _wrap_gated(gated: _GatedSlice):

@@ -1903,6 +1903,17 @@ class FitTest(unittest.TestCase):
             lambda m, i, o: seen.append(o.shape))
         loss_fn(model(x)).backward()
         self.assertEqual(len(seen), 2)
+        # Fitted again with the hook in place, as the error says: no run through its module,
+        # and the hook sees its module's output once a step.
+        least, _ = self.least_and_eager(model, x, loss_fn, opt, runs=True)
+        plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt, runs=True)
+        spans = [tuple(map(int, a.path.strip("()").split(".."))) for a in plan.actions
+                 if a.path.startswith("(")]
+        self.assertTrue(spans, str(plan))
+        self.assertFalse([s for s in spans if s[0] <= int(later) <= s[1]], str(plan))
+        seen.clear()
+        loss_fn(model(x)).backward()
+        self.assertEqual(seen, [torch.Size([256, 64])])
 
     def test_a_search_misled_by_compounds_falls_back_to_plain_checkpoints(self):
         # Where plans with compounds measure above their prediction, fit searches the plain
