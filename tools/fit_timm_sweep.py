@@ -10,7 +10,7 @@ test covers.
         python3 tools/fit_timm_sweep.py --models resnet18,hrnet_w18_small --size 128 --batch 8
 
 --runs fits with runs=True; --channels-last puts the model and batch in channels_last;
---autocast bf16 runs every step (fit's and the measured ones) in a CPU bfloat16 autocast region;
+--autocast bf16 runs every step (fit's and the measured ones) in a bfloat16 autocast region;
 --compile fits with compile=True and measures the fitted model compiled (inductor,
 dynamic=False), as it will train (minutes per model). --budgets N fits at N budgets from the
 least to the eager peak (default 2: the least and halfway).
