@@ -480,6 +480,9 @@ class _Call:
     # The type of an object among its arguments whose state its forward may change
     # (_opaque_argument; e.g. a key-value cache), or None: fit checkpoints no such call.
     opaque: Optional[type] = None
+    # What it ran under, which a run's chain must share with each call it makes (grad mode,
+    # saved-tensors region, autocast: _Recorder._context).
+    context: tuple = ()
 
     @property
     def input_key(self):
@@ -620,6 +623,8 @@ class _Recorder:
         self.calls: List[_Call] = []
         self.stack: List[tuple] = []
         self.handles = []
+        self._regions = {}  # id of a saved-tensors pack hook -> (its reference, its number)
+        self._region_count = 0
         self.backward_levels = {}  # atom -> the step's highest bytes while backward runs it
         # The step's highest bytes in backward before it first uses a saved tensor (the loss's
         # gradient), None before backward
@@ -671,6 +676,30 @@ class _Recorder:
     def _seq(self):
         return self.dataflow.seq if self.dataflow is not None else 0
 
+    def _context(self):
+        """A call's context (_Call.context): grad mode, the innermost saved-tensors region
+        (0: the recorder's own; else a number per region, torch.utils.checkpoint's each its
+        own) and autocast's state on CPU and CUDA. A run's chain
+        calls its modules inside its first one's call, so a run spans no change of context
+        (timm's set_grad_checkpointing made a run of efficientnet_b0's last block, inside its
+        checkpoint region, and the head after it, whose recompute failed, 2026-11-29)."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        region = 0
+        if top is not None and top[0] != self._pack:
+            # (By its pack hook, while that lives: a weak reference, since the hook may hold
+            # the region's tensors; a new number where a dead one's id comes again.)
+            known = self._regions.get(id(top[0]))
+            if known is None or known[0]() is not top[0]:
+                try:
+                    ref = weakref.ref(top[0])
+                except TypeError:  # (a builtin: it lives on)
+                    ref = lambda f=top[0]: f  # noqa: E731
+                self._region_count += 1
+                known = self._regions[id(top[0])] = (ref, self._region_count)
+            region = known[1]
+        return (torch.is_grad_enabled(), region) + tuple(
+            (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+
     def _pre(self, module, args, kwargs):
         self._next_atom()
         tensors = _tensors((args, kwargs))
@@ -682,7 +711,7 @@ class _Recorder:
                      parent=self.stack[-1][0] if self.stack else None,
                      input_id=id(args[0]) if single else 0,
                      input_view=_view(args[0]) if single else (),
-                     opaque=_opaque_argument((args, kwargs)))
+                     opaque=_opaque_argument((args, kwargs)), context=self._context())
         rewound = rewound_buffers([module], _module_buffers(module))
         self.stack.append((call, [t._version for t in tensors],
                            [(b, b._version) for b in rewound]))
@@ -1748,7 +1777,7 @@ def _runs(eager: _Recorder, current: _Recorder, root, whole=False,
     def linked(k, n):
         a, b = eager.calls[k], eager.calls[n]
         return (b.input_id == a.output_id and b.seq_begin == a.seq_end - 1
-                and b.inputs[:1] == a.outputs[:1])
+                and b.inputs[:1] == a.outputs[:1] and b.context == a.context)
 
     for parent, kids in siblings.items():
         if parent is None:

@@ -1915,6 +1915,47 @@ class FitTest(unittest.TestCase):
         loss_fn(model(x)).backward()
         self.assertEqual(seen, [torch.Size([256, 64])])
 
+    def test_no_run_spans_the_end_of_a_torch_checkpoint_region(self):
+        # A model that checkpoints its own blocks with torch.utils.checkpoint (as timm's
+        # set_grad_checkpointing does): its blocks are called inside a checkpoint region each,
+        # the head's modules after them outside any; all are calls of the root's forward in
+        # turn. A run of the last block and the head would carry the head into the block's
+        # region, whose recompute then fails (torch's CheckpointError: timm's efficientnet_b0
+        # so, 2026-11-29): fit offers runs only of calls in one context (grad mode,
+        # saved-tensors region, autocast). Fitted at its least with runs=True: a run of the
+        # head's modules, none through a block; training equals the unfitted twin's (the old
+        # code raised CheckpointError in fit's own measured step).
+        class SelfCheckpointed(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+                                            for _ in range(3))
+                self.fc1, self.act1 = nn.Linear(64, 256), nn.Tanh()
+                self.fc2, self.act2 = nn.Linear(256, 256), nn.Tanh()
+                self.out = nn.Linear(256, 10)
+
+            def forward(self, x):
+                for b in self.blocks:
+                    x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
+                return self.out(self.act2(self.fc2(self.act1(self.fc1(x)))))
+
+        torch.manual_seed(0)
+        model = SelfCheckpointed().double()
+        twin = copy.deepcopy(model)
+        x = torch.randn(2048, 64, dtype=torch.float64)
+        loss_fn = cross_entropy_of(torch.randint(0, 10, (2048,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        least, _ = self.least_and_eager(model, x, loss_fn, opt, runs=True)
+        plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt, runs=True)
+        self.assertTrue(any(a.path.startswith("(") for a in plan.actions), str(plan))
+        self.assertFalse([a.path for a in plan.actions if "blocks" in a.path
+                          and a.path.startswith("(")], str(plan))
+        for m in (model, twin):
+            m.zero_grad(set_to_none=True)
+            loss_fn(m(x)).backward()
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
     def test_a_search_misled_by_compounds_falls_back_to_plain_checkpoints(self):
         # Where plans with compounds measure above their prediction, fit searches the plain
         # checkpoints too when the least it measured is above what they are predicted to
