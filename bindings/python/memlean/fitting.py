@@ -1313,9 +1313,9 @@ def _wrap_run(run: _Run):
     def hooked():
         # (Hooks around the first module's call would run around all of them, a later
         # one's around its hand-on.)
-        _refuse_hooks(modules, parent, f"the run {run.path(_paths(parent))} is checkpointed "
-                      f"as one (fit(..., runs=True)): the call of its first module runs the "
-                      f"forwards of all {len(modules)}")
+        _refuse_hooks(modules, parent, lambda: (
+            f"the run {run.path(_paths(parent))} is checkpointed as one (fit(..., runs=True)): "
+            f"the call of its first module runs the forwards of all {len(modules)}"))
 
     def later(k):
         def forward(*args, **kwargs):
@@ -1665,9 +1665,9 @@ class _GatedSlice(_Run):
                 and sliced.applies(args[0], mlp=True)):
             return None  # (eval, CUDA, other dtypes: its own forward)
         module = self.modules[0]
-        _refuse_hooks(list(module.modules())[1:], module,
-                      f"{type(module).__name__}'s forward is computed slice by slice of its "
-                      f"hidden features (a sliced MLP), its layers' forwards not called")
+        _refuse_hooks(list(module.modules())[1:], module, lambda: (
+            f"{type(module).__name__}'s forward is computed slice by slice of its hidden "
+            f"features (a sliced MLP), its layers' forwards not called"))
         return sliced.run_sliced_gated_mlp(args[0], self.gate, self.acts, self.up, self.down,
                                            gate_first=self.gate_first)
 
@@ -1675,16 +1675,26 @@ class _GatedSlice(_Run):
         return paths.get(id(self.modules[0]), "?")
 
 
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _has_hooks(module) -> bool:
+    """Whether `module` has forward or backward hooks, fit's own recorder's aside (they are
+    on every module while it records a step)."""
+    return any(not isinstance(getattr(f, "__self__", None), _Recorder)
+               for h in _HOOKS for f in (getattr(module, h, None) or {}).values())
+
+
 def _refuse_hooks(modules, root, what):
-    """RuntimeError where a module of `modules` has hooks (but fit's own recorder's) whose
-    forward the plan does not call through the module (`what` says how; paths under root).
-    fit plans nothing of the kind through a module with hooks (_runs); these were added since
-    (FSDP2's fully_shard, a user's) and would not run around their module's forward."""
+    """RuntimeError where a module of `modules` has hooks whose forward the plan does not
+    call through the module (what(): how, made only then; paths under root). fit plans
+    nothing of the kind through a module with hooks (_runs); these were added since (FSDP2's
+    fully_shard, a user's) and would not run around their module's forward. Runs in every
+    training forward of a run: nothing but the hook dicts is read unless one is found."""
     for m in modules:
-        if any(not isinstance(getattr(f, "__self__", None), _Recorder)
-               for h in _HOOKS for f in (getattr(m, h, None) or {}).values()):
+        if _has_hooks(m):
             raise RuntimeError(
-                f"memlean.fit: {what}, so no hook of theirs would run around its own module's "
+                f"memlean.fit: {what()}, so no hook of theirs would run around its own module's "
                 f"forward, and {type(m).__name__} {_paths(root).get(id(m), '?')} has hooks "
                 f"since fit planned it. A hook of yours: fit again with it in place (fit plans "
                 f"around modules with hooks). FSDP2's fully_shard, which adds them to each "
@@ -1739,7 +1749,6 @@ _SHALLOW = ("memlean: cannot copy.copy {} as fitted: memlean.fit recomputes {}, 
             "a shallow copy shares with the original; copy.deepcopy(model) makes a fitted copy")
 
 
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _LONGEST_RUN = 32  # module calls
 
 
@@ -1772,7 +1781,7 @@ def _runs(eager: _Recorder, current: _Recorder, root, whole=False,
     def member(k):
         c, m = eager.calls[k], calls[k].module
         return (c.input_id and c.output_id and c.module is not root and id(m) not in exclude
-                and counts[id(m)] == 1 and not any(getattr(m, h, None) for h in _HOOKS))
+                and counts[id(m)] == 1 and not _has_hooks(m))
 
     def linked(k, n):
         a, b = eager.calls[k], eager.calls[n]
@@ -1966,7 +1975,7 @@ def _gated_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
     for p, ks in sorted(kids.items()):
         parent, module = eager.calls[p], current.calls[p].module
         if (not parent.input_id or not parent.output_id or counts[id(module)] != 1
-                or any(getattr(module, h, None) for h in _HOOKS)
+                or _has_hooks(module)
                 or any(id(m) in exclude for m in module.modules())):
             continue
         ks.sort(key=lambda k: eager.calls[k].seq_begin)
@@ -2039,7 +2048,7 @@ def _split_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
     def plain(k):
         m = current.calls[k].module
         return (counts[id(m)] == 1 and id(m) not in exclude
-                and not any(getattr(m, h, None) for h in _HOOKS))
+                and not _has_hooks(m))
 
     def ancestors(k):
         out, c = [], calls[k].parent
