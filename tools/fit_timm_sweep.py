@@ -13,7 +13,8 @@ test covers.
 --autocast bf16 runs every step (fit's and the measured ones) in a bfloat16 autocast region;
 --compile fits with compile=True and measures the fitted model compiled (inductor,
 dynamic=False), as it will train (minutes per model). --budgets N fits at N budgets from the
-least to the eager peak (default 2: the least and halfway).
+least to the eager peak (default 2: the least and halfway). --grad-checkpointing turns on
+timm's own set_grad_checkpointing() first (torch.utils.checkpoint regions fit plans around).
 
 --device cuda runs on the GPU (autocast on CUDA) and measures each fitted step with torch's
 own counters (fit_test.cuda_step: `torch.cuda.max_memory_allocated()` above what the process
@@ -51,7 +52,7 @@ def cuda_step_time(model, x, loss_fn, opt, region, steps=5):
 
 
 def sweep_one(name, size, batch, runs=False, channels_last=False, autocast=None,
-              compile=False, device="cpu", budgets=2):
+              compile=False, device="cpu", budgets=2, grad_checkpointing=False):
     import timm
 
     import memlean
@@ -74,6 +75,8 @@ def sweep_one(name, size, batch, runs=False, channels_last=False, autocast=None,
         except TypeError:  # (no img_size: a CNN)
             model = timm.create_model(name, num_classes=10)
         model.train()
+        if grad_checkpointing:
+            model.set_grad_checkpointing(True)
         x = torch.randn(batch, 3, size, size)
         y = torch.randint(0, 10, (batch,))
         if channels_last:
@@ -177,6 +180,8 @@ def main(argv=None):
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--budgets", type=int, default=2,
                         help="budgets from the least to the eager peak (default 2)")
+    parser.add_argument("--grad-checkpointing", action="store_true",
+                        help="timm's set_grad_checkpointing() before fit")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
@@ -186,7 +191,8 @@ def main(argv=None):
             line, ok = sweep_one(name.strip(), args.size, args.batch, args.runs,
                                  args.channels_last,
                                  torch.bfloat16 if args.autocast == "bf16" else None,
-                                 args.compile, args.device, args.budgets)
+                                 args.compile, args.device, args.budgets,
+                                 args.grad_checkpointing)
         except Exception as e:
             line, ok = f"{name}: FAIL ({type(e).__name__}: {str(e)[:300]})", False
         failed += not ok
