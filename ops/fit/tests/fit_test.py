@@ -789,6 +789,16 @@ def least_and_eager(test, model, x, loss_fn, opt, fit_region=contextlib.nullcont
     return caught.exception.least_peak_bytes, plan.eager_peak_bytes
 
 
+def relu_twins_float64(cls, x):
+    """cls(act=nn.ReLU) in float64 (seed 1) and a deep copy, `x` in float64, and an SGD with
+    momentum for each: a model to fit and its unfitted twin, to train alike."""
+    torch.manual_seed(1)
+    model = cls(act=nn.ReLU).double()
+    twin = copy.deepcopy(model)
+    return (model, twin, x.double(), torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9))
+
+
 def check_no_checkpoint_holds_a_data_change(test, device, batch=256):
     """fit at its least peak on 4 blocks that change a buffer through .data (DataScaled),
     float64 on `device`, a batch of `batch` rows: only what lies inside the blocks is
@@ -1980,12 +1990,7 @@ class FitTest(unittest.TestCase):
             self.assertIn("sliced recompute", {a.action for a in plan.actions}, str(plan))
             plan.undo()
         self.assertLessEqual(least[True], least[False])
-        torch.manual_seed(1)
-        model = SelfCheckpointed(act=nn.ReLU).double()
-        twin = copy.deepcopy(model)
-        x = x.double()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+        model, twin, x, opt, opt_twin = relu_twins_float64(SelfCheckpointed, x)
         least, _ = self.least_and_eager(model, x, loss_fn, opt, runs=True)
         plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt, runs=True)
         self.assertIn("sliced recompute", {a.action for a in plan.actions}, str(plan))
@@ -2075,12 +2080,7 @@ class FitTest(unittest.TestCase):
         # (blocks.3's, at 8x8, is under 1 MiB: not worth its recompute.)
         self.assertEqual(sliced, [f"blocks.{i}.(conv_pw..act2)" for i in range(3)])
         # In float64 with ReLU (no Swish swap, so equal to float tolerance), trained 3 steps.
-        torch.manual_seed(1)
-        model = FlatMBNet(act=nn.ReLU).double()
-        twin = copy.deepcopy(model)
-        x = x.double()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+        model, twin, x, opt, opt_twin = relu_twins_float64(FlatMBNet, x)
         least, _ = self.least_and_eager(model, x, loss_fn, opt)
         plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt)
         sliced = {a.path for a in plan.actions if a.action == "sliced recompute"}
