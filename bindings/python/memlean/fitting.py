@@ -2028,8 +2028,9 @@ def _split_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
     activations each on the one before's output, the last one's output its own; whose output
     an nn.Linear (Conv1D) called once takes next, no op between, its input features fc1's
     output features; the tensors made inside read by no op after that Linear and handed to no
-    other call (but the Linear's ancestors, which hand it on); no hooks on the modules or
-    those between; a hidden tensor of 1 MiB or more; none of them in exclude."""
+    other call (but the Linear's ancestors, which hand it on); the module and the Linear
+    called in one context (_Recorder._context); no hooks on the modules or those between; a
+    hidden tensor of 1 MiB or more; none of them in exclude."""
     flow = eager.dataflow
     if flow is None or not _same_forward(eager, current):
         return []
@@ -2083,6 +2084,11 @@ def _split_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
         if len(takers) != 1 or not plain(takers[0]):
             continue
         f = takers[0]
+        if calls[f].context != first.context:
+            # (fc1 inside a saved-tensors region and fc2 outside it: timm's
+            # set_grad_checkpointing's last block and the head after it. Sliced as one, the
+            # region's recompute saved another number of tensors: torch's CheckpointError.)
+            continue
         parts = sliced.mlp_parts(mods + [current.calls[f].module])
         if parts is None or len(parts[1]) != len(mods) - 1:
             continue
