@@ -23,7 +23,9 @@ max(2 %, 1 MiB) of fit's measured peak; each cell adds torch's figure less fit's
 the fitted step's time against the unfitted one's (CUDA events, median of 5).
 
 A model that cannot train at the size itself (its own forward or backward fails) is listed as
-skipped; a fit that fails or breaks its budget as FAIL. Exit status 1 if any FAIL."""
+skipped; a fit that fails or breaks its budget as FAIL. Exit status 1 if any FAIL. fit's own
+RuntimeWarnings (a step it worked around: slicing or the in-place swap given up) end the row
+as WARNED, with the first one's first line."""
 import argparse
 import contextlib
 import copy
@@ -109,10 +111,18 @@ def sweep_one(name, size, batch, runs=False, channels_last=False, autocast=None,
     if cuda:
         unfitted_time = cuda_step_time(model, x, loss_fn, opt, region)
     started = time.perf_counter()
+    warned = []  # fit's RuntimeWarnings (a step that failed and was worked around)
+
     def fit(budget):
-        with region():
-            return memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt, runs=runs,
-                               compile=compile)
+        with region(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                return memlean.fit(model, x, budget, loss_fn=loss_fn, optimizer=opt,
+                                   runs=runs, compile=compile)
+            finally:
+                warned.extend(str(w.message).split("\n")[0][:200] for w in caught
+                              if issubclass(w.category, RuntimeWarning)
+                              and str(w.message).startswith("memlean"))
 
     try:
         fit(1)
@@ -163,8 +173,9 @@ def sweep_one(name, size, batch, runs=False, channels_last=False, autocast=None,
                      f"step {fitted_time / unfitted_time:.2f}x")
         cells.append(cell)
     timing = f"; eager step {unfitted_time * 1e3:.1f} ms" if cuda else ""
+    notes = (f"; WARNED {len(warned)}x: {warned[0]}" if warned else "")
     return (f"{name}: least {least:,} ({least / eager:.3f} of eager {eager:,}); budgets "
-            f"{'; '.join(cells)}; {time.perf_counter() - started:.1f} s{timing}"), ok
+            f"{'; '.join(cells)}; {time.perf_counter() - started:.1f} s{timing}{notes}"), ok
 
 
 def main(argv=None):
