@@ -18,9 +18,11 @@
 #include <torch/nn/modules/instancenorm.h>
 
 #include <algorithm>
+#include <cstring>
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <typeinfo>
 #include <unordered_set>
 #include <utility>
 
@@ -213,6 +215,37 @@ void check_no_unlisted_dependency(const variable_list& outputs, const variable_l
       }
     }
   }
+}
+
+// Whether the recomputed graph (from its outputs, to the leaves it ends at) holds a node of
+// torch.utils.checkpoint's reentrant checkpoint (use_reentrant=True, as transformers'
+// gradient_checkpointing_enable() makes it by default): its backward refuses to run inside a
+// backward given `inputs` (torch.autograd.grad, as recomputed_grad takes the segment's),
+// since its own backward accumulates its parameters' gradients into .grad.
+bool reaches_reentrant_checkpoint(const variable_list& outputs) {
+  using torch::autograd::Node;
+  std::vector<Node*> stack;
+  std::unordered_set<const Node*> seen;
+  for (const auto& out : outputs) {
+    Node* node = out.grad_fn().get();
+    if (node != nullptr && seen.insert(node).second) stack.push_back(node);
+  }
+  while (!stack.empty()) {
+    Node* node = stack.back();
+    stack.pop_back();
+    // (A Python autograd Function's node is a PyNode, named after its class: the mangled type
+    // name first, which costs nothing, before name(), which takes the GIL for a PyNode.)
+    if (std::strstr(typeid(*node).name(), "PyNode") != nullptr &&
+        node->name() == "CheckpointFunctionBackward") {
+      return true;
+    }
+    for (const auto& edge : node->next_edges()) {
+      if (edge.is_valid() && seen.insert(edge.function.get()).second) {
+        stack.push_back(edge.function.get());
+      }
+    }
+  }
+  return false;
 }
 
 // The root of a recomputed segment's backward: it hands the incoming gradients on to the
@@ -425,10 +458,14 @@ variable_list CheckpointBackward::apply(variable_list&& grad_outputs) {
   grad_outputs.clear();
 
   variable_list result(args.size());
-  if (state.backward_in_full) {
-    // The recompute gathered leaves of its own (FSDP2's unsharded parameters): run the
-    // recomputed graph's backward in full, so that they accumulate as their owner expects,
-    // and return only the inputs' gradients (the listed parameters get none from here).
+  // (A double backward keeps the inputs undetached: the walk would leave the segment, and
+  // torch's reentrant checkpoint has no double backward anyway.)
+  if (state.backward_in_full || (!double_backward && reaches_reentrant_checkpoint(outs))) {
+    // The recompute gathered leaves of its own (FSDP2's unsharded parameters), or ran
+    // torch's reentrant checkpoint, whose backward runs only in a backward without `inputs`
+    // (it accumulates the parameters inside it itself): run the recomputed graph's backward
+    // in full, so that they accumulate as their owner expects, and return only the inputs'
+    // gradients (the listed parameters get theirs from that backward, none from here).
     if (!outs.empty()) torch::autograd::backward(outs, grads);
     for (size_t i = 0; i < n_in; ++i) {
       if (args[i].requires_grad()) result[i] = args[i].grad();

@@ -147,6 +147,47 @@ def test_recompute_flag_and_nested_checkpoints():
     assert not memlean.is_recomputing() and not memlean._C.is_recomputing()
 
 
+@pytest.mark.parametrize("form", ["function", "module"])
+# (torch's, from the checkpoint's forward without grad)
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad=True")
+def test_torchs_reentrant_checkpoint_inside_a_checkpoint(form):
+    # transformers' gradient_checkpointing_enable() wraps each layer in torch's reentrant
+    # checkpoint (use_reentrant=True) by default, whose backward refuses to run inside a
+    # backward given `inputs` (torch.autograd.grad), as the recomputed segment's backward was
+    # (memlean.fit, checkpointing BERT's layers in bfloat16, raised "When use_reentrant=True,
+    # torch.utils.checkpoint is incompatible with .grad()", 2026-11-30). A recompute that
+    # holds such a node runs its backward in full: the gradients of the input and of every
+    # parameter, those inside torch's region too, equal the plain function's (float64), and
+    # a second step's too (no gradient counted twice).
+    torch.manual_seed(3)
+    inner = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 5)).to(D)
+    outer = nn.Linear(5, 5).to(D)
+    x = torch.randn(3, 5, dtype=D, requires_grad=True)
+
+    def f(t):
+        h = torch.utils.checkpoint.checkpoint(inner, outer(t), use_reentrant=True)
+        return torch.tanh(h) * t
+
+    class F(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.outer = inner, outer
+
+        def forward(self, t):
+            return f(t)
+
+    tensors = [x] + list(inner.parameters()) + list(outer.parameters())
+    f(x).square().sum().backward()
+    plain = grads(tensors)
+    for _ in range(2):
+        if form == "function":
+            y = memlean.checkpoint(f, x, params=list(outer.parameters()) + list(inner.parameters()))
+        else:
+            y = memlean.checkpoint(F(), x)
+        y.square().sum().backward()
+        assert_same(grads(tensors), plain)
+
+
 def test_recompute_flag_is_cleared_when_the_recompute_fails():
     x = torch.randn(3, dtype=D, requires_grad=True)
     calls = []
