@@ -1810,9 +1810,16 @@ def _runs(eager: _Recorder, current: _Recorder, root, whole=False,
         siblings.setdefault(index.get(id(c.parent)), []).append(k)
 
     def member(k):
+        # (called in its parent's grad mode and saved-tensors region: a region its parent's
+        # forward enters, as torchvision's memory-efficient DenseNet layer checkpoints its
+        # bottleneck with torch.utils.checkpoint, recomputes its modules in backward without
+        # the parent's forward, which runs a run's chain: that recompute ran them in turn,
+        # saved other tensors and raised torch's CheckpointError in fit's sliced step, which
+        # fit then gave up, 2026-11-30)
         c, m = eager.calls[k], calls[k].module
         return (c.input_id and c.output_id and c.module is not root and id(m) not in exclude
-                and counts[id(m)] == 1 and not _has_hooks(m))
+                and counts[id(m)] == 1 and not _has_hooks(m)
+                and (c.parent is None or c.parent.context[:2] == c.context[:2]))
 
     def linked(k, n):
         a, b = eager.calls[k], eager.calls[n]
@@ -2125,8 +2132,8 @@ def _split_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
             continue
         up_a, up_f = ancestors(a), ancestors(f)
         common = next((k for k in up_f if k in up_a), None)
-        if common is None:
-            continue
+        if common is None or calls[common].context[:2] != first.context[:2]:
+            continue  # (a region its common ancestor's forward enters: as for runs, _runs)
         above_f = up_f[:up_f.index(common)]  # f's ancestors below the common one
         between = up_a[:up_a.index(common)] + above_f
         if not all(map(plain, between)):

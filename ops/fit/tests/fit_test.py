@@ -1976,6 +1976,52 @@ class FitTest(unittest.TestCase):
         loss_fn(model(x)).backward()
         self.assertEqual(seen, [torch.Size([256, 64])])
 
+    def test_no_run_inside_a_region_its_parent_enters(self):
+        # torchvision's memory-efficient DenseNet layer runs its bottleneck (norm, ReLU, 1x1
+        # convolution) inside torch.utils.checkpoint from its own forward: torch's recompute
+        # runs those modules again without the layer's forward, which is where a run's chain
+        # (and a sliced chain) takes them over. Sliced, the recompute ran them in turn, saved
+        # other tensors and raised CheckpointError in fit's sliced step; fit warned and gave
+        # slicing up (torchvision densenet121(memory_efficient=True), 96², batch 4, runs,
+        # 2026-11-30). Such calls are in no run: no warning, every budget kept, training at
+        # the least equal to the unfitted twin's (float64).
+        class Bottleneck(nn.Module):
+            def __init__(self, c):
+                super().__init__()
+                self.norm, self.act, self.conv = nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, c, 1)
+
+            def forward(self, x):
+                return x + torch.utils.checkpoint.checkpoint(
+                    lambda t: self.conv(self.act(self.norm(t))), x, use_reentrant=False)
+
+        def make():
+            return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), Bottleneck(16), Bottleneck(16),
+                                 Bottleneck(16), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                 nn.Linear(16, 10))
+
+        from memlean import fitting
+
+        torch.manual_seed(0)
+        model = make().double()
+        twin = copy.deepcopy(model)
+        x = torch.randn(8, 3, 32, 32, dtype=torch.float64)
+        loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+        with mock.patch.object(fitting, "_SLICE_MIN_BYTES", 0), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            least, _ = self.least_and_eager(model, x, loss_fn, opt, runs=True)
+            plan = memlean.fit(model, x, least, loss_fn=loss_fn, optimizer=opt, runs=True)
+            self.assertEqual([str(w.message)[:200] for w in caught
+                              if issubclass(w.category, RuntimeWarning)], [])
+            self.assertLessEqual(plan.peak_bytes, least)
+            self.assertFalse([a.path for a in plan.actions if ".(norm" in a.path
+                              or a.action == "sliced recompute"], str(plan))
+            train_alike(model, opt, twin, opt_twin, x, loss_fn, rtol=1e-9, atol=1e-11)
+        plan.undo()
+        self.assertEqual(wrapped_forwards(model), [])
+
     def test_no_run_spans_the_end_of_a_torch_checkpoint_region(self):
         # A model that checkpoints its own blocks with torch.utils.checkpoint (as timm's
         # set_grad_checkpointing does): its blocks are called inside a checkpoint region each,
