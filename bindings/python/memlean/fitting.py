@@ -721,7 +721,7 @@ class _Recorder:
                      input_view=_view(args[0]) if single else (),
                      opaque=_opaque_argument((args, kwargs)), context=self._context())
         if self._casts_cached and call.context[0] and call.context[1] != 0:
-            self._foreign_casts(module)
+            self._foreign_casts(module, call.context[3 if self.cuda else 2])
         rewound = rewound_buffers([module], _module_buffers(module))
         self.stack.append((call, [t._version for t in tensors],
                            [(b, b._version) for b in rewound]))
@@ -757,17 +757,18 @@ class _Recorder:
         self.calls.append(call)
         self._next_atom()
 
-    def _foreign_casts(self, module):
+    def _foreign_casts(self, module, autocast):
         """deferred for a call inside a saved-tensors region of another's (timm's
         set_grad_checkpointing), where _pack sees nothing saved: an nn.Linear or convolution
         there casts its float32 parameters to autocast's dtype, and the copies stay cached, as
         those _pack finds do (their first call's atom, each parameter once). Without it, a
         checkpoint around such regions was predicted as if their weights' gradients came in
         float32: convnext_atto and fastvit_t8 (bfloat16, batch 4, 96x96, set_grad_checkpointing,
-        runs) 3.5-6.2 % high at their least."""
-        if not isinstance(module, _AUTOCAST_CAST_MODULES):
+        runs) 3.5-6.2 % high at their least. autocast: (enabled, dtype) on the step's device
+        where the call ran."""
+        enabled, low = autocast
+        if not enabled or not isinstance(module, _AUTOCAST_CAST_MODULES):
             return
-        low = torch.get_autocast_dtype("cuda" if self.cuda else "cpu")
         for p in module.parameters(recurse=False):
             if (p.dtype == torch.float32 and p.requires_grad and not p._is_view()
                     and id(p) not in self._deferred_weights):
@@ -2067,7 +2068,8 @@ def _split_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
     an nn.Linear (Conv1D) called once takes next, no op between, its input features fc1's
     output features; the tensors made inside read by no op after that Linear and handed to no
     other call (but the Linear's ancestors, which hand it on); the module and the Linear
-    called in one context (_Recorder._context); no hooks on the modules or those between; a
+    called in one context (_Recorder._context), their common ancestor in its grad mode and
+    saved-tensors region (_runs says why); no hooks on the modules or those between; a
     hidden tensor of 1 MiB or more; none of them in exclude."""
     flow = eager.dataflow
     if flow is None or not _same_forward(eager, current):

@@ -1351,7 +1351,7 @@ class FitTest(unittest.TestCase):
 
         predicted, measured = predicted_and_measured()
         self.assertLessEqual(abs(predicted - measured), measured // 1000)
-        with mock.patch.object(fitting._Recorder, "_foreign_casts", lambda self, module: None):
+        with mock.patch.object(fitting._Recorder, "_foreign_casts", lambda *args: None):
             as_float32, measured_again = predicted_and_measured()
         self.assertEqual(measured_again, measured)
         self.assertGreater(as_float32, measured + (1 << 20))
