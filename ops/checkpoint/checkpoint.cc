@@ -173,14 +173,30 @@ std::string shape_of(const at::Tensor& t) {
   return s.str();
 }
 
-// Walks the recomputed graph from its outputs and stops at the inputs and parameters; any
-// other tensor requiring grad that it reaches would silently get no gradient.
-void check_no_unlisted_dependency(const variable_list& outputs, const variable_list& targets,
-                                  const char* op, const char* how_to_list) {
+// What one walk of a recomputed segment's graph finds, from its outputs to the targets (its
+// inputs and parameters) and the leaves it ends at.
+struct RecomputedGraph {
+  // A node of torch.utils.checkpoint's reentrant checkpoint (use_reentrant=True, as
+  // transformers' gradient_checkpointing_enable() makes it by default): its backward refuses
+  // to run inside a backward given `inputs` (torch::autograd::grad, as recomputed_grad takes
+  // the segment's), since its own backward accumulates its parameters' gradients into .grad.
+  bool reaches_reentrant_checkpoint = false;
+  // The first tensor requiring grad that is neither a target nor behind one (a leaf's shape
+  // and the node it was reached through, for the error): empty if none. It would silently
+  // get no gradient from recomputed_grad.
+  std::string unlisted_leaf;
+};
+
+// One walk serves both questions (a checkpoint's backward walks the graph it recomputed once).
+// Leaves are known by their gradient accumulator: a saved parameter unpacked through
+// saved-tensor hooks is a new tensor that shares the parameter's accumulator. The walk stops
+// at the first reentrant checkpoint node unless `all_leaves` (a double backward, which never
+// takes the full-backward path that node calls for, needs the leaf check).
+RecomputedGraph walk_recomputed_graph(const variable_list& outputs, const variable_list& targets,
+                                      bool all_leaves) {
   using torch::autograd::AccumulateGrad;
   using torch::autograd::Node;
-  // Leaves are known by their gradient accumulator: a saved parameter unpacked through
-  // saved-tensor hooks is a new tensor that shares the parameter's accumulator.
+  RecomputedGraph found;
   // The edges are kept while the walk runs: a leaf's accumulator may be made here, and
   // live only as long as an edge holds it (a recomputed output that is an input itself).
   std::vector<torch::autograd::Edge> edges;
@@ -203,11 +219,17 @@ void check_no_unlisted_dependency(const variable_list& outputs, const variable_l
     stack.pop_back();
     if (target_nodes.count(node)) continue;
     if (auto* acc = dynamic_cast<AccumulateGrad*>(node)) {
-      TORCH_CHECK(false, op, ": the function uses a tensor that requires grad but is neither "
-                  "one of its inputs nor one of the parameters given to the checkpoint (it reaches "
-                  "a leaf of shape ", shape_of(acc->variable),
-                  via == nullptr ? "" : " through " + via->name(),
-                  "); its gradient would be lost. ", how_to_list);
+      if (found.unlisted_leaf.empty()) {
+        found.unlisted_leaf = shape_of(acc->variable) + (via == nullptr ? "" : " through " + via->name());
+      }
+      continue;
+    }
+    // (A Python autograd Function's node is a PyNode, named after its class: the mangled type
+    // name first, which costs nothing, before name(), which takes the GIL for a PyNode.)
+    if (std::strstr(typeid(*node).name(), "PyNode") != nullptr &&
+        node->name() == "CheckpointFunctionBackward") {
+      found.reaches_reentrant_checkpoint = true;
+      if (!all_leaves) return found;
     }
     for (const auto& edge : node->next_edges()) {
       if (edge.is_valid() && seen.insert(edge.function.get()).second) {
@@ -215,37 +237,7 @@ void check_no_unlisted_dependency(const variable_list& outputs, const variable_l
       }
     }
   }
-}
-
-// Whether the recomputed graph (from its outputs, to the leaves it ends at) holds a node of
-// torch.utils.checkpoint's reentrant checkpoint (use_reentrant=True, as transformers'
-// gradient_checkpointing_enable() makes it by default): its backward refuses to run inside a
-// backward given `inputs` (torch.autograd.grad, as recomputed_grad takes the segment's),
-// since its own backward accumulates its parameters' gradients into .grad.
-bool reaches_reentrant_checkpoint(const variable_list& outputs) {
-  using torch::autograd::Node;
-  std::vector<Node*> stack;
-  std::unordered_set<const Node*> seen;
-  for (const auto& out : outputs) {
-    Node* node = out.grad_fn().get();
-    if (node != nullptr && seen.insert(node).second) stack.push_back(node);
-  }
-  while (!stack.empty()) {
-    Node* node = stack.back();
-    stack.pop_back();
-    // (A Python autograd Function's node is a PyNode, named after its class: the mangled type
-    // name first, which costs nothing, before name(), which takes the GIL for a PyNode.)
-    if (std::strstr(typeid(*node).name(), "PyNode") != nullptr &&
-        node->name() == "CheckpointFunctionBackward") {
-      return true;
-    }
-    for (const auto& edge : node->next_edges()) {
-      if (edge.is_valid() && seen.insert(edge.function.get()).second) {
-        stack.push_back(edge.function.get());
-      }
-    }
-  }
-  return false;
+  return found;
 }
 
 // The root of a recomputed segment's backward: it hands the incoming gradients on to the
@@ -268,17 +260,14 @@ class HandOverRoot : public torch::autograd::Node {
   variable_list grads_;
 };
 
-// The gradients of a recomputed segment: first the walk above (an unlisted leaf would
-// silently get no gradient: an error naming `op`, then `how_to_list`, the caller's remedy),
-// then the engine from a HandOverRoot, capturing the targets' gradients (undefined for a
-// target the outputs do not use). `outputs` and `grads` are taken: the caller keeps no
+// The gradients of a recomputed segment (whose walk found no unlisted leaf): the engine from
+// a HandOverRoot, capturing the targets' gradients (undefined for a target the outputs do not
+// use). `outputs` and `grads` are taken: the caller keeps no
 // reference to them while the segment's backward runs.
 // With create_graph (a double backward to come), the gradients keep their graph, which holds
 // the recomputed one.
 variable_list recomputed_grad(variable_list&& outputs, const variable_list& targets,
-                              variable_list&& grads, bool create_graph, const char* op,
-                              const char* how_to_list) {
-  check_no_unlisted_dependency(outputs, targets, op, how_to_list);
+                              variable_list&& grads, bool create_graph) {
   torch::autograd::edge_list roots, wanted;
   roots.reserve(outputs.size());
   wanted.reserve(targets.size());
@@ -458,9 +447,22 @@ variable_list CheckpointBackward::apply(variable_list&& grad_outputs) {
   grad_outputs.clear();
 
   variable_list result(args.size());
-  // (A double backward keeps the inputs undetached: the walk would leave the segment, and
-  // torch's reentrant checkpoint has no double backward anyway.)
-  if (state.backward_in_full || (!double_backward && reaches_reentrant_checkpoint(outs))) {
+  std::vector<size_t> target_index;
+  variable_list targets;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (i >= n_in && state.repeated[i - n_in]) continue;
+    if (args[i].requires_grad()) {
+      target_index.push_back(i);
+      targets.push_back(args[i]);
+    }
+  }
+  // (A double backward keeps the inputs undetached: the walk stops at them, and torch's
+  // reentrant checkpoint has no double backward anyway.)
+  RecomputedGraph graph;
+  if (!state.backward_in_full && !outs.empty()) {
+    graph = walk_recomputed_graph(outs, targets, /*all_leaves=*/double_backward);
+  }
+  if (state.backward_in_full || (!double_backward && graph.reaches_reentrant_checkpoint)) {
     // The recompute gathered leaves of its own (FSDP2's unsharded parameters), or ran
     // torch's reentrant checkpoint, whose backward runs only in a backward without `inputs`
     // (it accumulates the parameters inside it itself): run the recomputed graph's backward
@@ -470,22 +472,13 @@ variable_list CheckpointBackward::apply(variable_list&& grad_outputs) {
     for (size_t i = 0; i < n_in; ++i) {
       if (args[i].requires_grad()) result[i] = args[i].grad();
     }
-  } else {
-    std::vector<size_t> target_index;
-    variable_list targets;
-    for (size_t i = 0; i < args.size(); ++i) {
-      if (i >= n_in && state.repeated[i - n_in]) continue;
-      if (args[i].requires_grad()) {
-        target_index.push_back(i);
-        targets.push_back(args[i]);
-      }
-    }
-    if (!outs.empty() && !targets.empty()) {
-      variable_list g = recomputed_grad(std::move(outs), targets, std::move(grads),
-                                        double_backward, name.c_str(),
-                                        state.segment.how_to_list.c_str());
-      for (size_t j = 0; j < g.size(); ++j) result[target_index[j]] = std::move(g[j]);
-    }
+  } else if (!outs.empty() && !targets.empty()) {
+    TORCH_CHECK(graph.unlisted_leaf.empty(), name, ": the function uses a tensor that requires "
+                "grad but is neither one of its inputs nor one of the parameters given to the "
+                "checkpoint (it reaches a leaf of shape ", graph.unlisted_leaf, "); its gradient "
+                "would be lost. ", state.segment.how_to_list);
+    variable_list g = recomputed_grad(std::move(outs), targets, std::move(grads), double_backward);
+    for (size_t j = 0; j < g.size(); ++j) result[target_index[j]] = std::move(g[j]);
   }
   // FSDP2's full backward runs the recomputed graph's backward for its side effects (the
   // gathered parameters' gradients): no double backward through that.

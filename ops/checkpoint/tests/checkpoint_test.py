@@ -995,6 +995,10 @@ def test_a_parameter_that_was_not_listed():
     y = memlean.checkpoint(lambda t: lin(t) + outside, x, params=list(lin.parameters()))
     with pytest.raises(RuntimeError, match="its gradient would be lost"):
         y.sum().backward()
+    # A double backward's walk (which keeps the inputs undetached) finds it too.
+    y = memlean.CheckpointFunction.apply(lin, 1, x, lin.weight)
+    with pytest.raises(RuntimeError, match=r"it reaches a leaf of shape \[3\] through"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
 
 
 def test_a_function_that_modifies_its_input_in_place():
