@@ -586,6 +586,14 @@ _AUTOCAST_CAST_MODULES = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, tor
                           torch.nn.ConvTranspose3d)
 
 
+def _cached_by_autocast(p) -> bool:
+    """Whether autocast caches its lower-precision copy of tensor p when an op it runs in its
+    dtype casts p (until the autocast region ends): a float32 leaf that requires grad (a
+    parameter) and is no view."""
+    return (isinstance(p, torch.Tensor) and p.dtype == torch.float32 and p.requires_grad
+            and not p._is_view())
+
+
 def _autocast_weight_copy(t) -> Optional[torch.Tensor]:
     """Whether t, a tensor autograd saves in a step that runs in an autocast region with its
     cache on, is autocast's cached lower-precision copy of a parameter (a float32 leaf that
@@ -602,8 +610,7 @@ def _autocast_weight_copy(t) -> Optional[torch.Tensor]:
         return None
     source = fn.next_functions[0][0] if fn.next_functions else None
     v = getattr(source, "variable", None)  # (an AccumulateGrad node's leaf)
-    return (v if isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.requires_grad
-            and not v._is_view() else None)
+    return v if _cached_by_autocast(v) else None
 
 
 class _Recorder:
@@ -770,8 +777,7 @@ class _Recorder:
         if not enabled or not isinstance(module, _AUTOCAST_CAST_MODULES):
             return
         for p in module.parameters(recurse=False):
-            if (p.dtype == torch.float32 and p.requires_grad and not p._is_view()
-                    and id(p) not in self._deferred_weights):
+            if _cached_by_autocast(p) and id(p) not in self._deferred_weights:
                 self._deferred_weights.add(id(p))
                 self.deferred[self.atom] = (self.deferred.get(self.atom, 0)
                                             + p.nbytes - p.numel() * low.itemsize)
@@ -1820,7 +1826,7 @@ def _runs(eager: _Recorder, current: _Recorder, root, whole=False,
         c, m = eager.calls[k], calls[k].module
         return (c.input_id and c.output_id and c.module is not root and id(m) not in exclude
                 and counts[id(m)] == 1 and not _has_hooks(m)
-                and (c.parent is None or c.parent.context[:2] == c.context[:2]))
+                and (c.parent is None or _same_region(c.parent, c)))
 
     def linked(k, n):
         a, b = eager.calls[k], eager.calls[n]
@@ -2134,7 +2140,7 @@ def _split_mlps(eager: _Recorder, current: _Recorder, exclude=frozenset()) -> li
             continue
         up_a, up_f = ancestors(a), ancestors(f)
         common = next((k for k in up_f if k in up_a), None)
-        if common is None or calls[common].context[:2] != first.context[:2]:
+        if common is None or not _same_region(calls[common], first):
             continue  # (a region its common ancestor's forward enters: as for runs, _runs)
         above_f = up_f[:up_f.index(common)]  # f's ancestors below the common one
         between = up_a[:up_a.index(common)] + above_f
@@ -3620,6 +3626,13 @@ def _as_sliced(measured: _Measured, chains, lowest=()) -> Optional[_Measured]:
     return replace(measured, forward_peak=measured.forward_peak - dropped,
                    forward_backward_peak=measured.forward_backward_peak - dropped,
                    recorder=sliced_rec)
+
+
+def _same_region(a: _Call, b: _Call) -> bool:
+    """Whether calls a and b ran in the same grad mode and saved-tensors region
+    (_Recorder._context): a module whose forward enters a region (torch.utils.checkpoint)
+    around its submodules does not run them when that region recomputes them in backward."""
+    return a.context[:2] == b.context[:2]
 
 
 def _foreign_region(call: _Call) -> bool:

@@ -1985,7 +1985,7 @@ class FitTest(unittest.TestCase):
         # slicing up (torchvision densenet121(memory_efficient=True), 96², batch 4, runs,
         # 2026-11-30). Such calls are in no run: no warning, every budget kept, training at
         # the least equal to the unfitted twin's (float64).
-        class Bottleneck(nn.Module):
+        class CheckpointedBottleneck(nn.Module):
             def __init__(self, c):
                 super().__init__()
                 self.norm, self.act, self.conv = nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, c, 1)
@@ -1995,9 +1995,9 @@ class FitTest(unittest.TestCase):
                     lambda t: self.conv(self.act(self.norm(t))), x, use_reentrant=False)
 
         def make():
-            return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), Bottleneck(16), Bottleneck(16),
-                                 Bottleneck(16), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                                 nn.Linear(16, 10))
+            return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1),
+                                 *[CheckpointedBottleneck(16) for _ in range(3)],
+                                 nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
 
         from memlean import fitting
 
