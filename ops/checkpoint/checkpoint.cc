@@ -178,12 +178,12 @@ std::string shape_of(const at::Tensor& t) {
 struct RecomputedGraph {
   // A node of torch.utils.checkpoint's reentrant checkpoint (use_reentrant=True, as
   // transformers' gradient_checkpointing_enable() makes it by default): its backward refuses
-  // to run inside a backward given `inputs` (torch::autograd::grad, as recomputed_grad takes
+  // to run inside a backward given `inputs` (torch::autograd::grad, as recomputed_backward takes
   // the segment's), since its own backward accumulates its parameters' gradients into .grad.
   bool reaches_reentrant_checkpoint = false;
   // The first tensor requiring grad that is neither a target nor behind one (a leaf's shape
   // and the node it was reached through, for the error): empty if none. It would silently
-  // get no gradient from recomputed_grad.
+  // get no gradient from recomputed_backward.
   std::string unlisted_leaf;
 };
 
@@ -260,14 +260,18 @@ class HandOverRoot : public torch::autograd::Node {
   variable_list grads_;
 };
 
-// The gradients of a recomputed segment (whose walk found no unlisted leaf): the engine from
-// a HandOverRoot, capturing the targets' gradients (undefined for a target the outputs do not
-// use). `outputs` and `grads` are taken: the caller keeps no
-// reference to them while the segment's backward runs.
-// With create_graph (a double backward to come), the gradients keep their graph, which holds
-// the recomputed one.
-variable_list recomputed_grad(variable_list&& outputs, const variable_list& targets,
-                              variable_list&& grads, bool create_graph) {
+// The backward of a recomputed segment, from a HandOverRoot: with `targets`, their gradients
+// are captured and returned (undefined for a target the outputs do not use; the walk found no
+// unlisted leaf); with none (`into_leaves`), the backward runs in full and every leaf it
+// reaches accumulates its gradient into .grad, as torch::autograd::backward does, and nothing
+// is returned. `outputs` and `grads` are taken: the caller keeps no reference to them while
+// the segment's backward runs. (torch::autograd::backward, as the full backward once ran,
+// held them to its end: the least plan of transformers' GPT-2 with reentrant checkpointing,
+// bfloat16, held the segment's output and its gradient, 1 MiB, above its prediction,
+// 2026-11-30.) With create_graph (a double backward to come), the gradients keep their
+// graph, which holds the recomputed one.
+variable_list recomputed_backward(variable_list&& outputs, const variable_list& targets,
+                                  variable_list&& grads, bool create_graph, bool into_leaves) {
   torch::autograd::edge_list roots, wanted;
   roots.reserve(outputs.size());
   wanted.reserve(targets.size());
@@ -281,7 +285,7 @@ variable_list recomputed_grad(variable_list&& outputs, const variable_list& targ
       torch_compat::make_node<HandOverRoot>(std::move(roots), std::move(grads), token), 0);
   return torch::autograd::Engine::get_default_engine().execute(
       {std::move(root)}, {token}, /*keep_graph=*/create_graph, create_graph,
-      /*accumulate_grad=*/false, wanted);
+      /*accumulate_grad=*/into_leaves, wanted);
 }
 
 // ---- the autograd node -------------------------------------------------------------
@@ -442,7 +446,7 @@ variable_list CheckpointBackward::apply(variable_list&& grad_outputs) {
     }
   }
   // From here only outs and grads hold the recomputed outputs and the incoming gradients
-  // (recomputed_grad takes both, to free them while the segment's backward runs).
+  // (recomputed_backward takes both, to free them while the segment's backward runs).
   outputs.clear();
   grad_outputs.clear();
 
@@ -468,7 +472,10 @@ variable_list CheckpointBackward::apply(variable_list&& grad_outputs) {
     // (it accumulates the parameters inside it itself): run the recomputed graph's backward
     // in full, so that they accumulate as their owner expects, and return only the inputs'
     // gradients (the listed parameters get theirs from that backward, none from here).
-    if (!outs.empty()) torch::autograd::backward(outs, grads);
+    if (!outs.empty()) {
+      recomputed_backward(std::move(outs), {}, std::move(grads), /*create_graph=*/false,
+                          /*into_leaves=*/true);
+    }
     for (size_t i = 0; i < n_in; ++i) {
       if (args[i].requires_grad()) result[i] = args[i].grad();
     }
@@ -477,7 +484,8 @@ variable_list CheckpointBackward::apply(variable_list&& grad_outputs) {
                 "grad but is neither one of its inputs nor one of the parameters given to the "
                 "checkpoint (it reaches a leaf of shape ", graph.unlisted_leaf, "); its gradient "
                 "would be lost. ", state.segment.how_to_list);
-    variable_list g = recomputed_grad(std::move(outs), targets, std::move(grads), double_backward);
+    variable_list g = recomputed_backward(std::move(outs), targets, std::move(grads),
+                                          double_backward, /*into_leaves=*/false);
     for (size_t j = 0; j < g.size(); ++j) result[target_index[j]] = std::move(g[j]);
   }
   // FSDP2's full backward runs the recomputed graph's backward for its side effects (the
