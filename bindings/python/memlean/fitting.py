@@ -3095,10 +3095,14 @@ class _Fitting:
         return plan, least2
 
     def _slicing(self, least, wraps):
-        """5 with self.chains: the step with them sliced measured, then _sliced; their
-        wrappers go to `wraps`. (plan, least) or (None, least)."""
+        """5 with self.chains: the step with them sliced predicted (_sliced_predicted), else
+        measured, then _sliced; their wrappers go to `wraps`. (plan, least) or (None, least)."""
         wraps.extend(_wrap(c) for c in self.chains)
         self.undo_steps.extend(wraps)
+        seen = _PlansSeen()  # (plans measured on the predicted sliced step: not again)
+        plan = self._sliced_predicted(seen)
+        if plan is not None:
+            return plan, plan.peak_bytes
         try:
             thin = self.step.run(record=True)
         except RuntimeError as e:
@@ -3113,12 +3117,87 @@ class _Fitting:
             if least is None:
                 return self.checkpointed(self.problem, self.empty_peak)
             return None, least
-        return self._sliced(thin, wraps, least)
+        return self._sliced(thin, wraps, least, seen)
 
-    def _sliced(self, thin, wraps, least):
+    def _sliced_predicted(self, seen) -> Optional[FitPlan]:
+        """5 without the sliced step measured (one step less, each as long as an eager step
+        or longer: ViT-S at batch 32, 224², its sliced step 1.3x eager's): checkpoints searched
+        on the step with self.chains sliced as _as_sliced predicts it from the step before,
+        with what each chain's sliced backward holds measured on the chain alone (_chain_rise;
+        exact to the byte on every chain tried: timm's ViT-S, EfficientNet-B0, MixNet-S,
+        ConvNeXt-atto, MobileNetV3, fit_test's ViT), every plan measured as always. Tried where
+        measuring the chains costs well below a step (equal chains measured once), the chains
+        alone are predicted above the budget (a sliced step that fits is measured anyway: fit
+        returns it as it is) and checkpoints are predicted to reach it; the first
+        plan measured above its prediction ends it (_Mispredicted: the sliced step is measured
+        then, and the plans measured here go to `seen`, not measured again), as does a search
+        that finds no plan (the least a FitError names is one measured on the sliced step).
+        The plan, or None. Not where the lean step is deferred (predicted: the lean modules'
+        actions are kept after a step that ran them), under autocast or torch.compile, or off
+        the CPU (where the chains run in turn)."""
+        measured, chains = self.current, self.chains
+        if (self.deferred is not None or self.compiled or self.step.cuda
+                or not all(isinstance(c, (_Slice, _MlpSlice, _GatedSlice)) for c in chains)):
+            return None
+        rec = measured.recorder
+        first = {}
+        for c in rec.calls:
+            first.setdefault(id(c.module), c)
+        calls = [first.get(id(c.modules[0])) for c in chains]
+        if any(c is None or not c.context or c.context[2][0] or c.context[3][0] for c in calls):
+            return None  # (no call: a chain not run; autocast on)
+        keys = [_rise_key(chain, call) for chain, call in zip(chains, calls)]
+        if None in keys:
+            return None
+        # Worth it only where the chains alone, each kind once, cost well below the step
+        # they spare (a step is about three forwards; each chain's forward, backward and
+        # recompute about three of its forwards): ViT-S's 12 equal MLPs measure one; an
+        # EfficientNet's chains, nearly all its forward and few equal, would cost 0.8 of the
+        # step.
+        seconds = _module_seconds(measured)
+        distinct = dict(zip(keys, chains))
+        forward = sum(c.seconds for c in rec.calls if c.parent is None)
+        if sum(3 * _chain_seconds(c, seconds) for c in distinct.values()) > forward:
+            return None
+        runs = _runs_beside(self.runs_found, measured, measured, chains)
+
+        def problem_of(sliced_step):
+            return _problem(sliced_step, self.model, runs,
+                            exclude=_inside(chains) | self.unversioned, uses=self.uses)
+
+        lowest = _as_sliced(measured, chains)  # (a lower bound: no chain measured for it)
+        if lowest is None or _least_predicted(problem_of(lowest), lowest) > self.budget:
+            return None
+        rise = {k: _chain_rise(c, first[id(c.modules[0])]) for k, c in distinct.items()}
+        if None in rise.values():
+            return None
+        as_sliced = _as_sliced(measured, chains, rises=[rise[k] for k in keys])
+        if as_sliced is None:
+            return None
+        problem = problem_of(as_sliced)
+        empty = max(as_sliced.optimizer_peak, _C.fit.predicted_peak(
+            problem.base, problem.atoms, problem.candidates, [], **problem.options))
+        if empty <= self.budget or _least_predicted(problem, as_sliced) > self.budget:
+            return None
+        self.current = as_sliced
+        seen.strict = True
+        plan = None
+        try:
+            plan, _ = self.checkpointed(problem, empty, _slice_actions(
+                chains, self.lean_step, as_sliced, self.paths), len(chains), seen)
+        except _Mispredicted:
+            pass
+        finally:
+            seen.strict = False
+        if plan is None:
+            self.current = measured
+        return plan
+
+    def _sliced(self, thin, wraps, least, seen=None):
         """5. Checkpoints on the step with the chains sliced (`thin`, their wrappers `wraps`;
         `least`: checkpoints alone's, None where not searched), then 5b (_finer), then
-        checkpoints alone where slicing went no lower than they are predicted to."""
+        checkpoints alone where slicing went no lower than they are predicted to. seen: the
+        plans _sliced_predicted measured on this sliced step (not measured again)."""
         model, budget, chains = self.model, self.budget, self.chains
         if self.deferred is not None:
             self.keep_leans(_inside(chains))
@@ -3151,7 +3230,8 @@ class _Fitting:
         skipped = (finer_possible and budget < floor2) or worse  # (as for those above)
         least2 = thin.peak
         if not skipped:
-            plan, least2 = self.checkpointed(problem2, thin.peak, slice_actions, len(chains))
+            plan, least2 = self.checkpointed(problem2, thin.peak, slice_actions, len(chains),
+                                             seen=seen)
             if plan is not None:
                 return plan, least2
             least2 = min(least2, thin.peak)
@@ -3552,7 +3632,7 @@ def _least_predicted(problem, measured: _Measured) -> int:
         problem.base, problem.atoms, problem.candidates, **problem.options)[2])
 
 
-def _as_sliced(measured: _Measured, chains, lowest=()) -> Optional[_Measured]:
+def _as_sliced(measured: _Measured, chains, lowest=(), rises=None) -> Optional[_Measured]:
     """The recorded step `measured` as it would be recorded with `chains` recomputed in
     slices, at its lowest, for a lower bound of the planner's least peak (_sliced_floor) before
     the sliced step is measured or, on a sliced step, for one of finer slices. A sliced chain
@@ -3569,7 +3649,12 @@ def _as_sliced(measured: _Measured, chains, lowest=()) -> Optional[_Measured]:
     (torch.utils.checkpoint's: timm's set_grad_checkpointing) or without grad: the recorder
     sees nothing such a region saves, and its recompute in backward holds what slicing
     lowers (efficientnet_b0 with timm's checkpointing, batch 8, 128², runs: predicted no lower
-    than checkpoints alone, 97,525,567 bytes, so never measured; sliced, 78,553,238)."""
+    than checkpoints alone, 97,525,567 bytes, so never measured; sliced, 78,553,238).
+    rises: per chain, what its sliced backward holds above the level it starts at
+    (_chain_rise, measured on the chain alone): the backward through its atoms then holds that
+    above the level backward reaches it at here, less what slicing drops (exact, where the
+    lower bound above misses the parameters' gradients made by then: _sliced_predicted). None
+    too where a chain's atoms show no such level (none saved)."""
     rec = measured.recorder
     first = {}
     for c in rec.calls:
@@ -3618,6 +3703,16 @@ def _as_sliced(measured: _Measured, chains, lowest=()) -> Optional[_Measured]:
     held_least = {k for c in rec.calls if id(c.module) in low for k in range(c.begin, c.end)}
     levels = {k: base + upto[k] if k in held_least or chain_of(k) else level - gone[k]
               for k, level in rec.backward_levels.items()}
+    for (b, e, _), rise in zip(ranges, rises or ()):
+        # Backward reaches the chain at its last atom that saved a tensor (where it first
+        # unpacks one); the sliced backward runs there, all at once.
+        reached = [k for k in range(b, e) if k in rec.backward_entries]
+        if not reached:
+            return None
+        top = rec.backward_entries[max(reached)] - gone[max(reached)] + rise
+        for k in range(b, e):
+            if k in levels:
+                levels[k] = top
     sliced_rec = copy.copy(rec)
     sliced_rec.atom_bytes, sliced_rec.saved = atoms, saved
     sliced_rec.backward_levels = levels
@@ -3626,6 +3721,61 @@ def _as_sliced(measured: _Measured, chains, lowest=()) -> Optional[_Measured]:
     return replace(measured, forward_peak=measured.forward_peak - dropped,
                    forward_backward_peak=measured.forward_backward_peak - dropped,
                    recorder=sliced_rec)
+
+
+def _rise_key(chain, call: _Call) -> Optional[tuple]:
+    """What _chain_rise of `chain` depends on (its kind, modules, parameters' shapes, the
+    input's shape and strides), so that a stack of equal blocks measures one; None where its
+    input is not one tensor with strides, or it has no floating-point parameter."""
+    if not call.input_view or not call.inputs:
+        return None
+    params = chain.parameters()
+    if not any(p.is_floating_point() for p in params):
+        return None
+    _, shape, strides = call.input_view
+    return (type(chain), tuple(type(m) for m in chain.modules),
+            tuple((tuple(p.shape), p.dtype) for p in params), shape, strides,
+            getattr(chain, "fine", False))
+
+
+def _chain_rise(chain, call: _Call) -> Optional[int]:
+    """What the backward of `chain` sliced (chain.run) holds at its highest above the level it
+    starts at, measured by running the chain alone on an input like the one `call` (its first
+    module's, in the recorded step) took, in its parameters' dtype: the bytes of its input's
+    and its parameters' gradients, one slice's recompute and its temporaries. Exact on CPU,
+    where memstats counts every byte; the values do not matter (random, from a generator of
+    its own: the step's RNG is untouched). Its parameters' gradients are put back, and its
+    buffers by fit's restore (a BatchNorm's statistics move). None where the chain would not
+    run sliced on such an input (_rise_key None too), or fails (the sliced step, measured
+    then, fails too and fit says so)."""
+    if _rise_key(chain, call) is None:
+        return None
+    _, shape, strides = call.input_view
+    params = chain.parameters()
+    floating = next(p for p in params if p.is_floating_point())
+    generator = torch.Generator(device=floating.device).manual_seed(0)
+    x = torch.empty_strided(shape, strides, dtype=floating.dtype, device=floating.device)
+    x.normal_(generator=generator)
+    x.requires_grad_(True)
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        with torch.enable_grad():
+            y = chain.run(None, (x,), {})
+        if not isinstance(y, torch.Tensor) or y.grad_fn is None:
+            return None
+        g = torch.empty_like(y).normal_(generator=generator)
+        with memstats.track(floating.device.type) as tracker:
+            start = tracker.current
+            tracker.reset_peak()
+            y.backward(g)
+            return tracker.peak - start
+    except Exception:  # noqa: BLE001  (the sliced step, measured instead, fails and says so)
+        return None
+    finally:
+        for p, grad in zip(params, grads):
+            p.grad = grad
 
 
 def _same_region(a: _Call, b: _Call) -> bool:
