@@ -719,6 +719,15 @@ def classified(model, size, batch=8):
     return model, x, loss_fn, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
+def vit_step():
+    """(the tests' ViT, a batch of 8 sequences of 128 patches, cross-entropy of random labels,
+    SGD with momentum): the sliced-MLP tests' training step, seeded."""
+    torch.manual_seed(0)
+    model, x = ViT(), torch.randn(8, 128, 48)
+    loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
+    return model, x, loss_fn, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
 def lm_loss_of(targets):
     return lambda out: F.cross_entropy(out.flatten(0, 1), targets.flatten())
 
@@ -758,6 +767,19 @@ def recorded_problem(model, x, loss_fn, opt, runs=False, nest=False):
     found = fitting._runs(current.recorder, current.recorder, model) if runs else ()
     uses = fitting._uses(current.recorder)
     return saved, step, current, fitting._problem(current, model, found, uses=uses, nest=nest)
+
+
+def recorded_sliced(step, chains):
+    """`step` (recorded_problem's) run and recorded with `chains` sliced: fit's wrappers on
+    for it, off again after."""
+    from memlean import fitting
+
+    wraps = [fitting._wrap(c) for c in chains]
+    try:
+        return step.run(record=True)
+    finally:
+        for w in reversed(wraps):
+            w()
 
 
 def train_side_by_side(model, opt, twin, opt_twin, x, loss_fn, region=contextlib.nullcontext):
@@ -2357,10 +2379,7 @@ class FitTest(unittest.TestCase):
         # slice of its hidden features (memlean.sliced_mlp, keeping only the MLP's input): a
         # lower least than without MLP slicing, every budget down to it kept in exact bytes;
         # training equal to eager's (float64: gradients and parameters after 3 steps).
-        torch.manual_seed(0)
-        model, x = ViT(), torch.randn(8, 128, 48)
-        loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, x, loss_fn, opt = vit_step()
         with mock.patch.object(memlean.sliced, "SLICE_BYTES", 1 << 17):  # 8 slices of 1 MiB
             with mock.patch.object(memlean.sliced, "mlp_parts", lambda modules: None):
                 without, _ = self.least_and_eager(model, x, loss_fn, opt)
@@ -2491,10 +2510,7 @@ class FitTest(unittest.TestCase):
         # Were a sliced chain to fail in the step (here memlean.sliced_mlp raising), fit warns
         # and goes on without slicing: a plan of checkpoints at a budget they reach, the
         # FitError below it naming what they reach; the model left unwrapped.
-        torch.manual_seed(0)
-        model, x = ViT(), torch.randn(8, 128, 48)
-        loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, x, loss_fn, opt = vit_step()
         with mock.patch.object(memlean.sliced, "SLICE_BYTES", 1 << 17):
             with mock.patch.object(memlean.sliced, "mlp_parts", lambda modules: None):
                 without, _ = self.least_and_eager(model, x, loss_fn, opt)
@@ -2825,12 +2841,7 @@ class FitTest(unittest.TestCase):
                     saved, step, current, _ = recorded_problem(model, x, loss_fn, opt)
                     chains = fitting._slices(current.recorder, current.recorder, model)
                     predicted = fitting._as_sliced(current, chains)
-                    wraps = [fitting._wrap(c) for c in chains]
-                    try:
-                        thin = step.run(record=True)
-                    finally:
-                        for w in reversed(wraps):
-                            w()
+                    thin = recorded_sliced(step, chains)
                     saved.restore()
                 self.assertTrue(chains)
                 self.assertEqual(sum(predicted.recorder.atom_bytes),
@@ -2848,17 +2859,14 @@ class FitTest(unittest.TestCase):
         # RNG (dropout masks) and the parameters' gradients as they were.
         from memlean import fitting
 
-        cases = (("ViT", lambda: (ViT(), torch.randn(8, 128, 48)), "SLICE_BYTES", 1 << 17),
-                 ("StridedMBNet", lambda: classified(StridedMBNet, 16)[:2], "SLICE_BYTES",
+        cases = (("ViT", vit_step, 1 << 17),
+                 ("StridedMBNet", lambda: classified(StridedMBNet, 16),
                   memlean.sliced.SLICE_BYTES))
-        for name, make, attribute, value in cases:
+        for name, make, slice_bytes in cases:
             with self.subTest(model=name):
-                torch.manual_seed(0)
-                model, x = make()
-                loss_fn = cross_entropy_of(torch.randint(0, 10, (x.shape[0],)))
-                opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+                model, x, loss_fn, opt = make()
                 with mock.patch.object(fitting, "_SLICE_MIN_BYTES", 0), \
-                        mock.patch.object(memlean.sliced, attribute, value):
+                        mock.patch.object(memlean.sliced, "SLICE_BYTES", slice_bytes):
                     saved, step, current, _ = recorded_problem(model, x, loss_fn, opt)
                     chains = fitting._slices(current.recorder, current.recorder, model)
                     first = {}
@@ -2876,12 +2884,7 @@ class FitTest(unittest.TestCase):
                         p.grad = None
                     predicted = fitting._as_sliced(current, chains, rises=rises)
                     lowest = fitting._as_sliced(current, chains)
-                    wraps = [fitting._wrap(c) for c in chains]
-                    try:
-                        thin = step.run(record=True)
-                    finally:
-                        for w in reversed(wraps):
-                            w()
+                    thin = recorded_sliced(step, chains)
                     saved.restore()
                 self.assertTrue(chains)
                 self.assertNotIn(None, rises)
@@ -2905,10 +2908,7 @@ class FitTest(unittest.TestCase):
         # predicted as 0), it measures the sliced step after all: the same plan still.
         from memlean import fitting
 
-        torch.manual_seed(0)
-        model, x = ViT(), torch.randn(8, 128, 48)
-        loss_fn = cross_entropy_of(torch.randint(0, 10, (8,)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, x, loss_fn, opt = vit_step()
         with mock.patch.object(memlean.sliced, "SLICE_BYTES", 1 << 17):
             least, _ = self.least_and_eager(model, x, loss_fn, opt)
             found = {}
