@@ -2847,7 +2847,11 @@ class _Fitting:
     def done(self, peak, predicted, eager_only_runs=0, traced=False) -> FitPlan:
         """The plan of what was changed so far, with the training state put back (traced:
         its checkpoints are traced into the compiled graph; its chains are sliced finer where
-        their `fine` is set, as only while step 5b's plans are tried)."""
+        their `fine` is set, as only while step 5b's plans are tried). Deferred lean modules
+        not kept yet (a plan on the sliced step predicted: _sliced_predicted) are kept as the
+        plan's steps ran them."""
+        if self.deferred is not None and self.lean_kept is None:
+            self.keep_leans(_inside(self.chains))
         self.saved.restore()
         plan = FitPlan(self.requested, peak, predicted, self.fixed, self.eager.peak,
                        self.actions, self.undo_steps, self.step.device,
@@ -3132,22 +3136,36 @@ class _Fitting:
         plan measured above its prediction ends it (_Mispredicted: the sliced step is measured
         then, and the plans measured here go to `seen`, not measured again), as does a search
         that finds no plan (the least a FitError names is one measured on the sliced step).
-        The plan, or None. Not where the lean step is deferred (predicted: the lean modules'
-        actions are kept after a step that ran them), under autocast or torch.compile, or off
-        the CPU (where the chains run in turn)."""
+        Where the lean step was not measured (deferred: _lean_step_predicted) and its lean
+        modules are depthwise convolutions (ConvNeXt's), their backward is measured alone
+        too (exact to the byte on ConvNeXt-atto's; a lean BatchNorm's is not, beside the
+        in-place ReLU after it: there, and where a lean BatchNorm is, the sliced step is
+        measured), from the eager step. The plan, or None. Not under autocast or
+        torch.compile, or off the CPU (where the chains run in turn)."""
         measured, chains = self.current, self.chains
-        if (self.deferred is not None or self.compiled or self.step.cuda
+        if (self.compiled or self.step.cuda
                 or not all(isinstance(c, (_Slice, _MlpSlice, _GatedSlice)) for c in chains)):
             return None
+        deferred = self.deferred is not None
+        if deferred:
+            if any(action != "lean depthwise conv" for _, action, _, _ in self.leans):
+                return None
+            measured = self.eager  # (the deferred step is eager's at its lowest)
         rec = measured.recorder
         first = {}
         for c in rec.calls:
             first.setdefault(id(c.module), c)
         calls = [first.get(id(c.modules[0])) for c in chains]
-        if any(c is None or not c.context or c.context[2][0] or c.context[3][0] for c in calls):
+        inside = _inside(chains)
+        lean_ids = {id(module) for _, _, _, (_, _, module) in self.leans} if deferred else ()
+        lean_calls = [c for c in rec.calls if id(c.module) in lean_ids
+                      and id(c.module) not in inside]
+        if any(c is None or not c.context or c.context[2][0] or c.context[3][0]
+               for c in calls + lean_calls):
             return None  # (no call: a chain not run; autocast on)
         keys = [_rise_key(chain, call) for chain, call in zip(chains, calls)]
-        if None in keys:
+        lean_keys = [_rise_key(_Run((c.module,), None), c) for c in lean_calls]
+        if None in keys or None in lean_keys:
             return None
         # Worth it only where the chains alone, each kind once, cost well below the step
         # they spare (a step is about three forwards; each chain's forward, backward and
@@ -3156,8 +3174,10 @@ class _Fitting:
         # step.
         seconds = _module_seconds(measured)
         distinct = dict(zip(keys, chains))
+        distinct_leans = dict(zip(lean_keys, lean_calls))
         forward = sum(c.seconds for c in rec.calls if c.parent is None)
-        if sum(3 * _chain_seconds(c, seconds) for c in distinct.values()) > forward:
+        if sum(3 * _chain_seconds(c, seconds) for c in distinct.values()) + sum(
+                3 * c.seconds for c in distinct_leans.values()) > forward:
             return None
         runs = _runs_beside(self.runs_found, measured, measured, chains)
 
@@ -3169,9 +3189,13 @@ class _Fitting:
         if lowest is None or _least_predicted(problem_of(lowest), lowest) > self.budget:
             return None
         rise = {k: _chain_rise(c, first[id(c.modules[0])]) for k, c in distinct.items()}
+        rise.update({k: _backward_rise(c.module, c, list(c.module.parameters()))
+                     for k, c in distinct_leans.items()})
         if None in rise.values():
             return None
-        as_sliced = _as_sliced(measured, chains, rises=[rise[k] for k in keys])
+        as_sliced = _as_sliced(measured, chains, rises=[rise[k] for k in keys],
+                               risen=[(c.begin, c.end, rise[k])
+                                      for k, c in zip(lean_keys, lean_calls)])
         if as_sliced is None:
             return None
         problem = problem_of(as_sliced)
@@ -3190,7 +3214,7 @@ class _Fitting:
         finally:
             seen.strict = False
         if plan is None:
-            self.current = measured
+            self.current = self.deferred if deferred else measured
         return plan
 
     def _sliced(self, thin, wraps, least, seen=None):
@@ -3632,7 +3656,8 @@ def _least_predicted(problem, measured: _Measured) -> int:
         problem.base, problem.atoms, problem.candidates, **problem.options)[2])
 
 
-def _as_sliced(measured: _Measured, chains, lowest=(), rises=None) -> Optional[_Measured]:
+def _as_sliced(measured: _Measured, chains, lowest=(), rises=None,
+               risen=()) -> Optional[_Measured]:
     """The recorded step `measured` as it would be recorded with `chains` recomputed in
     slices, at its lowest, for a lower bound of the planner's least peak (_sliced_floor) before
     the sliced step is measured or, on a sliced step, for one of finer slices. A sliced chain
@@ -3654,7 +3679,9 @@ def _as_sliced(measured: _Measured, chains, lowest=(), rises=None) -> Optional[_
     (_chain_rise, measured on the chain alone): the backward through its atoms then holds that
     above the level backward reaches it at here, less what slicing drops (exact, where the
     lower bound above misses the parameters' gradients made by then: _sliced_predicted). None
-    too where a chain's atoms show no such level (none saved)."""
+    too where a chain's atoms show no such level (none saved). risen: (first atom, end atom,
+    rise) of calls that save what they saved here but whose backward is another, measured
+    alone (the deferred lean depthwise convolutions: _sliced_predicted), counted alike."""
     rec = measured.recorder
     first = {}
     for c in rec.calls:
@@ -3703,7 +3730,7 @@ def _as_sliced(measured: _Measured, chains, lowest=(), rises=None) -> Optional[_
     held_least = {k for c in rec.calls if id(c.module) in low for k in range(c.begin, c.end)}
     levels = {k: base + upto[k] if k in held_least or chain_of(k) else level - gone[k]
               for k, level in rec.backward_levels.items()}
-    for (b, e, _), rise in zip(ranges, rises or ()):
+    for b, e, rise in [(b, e, r) for (b, e, _), r in zip(ranges, rises or ())] + list(risen):
         # Backward reaches the chain at its last atom that saved a tensor (where it first
         # unpacks one); the sliced backward runs there, all at once.
         reached = [k for k in range(b, e) if k in rec.backward_entries]
@@ -3724,34 +3751,41 @@ def _as_sliced(measured: _Measured, chains, lowest=(), rises=None) -> Optional[_
 
 
 def _rise_key(chain, call: _Call) -> Optional[tuple]:
-    """What _chain_rise of `chain` depends on (its kind, modules, parameters' shapes, the
-    input's shape and strides), so that a stack of equal blocks measures one; None where its
-    input is not one tensor with strides, or it has no floating-point parameter."""
+    """What _chain_rise of `chain` (a _Run: a module alone too) depends on (its kind, its
+    modules and their settings, parameters' shapes, the input's shape and strides), so that a
+    stack of equal blocks measures one; None where its input is not one tensor with strides,
+    or it has no floating-point parameter."""
     if not call.input_view or not call.inputs:
         return None
     params = chain.parameters()
     if not any(p.is_floating_point() for p in params):
         return None
     _, shape, strides = call.input_view
-    return (type(chain), tuple(type(m) for m in chain.modules),
+    return (type(chain), tuple((type(m), m.extra_repr()) for m in chain.modules),
             tuple((tuple(p.shape), p.dtype) for p in params), shape, strides,
             getattr(chain, "fine", False))
 
 
 def _chain_rise(chain, call: _Call) -> Optional[int]:
     """What the backward of `chain` sliced (chain.run) holds at its highest above the level it
-    starts at, measured by running the chain alone on an input like the one `call` (its first
-    module's, in the recorded step) took, in its parameters' dtype: the bytes of its input's
-    and its parameters' gradients, one slice's recompute and its temporaries. Exact on CPU,
-    where memstats counts every byte; the values do not matter (random, from a generator of
-    its own: the step's RNG is untouched). Its parameters' gradients are put back, and its
-    buffers by fit's restore (a BatchNorm's statistics move). None where the chain would not
-    run sliced on such an input (_rise_key None too), or fails (the sliced step, measured
-    then, fails too and fit says so)."""
+    starts at (_backward_rise, on an input like the one `call`, its first module's, took): the
+    bytes of its input's and its parameters' gradients, one slice's recompute and its
+    temporaries. None where the chain would not run sliced on such an input (_rise_key None
+    too), or fails (the sliced step, measured then, fails too and fit says so)."""
     if _rise_key(chain, call) is None:
         return None
+    return _backward_rise(lambda x: chain.run(None, (x,), {}), call, chain.parameters())
+
+
+def _backward_rise(run, call: _Call, params) -> Optional[int]:
+    """What the backward of run(x) holds at its highest above the level it starts at,
+    measured by running it alone on an x like the one `call` took (its shape and strides, in
+    the dtype of the first floating-point parameter of `params`). Exact on CPU, where memstats
+    counts every byte; the values do not matter (random, from a generator of its own: the
+    step's RNG is untouched). The parameters' gradients are put back, and the buffers by
+    fit's restore (a BatchNorm's statistics move). None where run gives no tensor with a
+    gradient, or fails."""
     _, shape, strides = call.input_view
-    params = chain.parameters()
     floating = next(p for p in params if p.is_floating_point())
     generator = torch.Generator(device=floating.device).manual_seed(0)
     x = torch.empty_strided(shape, strides, dtype=floating.dtype, device=floating.device)
@@ -3762,7 +3796,7 @@ def _chain_rise(chain, call: _Call) -> Optional[int]:
         p.grad = None
     try:
         with torch.enable_grad():
-            y = chain.run(None, (x,), {})
+            y = run(x)
         if not isinstance(y, torch.Tensor) or y.grad_fn is None:
             return None
         g = torch.empty_like(y).normal_(generator=generator)
@@ -3771,7 +3805,7 @@ def _chain_rise(chain, call: _Call) -> Optional[int]:
             tracker.reset_peak()
             y.backward(g)
             return tracker.peak - start
-    except Exception:  # noqa: BLE001  (the sliced step, measured instead, fails and says so)
+    except Exception:  # noqa: BLE001  (the step, measured instead, fails and says so)
         return None
     finally:
         for p, grad in zip(params, grads):
