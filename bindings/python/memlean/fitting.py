@@ -3185,7 +3185,9 @@ class _Fitting:
             return _problem(sliced_step, self.model, runs,
                             exclude=_inside(chains) | self.unversioned, uses=self.uses)
 
-        lowest = _as_sliced(measured, chains)  # (a lower bound: no chain measured for it)
+        # (a lower bound, nothing measured for it: the chains' and lean modules' backward
+        # holding nothing above the saved bytes)
+        lowest = _as_sliced(measured, chains, [c.module for c in lean_calls])
         if lowest is None or _least_predicted(problem_of(lowest), lowest) > self.budget:
             return None
         rise = {k: _chain_rise(c, first[id(c.modules[0])]) for k, c in distinct.items()}
