@@ -220,7 +220,8 @@ RecomputedGraph walk_recomputed_graph(const variable_list& outputs, const variab
     if (target_nodes.count(node)) continue;
     if (auto* acc = dynamic_cast<AccumulateGrad*>(node)) {
       if (found.unlisted_leaf.empty()) {
-        found.unlisted_leaf = shape_of(acc->variable) + (via == nullptr ? "" : " through " + via->name());
+        found.unlisted_leaf =
+            shape_of(acc->variable) + (via == nullptr ? "" : " through " + via->name());
       }
       continue;
     }
