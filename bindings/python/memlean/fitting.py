@@ -3191,7 +3191,9 @@ class _Fitting:
         if lowest is None or _least_predicted(problem_of(lowest), lowest) > self.budget:
             return None
         rise = {k: _chain_rise(c, first[id(c.modules[0])]) for k, c in distinct.items()}
-        rise.update({k: _backward_rise(c.module, c, list(c.module.parameters()))
+        # (its forward, the lean one, not the module's call: no hook of the user's runs on
+        # the random input)
+        rise.update({k: _backward_rise(c.module.forward, c, list(c.module.parameters()))
                      for k, c in distinct_leans.items()})
         if None in rise.values():
             return None
