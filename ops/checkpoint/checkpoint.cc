@@ -263,16 +263,15 @@ class HandOverRoot : public torch::autograd::Node {
 
 // The backward of a recomputed segment, from a HandOverRoot: with `targets`, their gradients
 // are captured and returned (undefined for a target the outputs do not use; the walk found no
-// unlisted leaf); with none (`into_leaves`), the backward runs in full and every leaf it
-// reaches accumulates its gradient into .grad, as torch::autograd::backward does, and nothing
-// is returned. `outputs` and `grads` are taken: the caller keeps no reference to them while
+// unlisted leaf); with none, the backward runs in full and every leaf it reaches accumulates
+// its gradient into .grad, as torch::autograd::backward does, and nothing is returned. `outputs` and `grads` are taken: the caller keeps no reference to them while
 // the segment's backward runs. (torch::autograd::backward, as the full backward once ran,
 // held them to its end: the least plan of transformers' GPT-2 with reentrant checkpointing,
 // bfloat16, held the segment's output and its gradient, 1 MiB, above its prediction,
 // 2026-11-30.) With create_graph (a double backward to come), the gradients keep their
 // graph, which holds the recomputed one.
 variable_list recomputed_backward(variable_list&& outputs, const variable_list& targets,
-                                  variable_list&& grads, bool create_graph, bool into_leaves) {
+                                  variable_list&& grads, bool create_graph) {
   torch::autograd::edge_list roots, wanted;
   roots.reserve(outputs.size());
   wanted.reserve(targets.size());
@@ -286,7 +285,7 @@ variable_list recomputed_backward(variable_list&& outputs, const variable_list& 
       torch_compat::make_node<HandOverRoot>(std::move(roots), std::move(grads), token), 0);
   return torch::autograd::Engine::get_default_engine().execute(
       {std::move(root)}, {token}, /*keep_graph=*/create_graph, create_graph,
-      /*accumulate_grad=*/into_leaves, wanted);
+      /*accumulate_grad=*/targets.empty(), wanted);
 }
 
 // ---- the autograd node -------------------------------------------------------------
@@ -474,8 +473,8 @@ variable_list CheckpointBackward::apply(variable_list&& grad_outputs) {
     // in full, so that they accumulate as their owner expects, and return only the inputs'
     // gradients (the listed parameters get theirs from that backward, none from here).
     if (!outs.empty()) {
-      recomputed_backward(std::move(outs), {}, std::move(grads), /*create_graph=*/false,
-                          /*into_leaves=*/true);
+      recomputed_backward(std::move(outs), /*targets=*/{}, std::move(grads),
+                          /*create_graph=*/false);
     }
     for (size_t i = 0; i < n_in; ++i) {
       if (args[i].requires_grad()) result[i] = args[i].grad();
@@ -485,8 +484,8 @@ variable_list CheckpointBackward::apply(variable_list&& grad_outputs) {
                 "grad but is neither one of its inputs nor one of the parameters given to the "
                 "checkpoint (it reaches a leaf of shape ", graph.unlisted_leaf, "); its gradient "
                 "would be lost. ", state.segment.how_to_list);
-    variable_list g = recomputed_backward(std::move(outs), targets, std::move(grads),
-                                          double_backward, /*into_leaves=*/false);
+    variable_list g =
+        recomputed_backward(std::move(outs), targets, std::move(grads), double_backward);
     for (size_t j = 0; j < g.size(); ++j) result[target_index[j]] = std::move(g[j]);
   }
   // FSDP2's full backward runs the recomputed graph's backward for its side effects (the

@@ -778,9 +778,13 @@ class _Recorder:
             return
         for p in module.parameters(recurse=False):
             if _cached_by_autocast(p) and id(p) not in self._deferred_weights:
-                self._deferred_weights.add(id(p))
-                self.deferred[self.atom] = (self.deferred.get(self.atom, 0)
-                                            + p.nbytes - p.numel() * low.itemsize)
+                self._defer(p, p.nbytes - p.numel() * low.itemsize)
+
+    def _defer(self, weight, nbytes):
+        """Count `nbytes` of `weight`'s gradient as deferred at the current atom (deferred:
+        each parameter once, at its first cast)."""
+        self._deferred_weights.add(id(weight))
+        self.deferred[self.atom] = self.deferred.get(self.atom, 0) + nbytes
 
     def _pack(self, t):
         key, nbytes = self.identities.key(t)
@@ -792,9 +796,7 @@ class _Recorder:
                 if weight is not None and id(weight) in self._deferred_weights:
                     weight, nbytes = None, 0  # (counted where a region cast it first)
                 if weight is not None:
-                    self._deferred_weights.add(id(weight))
-                    self.deferred[self.atom] = (self.deferred.get(self.atom, 0)
-                                                + max(0, weight.nbytes - nbytes))
+                    self._defer(weight, max(0, weight.nbytes - nbytes))
                     nbytes = 0
                 self.saved_bytes[key] = nbytes
                 self.atom_bytes[self.atom] += nbytes
@@ -3142,7 +3144,8 @@ class _Fitting:
         in-place ReLU after it: there, and where a lean BatchNorm is, the sliced step is
         measured), from the eager step. The plan, or None. Not under autocast or
         torch.compile, or off the CPU (where the chains run in turn)."""
-        measured, chains = self.current, self.chains
+        current = measured = self.current
+        chains = self.chains
         if (self.compiled or self.step.cuda
                 or not all(isinstance(c, (_Slice, _MlpSlice, _GatedSlice)) for c in chains)):
             return None
@@ -3152,9 +3155,7 @@ class _Fitting:
                 return None
             measured = self.eager  # (the deferred step is eager's at its lowest)
         rec = measured.recorder
-        first = {}
-        for c in rec.calls:
-            first.setdefault(id(c.module), c)
+        first = _first_calls(rec)
         calls = [first.get(id(c.modules[0])) for c in chains]
         inside = _inside(chains)
         lean_ids = {id(module) for _, _, _, (_, _, module) in self.leans} if deferred else ()
@@ -3182,8 +3183,8 @@ class _Fitting:
         runs = _runs_beside(self.runs_found, measured, measured, chains)
 
         def problem_of(sliced_step):
-            return _problem(sliced_step, self.model, runs,
-                            exclude=_inside(chains) | self.unversioned, uses=self.uses)
+            return _problem(sliced_step, self.model, runs, exclude=inside | self.unversioned,
+                            uses=self.uses)
 
         # (a lower bound, nothing measured for it: the chains' and lean modules' backward
         # holding nothing above the saved bytes)
@@ -3218,7 +3219,7 @@ class _Fitting:
         finally:
             seen.strict = False
         if plan is None:
-            self.current = self.deferred if deferred else measured
+            self.current = current
         return plan
 
     def _sliced(self, thin, wraps, least, seen=None):
@@ -3660,6 +3661,14 @@ def _least_predicted(problem, measured: _Measured) -> int:
         problem.base, problem.atoms, problem.candidates, **problem.options)[2])
 
 
+def _first_calls(rec: _Recorder) -> dict:
+    """{id(module): its first call} in a recorded step."""
+    first = {}
+    for c in rec.calls:
+        first.setdefault(id(c.module), c)
+    return first
+
+
 def _as_sliced(measured: _Measured, chains, lowest=(), rises=None,
                risen=()) -> Optional[_Measured]:
     """The recorded step `measured` as it would be recorded with `chains` recomputed in
@@ -3687,9 +3696,7 @@ def _as_sliced(measured: _Measured, chains, lowest=(), rises=None,
     rise) of calls that save what they saved here but whose backward is another, measured
     alone (the deferred lean depthwise convolutions: _sliced_predicted), counted alike."""
     rec = measured.recorder
-    first = {}
-    for c in rec.calls:
-        first.setdefault(id(c.module), c)
+    first = _first_calls(rec)
     ranges = []  # (first atom, end atom, input's identity) per chain
     for chain in chains:
         head, tail = first.get(id(chain.modules[0])), first.get(id(chain.modules[-1]))

@@ -2895,9 +2895,7 @@ class FitTest(unittest.TestCase):
                         mock.patch.object(memlean.sliced, "SLICE_BYTES", slice_bytes):
                     saved, step, current, _ = recorded_problem(model, x, loss_fn, opt)
                     chains = fitting._slices(current.recorder, current.recorder, model)
-                    first = {}
-                    for c in current.recorder.calls:
-                        first.setdefault(id(c.module), c)
+                    first = fitting._first_calls(current.recorder)
                     grads = {p: torch.full_like(p, 0.5) for p in model.parameters()}
                     for p, g in grads.items():
                         p.grad = g
@@ -2914,9 +2912,7 @@ class FitTest(unittest.TestCase):
                     saved.restore()
                 self.assertTrue(chains)
                 self.assertNotIn(None, rises)
-                thin_first = {}
-                for c in thin.recorder.calls:
-                    thin_first.setdefault(id(c.module), c)
+                thin_first = fitting._first_calls(thin.recorder)
                 for chain in chains:
                     head = first[id(chain.modules[0])].begin
                     measured = thin.recorder.backward_levels[thin_first[id(chain.modules[0])].begin]
